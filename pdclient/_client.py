@@ -1,0 +1,188 @@
+"""``PDChatClient`` / ``AsyncPDChatClient``: openai clients whose HTTP client does P/D.
+
+The clients are thin: they resolve the P/D settings, build an httpx client around a
+``PDTransport`` and hand everything else to ``openai.OpenAI`` unchanged. All the
+handoff logic lives in ``_transport`` and ``_handoff``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import httpx
+import openai
+
+from ._endpoints import DECODE_ENV, URLArg, resolve_urls
+from ._errors import PDConfigError
+from ._trace import TraceCallback
+from ._transport import AsyncPDTransport, PDSettings, PDTransport, PrefillFailurePolicy
+
+_HttpClient = TypeVar("_HttpClient", httpx.Client, httpx.AsyncClient)
+
+# The openai SDK's own pool limits, kept for the legs so a drop-in client pools alike.
+_LEG_LIMITS = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+_UNSET: Any = object()
+
+
+def _copy_arguments(
+    current: PDSettings,
+    prefill_base_url: URLArg,
+    decode_base_url: URLArg,
+    on_trace: TraceCallback | None,
+    on_prefill_failure: str | None,
+    kwargs: dict[str, Any],
+) -> dict[str, Any]:
+    """``openai`` copy() arguments that carry a client's P/D settings into its copy."""
+    pd = {
+        "prefill_base_url": list(current.prefill.urls) if prefill_base_url is None else prefill_base_url,
+        "decode_base_url": list(current.decode.urls) if decode_base_url is None else decode_base_url,
+        "on_trace": current.on_trace if on_trace is _UNSET else on_trace,
+        "on_prefill_failure": on_prefill_failure or current.on_prefill_failure,
+    }
+    if decode_base_url is not None:
+        # copy() would otherwise inherit the old decode URL as base_url.
+        kwargs.setdefault("base_url", resolve_urls(decode_base_url, argument="decode_base_url", env=DECODE_ENV)[0])
+    return {**kwargs, "_extra_kwargs": {**kwargs.get("_extra_kwargs", {}), **pd}}
+
+
+def _api_base(settings: PDSettings, base_url: object) -> str:
+    """The SDK's base URL: a decode URL, since every non-P/D request goes to decode."""
+    if base_url is None or isinstance(base_url, openai.NotGiven):
+        return settings.decode.urls[0]
+    given = str(base_url).rstrip("/")
+    if settings.decode.base_of(given) != given:
+        raise PDConfigError(
+            f"base_url {given!r} is not one of decode_base_url {list(settings.decode.urls)}; "
+            "a P/D client sends to decode_base_url, so leave base_url out"
+        )
+    return given
+
+
+def _wire(
+    http_client: _HttpClient | None,
+    settings: PDSettings,
+    transport_type: type[PDTransport] | type[AsyncPDTransport],
+    client_type: type[_HttpClient],
+    leg_transport_type: type[httpx.HTTPTransport] | type[httpx.AsyncHTTPTransport],
+) -> _HttpClient:
+    """An httpx client whose transport does the handoff with ``settings``.
+
+    A copy of a client (``with_options``) passes the original's httpx client back in:
+    it is reused as is when the P/D settings are unchanged, and otherwise its leg
+    connections are shared by a new transport, as ``openai`` shares its pool in copies.
+    """
+    # Any: the sync and async pairs are matched by the two call sites, not by the types.
+    transport: Any
+    legs: Any
+    if http_client is None:
+        legs = leg_transport_type(limits=_LEG_LIMITS)
+        transport = transport_type(settings=settings, leg_transport=legs)
+        return client_type(transport=transport, follow_redirects=True)
+    current = getattr(http_client, "_transport", None)
+    if not isinstance(current, transport_type):
+        raise PDConfigError(
+            f"http_client must be an {client_type.__name__}(transport={transport_type.__name__}(...)), "
+            f"or left out; got one with transport {type(current).__name__}"
+        )
+    if current.settings == settings:
+        return http_client
+    legs = current._legs
+    transport = transport_type(settings=settings, leg_transport=legs)
+    return client_type(transport=transport, follow_redirects=True, timeout=http_client.timeout)
+
+
+class PDChatClient(openai.OpenAI):
+    """``openai.OpenAI`` for a prefill/decode disaggregated vLLM deployment.
+
+    Chat and completions calls run a prefill call on ``prefill_base_url`` and a decode
+    call (streamed or not) on ``decode_base_url``, forwarding the prefill's prompt token
+    ids so the decode server does not render and tokenize the prompt again. Every other
+    request goes to the decode endpoint. All other arguments are ``openai.OpenAI``'s.
+
+    Args:
+        prefill_base_url: a URL or list of URLs; default ``$PDCLIENT_PREFILL_BASE_URL``
+            (comma-separated).
+        decode_base_url: likewise, default ``$PDCLIENT_DECODE_BASE_URL``.
+        on_trace: called with each call's ``PDTrace`` once its decode response is closed.
+        on_prefill_failure: ``"decode"`` (send the call to decode without P/D) or ``"fail"``.
+    """
+
+    pd_settings: PDSettings
+
+    def __init__(
+        self,
+        *,
+        prefill_base_url: URLArg = None,
+        decode_base_url: URLArg = None,
+        on_trace: TraceCallback | None = None,
+        on_prefill_failure: PrefillFailurePolicy = "decode",
+        base_url: str | httpx.URL | openai.NotGiven | None = openai.not_given,
+        http_client: httpx.Client | None = None,
+        **kwargs: Any,
+    ) -> None:
+        settings = PDSettings.resolve(
+            prefill_base_url, decode_base_url, on_trace=on_trace, on_prefill_failure=on_prefill_failure
+        )
+        base = _api_base(settings, base_url)
+        wired = _wire(http_client, settings, PDTransport, httpx.Client, httpx.HTTPTransport)
+        # openai 3.x annotates httpx2 clients but accepts httpx ones (it checks for both).
+        super().__init__(base_url=base, http_client=wired, **kwargs)  # type: ignore[arg-type]
+        self.pd_settings = settings
+
+    def copy(
+        self,
+        *,
+        prefill_base_url: URLArg = None,
+        decode_base_url: URLArg = None,
+        on_trace: TraceCallback | None = _UNSET,
+        on_prefill_failure: PrefillFailurePolicy | None = None,
+        **kwargs: Any,
+    ) -> PDChatClient:
+        """``openai.OpenAI.copy`` that keeps (or overrides) the P/D settings."""
+        return super().copy(
+            **_copy_arguments(self.pd_settings, prefill_base_url, decode_base_url, on_trace, on_prefill_failure, kwargs)
+        )
+
+    with_options = copy
+
+
+class AsyncPDChatClient(openai.AsyncOpenAI):
+    """``openai.AsyncOpenAI`` twin of ``PDChatClient``; same arguments."""
+
+    pd_settings: PDSettings
+
+    def __init__(
+        self,
+        *,
+        prefill_base_url: URLArg = None,
+        decode_base_url: URLArg = None,
+        on_trace: TraceCallback | None = None,
+        on_prefill_failure: PrefillFailurePolicy = "decode",
+        base_url: str | httpx.URL | openai.NotGiven | None = openai.not_given,
+        http_client: httpx.AsyncClient | None = None,
+        **kwargs: Any,
+    ) -> None:
+        settings = PDSettings.resolve(
+            prefill_base_url, decode_base_url, on_trace=on_trace, on_prefill_failure=on_prefill_failure
+        )
+        base = _api_base(settings, base_url)
+        wired = _wire(http_client, settings, AsyncPDTransport, httpx.AsyncClient, httpx.AsyncHTTPTransport)
+        # openai 3.x annotates httpx2 clients but accepts httpx ones (it checks for both).
+        super().__init__(base_url=base, http_client=wired, **kwargs)  # type: ignore[arg-type]
+        self.pd_settings = settings
+
+    def copy(
+        self,
+        *,
+        prefill_base_url: URLArg = None,
+        decode_base_url: URLArg = None,
+        on_trace: TraceCallback | None = _UNSET,
+        on_prefill_failure: PrefillFailurePolicy | None = None,
+        **kwargs: Any,
+    ) -> AsyncPDChatClient:
+        """``openai.AsyncOpenAI.copy`` that keeps (or overrides) the P/D settings."""
+        return super().copy(
+            **_copy_arguments(self.pd_settings, prefill_base_url, decode_base_url, on_trace, on_prefill_failure, kwargs)
+        )
+
+    with_options = copy
