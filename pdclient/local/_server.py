@@ -1,0 +1,219 @@
+"""One vLLM OpenAI server as a child process: launch, wait until it answers, stop.
+
+The server runs from the cached server venv (see ``_prepare``), never in the caller's
+process: vLLM pins its own torch and openai. Each server gets its own process group so
+that stopping it also stops the engine-core and worker processes vLLM forks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import httpx
+
+from .._errors import PDSetupError
+
+logger = logging.getLogger("pdclient.local")
+
+HOST = "127.0.0.1"
+SERVED_MODEL_NAME = "smollm2"
+
+# kv_both: every server can send and receive KV, so one config serves either role.
+# kv_buffer_device cpu: NIXL moves the KV between host buffers (there is no GPU here).
+NIXL_KV_TRANSFER_CONFIG = {
+    "kv_connector": "NixlConnector",
+    "kv_role": "kv_both",
+    "kv_buffer_device": "cpu",
+}
+KV_CONNECTORS: dict[str, dict[str, str]] = {"nixl": NIXL_KV_TRANSFER_CONFIG}
+
+_STOP_GRACE_S = 20.0
+_POLL_S = 0.5
+
+
+def free_port() -> int:
+    """A loopback port the kernel just handed out (free now; the server binds it soon after)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def check_port_free(port: int, what: str) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((HOST, port))
+        except OSError as exc:
+            raise PDSetupError(
+                f"{what} port {HOST}:{port} is in use ({exc.strerror}); pick another port or stop what holds it"
+            ) from None
+
+
+def _tail(path: Path, lines: int = 25) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+class VLLMServer:
+    """A ``vllm.entrypoints.openai.api_server`` child process on ``HOST:port``."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        python: Path,
+        model: Path,
+        port: int,
+        log_path: Path,
+        workdir: Path,
+        kv_connector: str | None,
+        cpu: int | None,
+        nixl_side_channel_port: int | None = None,
+        max_model_len: int = 2048,
+        extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        if kv_connector is not None and kv_connector not in KV_CONNECTORS:
+            raise PDSetupError(
+                f"unknown kv_connector {kv_connector!r}; expected one of {sorted(KV_CONNECTORS)} or None"
+            )
+        self.name = name
+        self.port = port
+        self.log_path = log_path
+        self.kv_connector = kv_connector
+        self._workdir = workdir
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._started_at = 0.0
+
+        self.argv = [
+            str(python), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model),
+            "--served-model-name", SERVED_MODEL_NAME,
+            "--host", HOST,
+            "--port", str(port),
+            "--max-model-len", str(max_model_len),
+            "--dtype", "bfloat16",
+            # Eager starts in ~35 s; compiled takes 2-3 min every start (its cache does not reload).
+            "--enforce-eager",
+        ]  # fmt: skip
+        if kv_connector is not None:
+            self.argv += ["--kv-transfer-config", json.dumps(KV_CONNECTORS[kv_connector])]
+        self.argv += list(extra_args)
+
+        self.env = self._build_env(cpu, nixl_side_channel_port, workdir, env or {})
+
+    @staticmethod
+    def _build_env(
+        cpu: int | None, side_channel_port: int | None, workdir: Path, extra: Mapping[str, str]
+    ) -> dict[str, str]:
+        env = dict(os.environ)
+        # The server venv must see only its own packages, not the caller's (dev venv, checkout).
+        for key in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"):
+            env.pop(key, None)
+        env.update(
+            {
+                # GiB of KV cache; ~45k tokens of SmolLM2-135M, plenty for tests and benchmarks.
+                "VLLM_CPU_KVCACHE_SPACE": "1",
+                "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1",
+                "VLLM_NO_USAGE_STATS": "1",
+                "VLLM_CACHE_ROOT": str(workdir / "vllm-cache"),
+                "TORCHINDUCTOR_CACHE_DIR": str(workdir / "torchinductor"),
+            }
+        )
+        if cpu is not None:
+            # Both servers bind core 0 by default; idle NIXL workers spin, so sharing a core
+            # makes decode ~20x slower.
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu)
+        if side_channel_port is not None:
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port)
+        env.update(extra)
+        return env
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        logger.info("starting %s server on %s:%d (log: %s)", self.name, HOST, self.port, self.log_path)
+        with open(self.log_path, "wb") as log:
+            log.write(f"$ {' '.join(self.argv)}\n".encode())
+            log.flush()
+            self._proc = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                # Not the checkout: `python -m` puts cwd on sys.path, and a server_patch/
+                # folder there would shadow the installed plugin.
+                cwd=self._workdir,
+                # Own process group: Ctrl-C in a terminal does not reach it half-way, and
+                # stop() can signal vLLM's forked engine processes along with it.
+                start_new_session=True,
+            )
+        self._started_at = time.monotonic()
+
+    def poll_ready(self, client: httpx.Client) -> bool:
+        """True once /health and /v1/models answer; PDSetupError if the process died."""
+        assert self._proc is not None, "start() first"
+        code = self._proc.poll()
+        if code is not None:
+            raise PDSetupError(
+                f"{self.name} server exited with code {code} while starting; log: {self.log_path}\n"
+                f"--- last lines ---\n{_tail(self.log_path)}"
+            )
+        try:
+            if client.get(f"{self.base_url}/health").status_code != 200:
+                return False
+            return client.get(f"{self.base_url}/v1/models").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def wait_ready(self, deadline: float) -> None:
+        with httpx.Client(timeout=5.0) as client:
+            while not self.poll_ready(client):
+                if time.monotonic() > deadline:
+                    raise PDSetupError(
+                        f"{self.name} server did not answer /health within the startup timeout; "
+                        f"log: {self.log_path}\n--- last lines ---\n{_tail(self.log_path)}"
+                    )
+                time.sleep(_POLL_S)
+        logger.info("%s server ready in %.1f s", self.name, time.monotonic() - self._started_at)
+
+    def stop(self) -> None:
+        """SIGTERM the process group, SIGKILL what is left after a grace period. Idempotent."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            logger.info("stopping %s server (pid %d)", self.name, proc.pid)
+        # Signal the group even when the leader is gone: its engine processes may linger.
+        _signal_group(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=_STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            logger.warning("%s server ignored SIGTERM for %.0f s; killing it", self.name, _STOP_GRACE_S)
+        _signal_group(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, sig)
