@@ -12,10 +12,11 @@ from typing import Any, TypeVar
 import httpx
 import openai
 
-from ._endpoints import DECODE_ENV, URLArg, resolve_urls
+from ._endpoints import DECODE_ENV, BreakerSettings, RoutingPolicy, URLArg, resolve_urls
 from ._errors import PDConfigError
+from ._retry import RetrySettings
 from ._trace import TraceCallback
-from ._transport import AsyncPDTransport, PDSettings, PDTransport, PrefillFailurePolicy
+from ._transport import AsyncPDTransport, PDSettings, PDTransport
 
 _HttpClient = TypeVar("_HttpClient", httpx.Client, httpx.AsyncClient)
 
@@ -24,25 +25,48 @@ _LEG_LIMITS = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
 _UNSET: Any = object()
 
 
-def _copy_arguments(
-    current: PDSettings,
-    prefill_base_url: URLArg,
-    decode_base_url: URLArg,
-    on_trace: TraceCallback | None,
-    on_prefill_failure: str | None,
-    kwargs: dict[str, Any],
-) -> dict[str, Any]:
-    """``openai`` copy() arguments that carry a client's P/D settings into its copy."""
-    pd = {
-        "prefill_base_url": list(current.prefill.urls) if prefill_base_url is None else prefill_base_url,
-        "decode_base_url": list(current.decode.urls) if decode_base_url is None else decode_base_url,
-        "on_trace": current.on_trace if on_trace is _UNSET else on_trace,
-        "on_prefill_failure": on_prefill_failure or current.on_prefill_failure,
-    }
-    if decode_base_url is not None:
+def _copy_arguments(current: PDSettings, pd_options: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``openai`` copy() arguments that carry a client's P/D settings into its copy.
+
+    Unchanged settings are passed as the same object, so copies share endpoint health
+    and in-flight counts; changed ones are resolved anew, the rest taken from ``current``.
+    """
+    given = {k: v for k, v in pd_options.items() if v is not _UNSET}
+    if not given:
+        pd: dict[str, Any] = {"_pd_settings": current}
+    else:
+        pd = {
+            "prefill_base_url": list(current.prefill.urls),
+            "decode_base_url": list(current.decode.urls),
+            "on_trace": current.on_trace,
+            "on_prefill_failure": current.on_prefill_failure,
+            "routing": current.prefill.policy.__class__(),
+            "breaker": current.prefill.breaker,
+            "retries": current.retry,
+            **given,
+        }
+    if "decode_base_url" in given:
         # copy() would otherwise inherit the old decode URL as base_url.
-        kwargs.setdefault("base_url", resolve_urls(decode_base_url, argument="decode_base_url", env=DECODE_ENV)[0])
+        urls = resolve_urls(given["decode_base_url"], argument="decode_base_url", env=DECODE_ENV)
+        kwargs.setdefault("base_url", urls[0])
     return {**kwargs, "_extra_kwargs": {**kwargs.get("_extra_kwargs", {}), **pd}}
+
+
+def _settings_for(
+    inherited: PDSettings | None,
+    http_client: object,
+    transport_type: type[PDTransport] | type[AsyncPDTransport],
+    **options: Any,
+) -> PDSettings:
+    """A client's P/D settings: a copy's inherited ones, else those of a P/D-wired
+    ``http_client`` given without endpoint arguments, else resolved from the arguments."""
+    if inherited is not None:
+        return inherited
+    transport = getattr(http_client, "_transport", None)
+    no_endpoints = options["prefill_base_url"] is None and options["decode_base_url"] is None
+    if isinstance(transport, transport_type) and no_endpoints:
+        return transport.settings
+    return PDSettings.resolve(**options)
 
 
 def _api_base(settings: PDSettings, base_url: object) -> str:
@@ -84,7 +108,7 @@ def _wire(
             f"http_client must be an {client_type.__name__}(transport={transport_type.__name__}(...)), "
             f"or left out; got one with transport {type(current).__name__}"
         )
-    if current.settings == settings:
+    if current.settings is settings:
         return http_client
     legs = current._legs
     transport = transport_type(settings=settings, leg_transport=legs)
@@ -115,13 +139,25 @@ class PDChatClient(openai.OpenAI):
         prefill_base_url: URLArg = None,
         decode_base_url: URLArg = None,
         on_trace: TraceCallback | None = None,
-        on_prefill_failure: PrefillFailurePolicy = "decode",
+        on_prefill_failure: str = "decode",
+        routing: str | RoutingPolicy | None = None,
+        breaker: BreakerSettings | None = None,
+        retries: RetrySettings | None = None,
         base_url: str | httpx.URL | openai.NotGiven | None = openai.not_given,
         http_client: httpx.Client | None = None,
         **kwargs: Any,
     ) -> None:
-        settings = PDSettings.resolve(
-            prefill_base_url, decode_base_url, on_trace=on_trace, on_prefill_failure=on_prefill_failure
+        settings = _settings_for(
+            kwargs.pop("_pd_settings", None),
+            http_client,
+            PDTransport,
+            prefill_base_url=prefill_base_url,
+            decode_base_url=decode_base_url,
+            on_trace=on_trace,
+            on_prefill_failure=on_prefill_failure,
+            routing=routing,
+            breaker=breaker,
+            retries=retries,
         )
         base = _api_base(settings, base_url)
         wired = _wire(http_client, settings, PDTransport, httpx.Client, httpx.HTTPTransport)
@@ -132,16 +168,26 @@ class PDChatClient(openai.OpenAI):
     def copy(
         self,
         *,
-        prefill_base_url: URLArg = None,
-        decode_base_url: URLArg = None,
+        prefill_base_url: URLArg = _UNSET,
+        decode_base_url: URLArg = _UNSET,
         on_trace: TraceCallback | None = _UNSET,
-        on_prefill_failure: PrefillFailurePolicy | None = None,
+        on_prefill_failure: str = _UNSET,
+        routing: str | RoutingPolicy | None = _UNSET,
+        breaker: BreakerSettings | None = _UNSET,
+        retries: RetrySettings | None = _UNSET,
         **kwargs: Any,
     ) -> PDChatClient:
         """``openai.OpenAI.copy`` that keeps (or overrides) the P/D settings."""
-        return super().copy(
-            **_copy_arguments(self.pd_settings, prefill_base_url, decode_base_url, on_trace, on_prefill_failure, kwargs)
-        )
+        pd_options = {
+            "prefill_base_url": prefill_base_url,
+            "decode_base_url": decode_base_url,
+            "on_trace": on_trace,
+            "on_prefill_failure": on_prefill_failure,
+            "routing": routing,
+            "breaker": breaker,
+            "retries": retries,
+        }
+        return super().copy(**_copy_arguments(self.pd_settings, pd_options, kwargs))
 
     with_options = copy
 
@@ -157,13 +203,25 @@ class AsyncPDChatClient(openai.AsyncOpenAI):
         prefill_base_url: URLArg = None,
         decode_base_url: URLArg = None,
         on_trace: TraceCallback | None = None,
-        on_prefill_failure: PrefillFailurePolicy = "decode",
+        on_prefill_failure: str = "decode",
+        routing: str | RoutingPolicy | None = None,
+        breaker: BreakerSettings | None = None,
+        retries: RetrySettings | None = None,
         base_url: str | httpx.URL | openai.NotGiven | None = openai.not_given,
         http_client: httpx.AsyncClient | None = None,
         **kwargs: Any,
     ) -> None:
-        settings = PDSettings.resolve(
-            prefill_base_url, decode_base_url, on_trace=on_trace, on_prefill_failure=on_prefill_failure
+        settings = _settings_for(
+            kwargs.pop("_pd_settings", None),
+            http_client,
+            AsyncPDTransport,
+            prefill_base_url=prefill_base_url,
+            decode_base_url=decode_base_url,
+            on_trace=on_trace,
+            on_prefill_failure=on_prefill_failure,
+            routing=routing,
+            breaker=breaker,
+            retries=retries,
         )
         base = _api_base(settings, base_url)
         wired = _wire(http_client, settings, AsyncPDTransport, httpx.AsyncClient, httpx.AsyncHTTPTransport)
@@ -174,15 +232,25 @@ class AsyncPDChatClient(openai.AsyncOpenAI):
     def copy(
         self,
         *,
-        prefill_base_url: URLArg = None,
-        decode_base_url: URLArg = None,
+        prefill_base_url: URLArg = _UNSET,
+        decode_base_url: URLArg = _UNSET,
         on_trace: TraceCallback | None = _UNSET,
-        on_prefill_failure: PrefillFailurePolicy | None = None,
+        on_prefill_failure: str = _UNSET,
+        routing: str | RoutingPolicy | None = _UNSET,
+        breaker: BreakerSettings | None = _UNSET,
+        retries: RetrySettings | None = _UNSET,
         **kwargs: Any,
     ) -> AsyncPDChatClient:
         """``openai.AsyncOpenAI.copy`` that keeps (or overrides) the P/D settings."""
-        return super().copy(
-            **_copy_arguments(self.pd_settings, prefill_base_url, decode_base_url, on_trace, on_prefill_failure, kwargs)
-        )
+        pd_options = {
+            "prefill_base_url": prefill_base_url,
+            "decode_base_url": decode_base_url,
+            "on_trace": on_trace,
+            "on_prefill_failure": on_prefill_failure,
+            "routing": routing,
+            "breaker": breaker,
+            "retries": retries,
+        }
+        return super().copy(**_copy_arguments(self.pd_settings, pd_options, kwargs))
 
     with_options = copy

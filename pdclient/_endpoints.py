@@ -1,15 +1,26 @@
-"""Endpoint settings: where the prefill and decode legs go, resolved once at construction."""
+"""Endpoint pools: where each leg goes, which member is healthy, and who is busy.
+
+A pool holds one leg's endpoints (prefill or decode). Choosing a member is two steps:
+the circuit breakers drop the members that failed recently, then a routing policy picks
+among the rest. Policies are small objects behind one interface (``RoutingPolicy``); a
+user may pass their own.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import os
-from collections.abc import Sequence
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import httpx
 
-from ._errors import PDConfigError
+from ._errors import PDConfigError, PDHandoffError
 
 PREFILL_ENV = "PDCLIENT_PREFILL_BASE_URL"
 DECODE_ENV = "PDCLIENT_DECODE_BASE_URL"
@@ -29,10 +40,13 @@ def resolve_urls(value: URLArg, *, argument: str, env: str) -> tuple[str, ...]:
     items = [value] if isinstance(value, str | httpx.URL) else list(value)
     if not items:
         raise PDConfigError(f"{source} is an empty list; give at least one URL")
-    return tuple(_normalise(item, source) for item in items)
+    urls = tuple(normalise_url(item, source) for item in items)
+    if len(set(urls)) != len(urls):
+        raise PDConfigError(f"{source} lists the same URL twice: {list(urls)}")
+    return urls
 
 
-def _normalise(item: object, source: str) -> str:
+def normalise_url(item: object, source: str) -> str:
     if not isinstance(item, str | httpx.URL):
         raise PDConfigError(f"{source}: expected a URL string, got {type(item).__name__}")
     try:
@@ -44,16 +58,158 @@ def _normalise(item: object, source: str) -> str:
     return str(url).rstrip("/")
 
 
-@dataclass
-class EndpointPool:
-    """The URLs of one leg, taken in turn."""
+class AllEndpointsOpen(PDHandoffError):
+    """Every endpoint of a pool has its circuit breaker open."""
 
-    urls: tuple[str, ...]
-    _turn: itertools.count[int] = field(default_factory=itertools.count, repr=False, compare=False)
 
-    def pick(self) -> str:
+@dataclass(frozen=True)
+class BreakerSettings:
+    """Open after ``failures`` consecutive failures; let one probe through after ``cooldown`` s."""
+
+    failures: int = 3
+    cooldown: float = 5.0
+
+
+class Endpoint:
+    """One server of a pool: its URL, its in-flight count and its circuit breaker."""
+
+    def __init__(self, url: str, breaker: BreakerSettings, clock: Callable[[], float]) -> None:
+        self.url = url
+        self.in_flight = 0
+        self._breaker = breaker
+        self._clock = clock
+        self._failures = 0
+        self._opened_at: float | None = None
+        self._probing = False
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"Endpoint({self.url!r}, in_flight={self.in_flight}, state={self.state})"
+
+    @property
+    def state(self) -> str:
+        if self._opened_at is None:
+            return "closed"
+        return "half-open" if self._clock() - self._opened_at >= self._breaker.cooldown else "open"
+
+    def admits(self) -> bool:
+        """Whether a request may go here now; in half-open state only one probe at a time."""
+        state = self.state
+        return state == "closed" or (state == "half-open" and not self._probing)
+
+    def acquire(self) -> None:
+        with self._lock:
+            self.in_flight += 1
+            if self.state == "half-open":
+                self._probing = True
+
+    def release(self, *, ok: bool | None) -> None:
+        """End one request; ``ok`` None means it says nothing of the server's health."""
+        with self._lock:
+            self.in_flight -= 1
+            self._probing = False
+            if ok is True:
+                self._failures = 0
+                self._opened_at = None
+            elif ok is False:
+                self._failures += 1
+                if self._failures >= self._breaker.failures or self._opened_at is not None:
+                    self._opened_at = self._clock()
+
+
+class RoutingPolicy(Protocol):
+    """Chooses one of the admitted endpoints (never empty) for a request."""
+
+    def choose(self, endpoints: Sequence[Endpoint], affinity_key: str | None) -> Endpoint: ...
+
+
+class RoundRobin:
+    def __init__(self) -> None:
+        self._turn = itertools.count()
+
+    def choose(self, endpoints: Sequence[Endpoint], affinity_key: str | None) -> Endpoint:
         # next() on itertools.count is atomic under the GIL: safe across threads and tasks.
-        return self.urls[next(self._turn) % len(self.urls)]
+        return endpoints[next(self._turn) % len(endpoints)]
+
+
+class LeastOutstanding:
+    """The endpoint with the fewest requests in flight from this client (ties: first listed)."""
+
+    def choose(self, endpoints: Sequence[Endpoint], affinity_key: str | None) -> Endpoint:
+        return min(endpoints, key=lambda e: e.in_flight)
+
+
+class PowerOfTwoChoices:
+    """Two endpoints at random, the less busy one: near least-outstanding, no herding."""
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self._rng = rng or random.Random()
+
+    def choose(self, endpoints: Sequence[Endpoint], affinity_key: str | None) -> Endpoint:
+        if len(endpoints) == 1:
+            return endpoints[0]
+        first, second = self._rng.sample(list(endpoints), 2)
+        return first if first.in_flight <= second.in_flight else second
+
+
+class Affinity:
+    """The same conversation (or session key) goes to the same endpoint, so its prefix cache is reused.
+
+    Rendezvous hashing: each key ranks the endpoints by hash; the best admitted one wins,
+    so a key moves only when its endpoint is down. Requests without a key use ``fallback``.
+    """
+
+    def __init__(self, fallback: RoutingPolicy | None = None) -> None:
+        self._fallback = fallback or LeastOutstanding()
+
+    def choose(self, endpoints: Sequence[Endpoint], affinity_key: str | None) -> Endpoint:
+        if affinity_key is None:
+            return self._fallback.choose(endpoints, None)
+        return max(endpoints, key=lambda e: hashlib.blake2b(f"{affinity_key}|{e.url}".encode(), digest_size=8).digest())
+
+
+POLICIES: dict[str, Callable[[], RoutingPolicy]] = {
+    "round_robin": RoundRobin,
+    "least_outstanding": LeastOutstanding,
+    "power_of_two": PowerOfTwoChoices,
+    "affinity": Affinity,
+}
+
+
+def make_policy(value: str | RoutingPolicy | None) -> RoutingPolicy:
+    if value is None:
+        return LeastOutstanding()
+    if isinstance(value, str):
+        if value not in POLICIES:
+            raise PDConfigError(f"routing must be one of {sorted(POLICIES)} or a RoutingPolicy, got {value!r}")
+        return POLICIES[value]()
+    if not callable(getattr(value, "choose", None)):
+        raise PDConfigError(f"routing must be one of {sorted(POLICIES)} or a RoutingPolicy, got {value!r}")
+    return value
+
+
+@dataclass(eq=False)
+class EndpointPool:
+    """The endpoints of one leg with their routing policy and breakers."""
+
+    leg: str
+    urls: tuple[str, ...]
+    policy: RoutingPolicy = field(default_factory=LeastOutstanding)
+    breaker: BreakerSettings = field(default_factory=BreakerSettings)
+    clock: Callable[[], float] = time.monotonic
+    endpoints: tuple[Endpoint, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.endpoints = tuple(Endpoint(url, self.breaker, self.clock) for url in self.urls)
+
+    def pick(self, affinity_key: str | None = None, avoid: Sequence[Endpoint] = ()) -> Endpoint:
+        """An admitted endpoint, preferring ones not in ``avoid`` (those already tried by this call)."""
+        admitted = [e for e in self.endpoints if e.admits()]
+        if not admitted:
+            states = ", ".join(f"{e.url} ({e.state})" for e in self.endpoints)
+            raise AllEndpointsOpen(f"every {self.leg} endpoint has its circuit breaker open: {states}")
+        fresh = [e for e in admitted if e not in avoid]
+        return self.policy.choose(fresh or admitted, affinity_key)
 
     def base_of(self, url: str) -> str | None:
         """The pool URL that ``url`` lies under, if any."""

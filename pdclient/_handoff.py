@@ -15,6 +15,7 @@ The wire contract is the one in DESIGN.md (measured on vLLM 0.32).
 from __future__ import annotations
 
 import enum
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -95,24 +96,30 @@ def _has_media(messages: object) -> bool:
     return False
 
 
+def _one_token(body: Mapping[str, Any]) -> JSONDict:
+    """The body as a non-streamed call that samples a single token."""
+    short = dict(body)
+    # A streamed vLLM response never carries kv_transfer_params.
+    short["stream"] = False
+    short.pop("stream_options", None)
+    short["max_tokens"] = 1
+    if "max_completion_tokens" in short:
+        short["max_completion_tokens"] = 1
+    short.pop("min_tokens", None)
+    short["n"] = 1
+    short.pop("best_of", None)
+    return short
+
+
 def plan_prefill(kind: Kind, body: Mapping[str, Any]) -> JSONDict:
     """The prefill leg's body: the caller's body, made into a one-token non-streamed call.
 
     Everything that shapes the rendered prompt (messages, tools, tool_choice,
     chat_template_kwargs, response_format, ...) stays as the caller sent it, so the
-    prefill renders exactly the prompt the decode would have rendered.
+    prefill renders exactly the prompt the decode would have rendered. One sample is all
+    the prefill produces of value: the KV cache and the ids.
     """
-    prefill = dict(body)
-    # A streamed vLLM response never carries kv_transfer_params.
-    prefill["stream"] = False
-    prefill.pop("stream_options", None)
-    prefill["max_tokens"] = 1
-    if "max_completion_tokens" in prefill:
-        prefill["max_completion_tokens"] = 1
-    prefill.pop("min_tokens", None)
-    # One sample is all the prefill produces of value: the KV cache and the ids.
-    prefill["n"] = 1
-    prefill.pop("best_of", None)
+    prefill = _one_token(body)
     prefill["return_token_ids"] = True
     prefill["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
     if kind is Kind.COMPLETIONS and _is_single_item_batch(body.get("prompt")):
@@ -171,3 +178,55 @@ def plan_decode(kind: Kind, body: Mapping[str, Any], prefill: PrefillResult | No
     if kv_params:
         decode["kv_transfer_params"] = kv_params
     return decode
+
+
+def plan_release(kind: Kind, body: Mapping[str, Any], prefill: PrefillResult, *, forward_ids: bool) -> JSONDict:
+    """A one-token decode that completes an abandoned handoff.
+
+    The prefill server keeps a request's KV blocks until a decode pulls them (or until
+    the connector's timeout, minutes later). When the caller goes away between the two
+    legs, this minimal decode pulls them so the prefill server frees them at once.
+    """
+    return _one_token(plan_decode(kind, body, prefill, forward_ids=forward_ids))
+
+
+def holds_remote_kv(prefill: PrefillResult | None) -> bool:
+    """Whether the prefill server is holding KV blocks for a decode that must follow."""
+    return prefill is not None and bool(prefill.kv_transfer_params)
+
+
+CALL_OPTIONS_KEY = "pdclient"
+"""Per-call options travel in ``extra_body={"pdclient": {...}}`` and never reach a server."""
+
+
+def take_call_options(body: JSONDict) -> JSONDict:
+    """Remove and return the per-call options from a parsed request body."""
+    options = body.pop(CALL_OPTIONS_KEY, None)
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise ValueError(f"{CALL_OPTIONS_KEY} must be an object of per-call options, got {type(options).__name__}")
+    return options
+
+
+def affinity_key(kind: Kind, body: Mapping[str, Any], session: object) -> str:
+    """The key that keeps one conversation on the same servers.
+
+    An explicit session key wins. Otherwise a chat call's key is its conversation's
+    opening, every message up to and including the first user message: it stays the same
+    as the conversation grows, which is what a prefix cache rewards.
+    """
+    if session is not None:
+        return f"session:{session}"
+    if kind is Kind.CHAT and isinstance(body.get("messages"), list):
+        opening: list[Any] = []
+        for message in body["messages"]:
+            opening.append(message)
+            if isinstance(message, dict) and message.get("role") == "user":
+                break
+        return "chat:" + _stable_json(opening)
+    return "prompt:" + _stable_json(body.get("prompt"))[:4096]
+
+
+def _stable_json(value: object) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)

@@ -1,51 +1,77 @@
 """The P/D handoff as an httpx transport: the seam between the openai SDK and the servers.
 
 ``PDTransport`` / ``AsyncPDTransport`` receive the plain HTTP request the SDK built for
-its base URL (the decode endpoint). POST ``/chat/completions`` and ``/completions`` are
-split into a prefill leg and a decode leg; every other request goes to decode unchanged.
-The decode response, streamed or not, is handed back to the SDK as it arrives, so
-``Stream``, ``with_raw_response`` and ``with_streaming_response`` work as usual.
+its base URL (a decode endpoint). POST ``/chat/completions`` and ``/completions`` are
+split into a prefill leg and a decode leg; every other request goes to a decode endpoint
+unchanged. The decode response, streamed or not, is handed back to the SDK as it
+arrives, so ``Stream``, ``with_raw_response`` and ``with_streaming_response`` work.
 
-Both twins drive the same ``_Handoff`` object, which does all the planning; they differ
-only by ``await``.
+All decisions are made by ``_Handoff`` (one per call), ``_handoff`` (pure planning) and
+``_retry`` (retry policy). The two transports only move bytes and differ by ``await``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 import orjson
+import tenacity
 
 from . import _handoff as plan
-from ._endpoints import DECODE_ENV, PREFILL_ENV, EndpointPool, URLArg, resolve_urls
+from . import _retry as retry
+from ._endpoints import (
+    DECODE_ENV,
+    PREFILL_ENV,
+    AllEndpointsOpen,
+    BreakerSettings,
+    Endpoint,
+    EndpointPool,
+    RoutingPolicy,
+    URLArg,
+    make_policy,
+    normalise_url,
+    resolve_urls,
+)
 from ._errors import PDConfigError
 from ._handoff import Kind, PrefillResult
+from ._retry import RetrySettings
 from ._trace import PDTrace, TraceCallback, deliver
 
 logger = logging.getLogger("pdclient")
 
-PrefillFailurePolicy = Literal["decode", "fail"]
-PREFILL_FAILURE_POLICIES: tuple[str, ...] = ("decode", "fail")
+PREFILL_FAILURE_POLICIES = ("decode", "fail")
+"""Besides these, ``on_prefill_failure`` may be the base URL of a fallback server."""
 
 # Hop-by-hop or derived headers that must not be copied onto a leg's new request.
 _DROPPED_REQUEST_HEADERS = ("host", "content-length", "transfer-encoding", "connection")
 _FAILED_LEG_HEADER = "x-pd-failed-leg"
 
 
-@dataclass(frozen=True)
+def _check_failure_policy(value: object, source: str) -> str:
+    if value in PREFILL_FAILURE_POLICIES:
+        return str(value)
+    if isinstance(value, str) and value.startswith(("http://", "https://")):
+        return normalise_url(value, source)
+    raise PDConfigError(f"{source} must be one of {PREFILL_FAILURE_POLICIES} or a fallback base URL, got {value!r}")
+
+
+@dataclass(frozen=True, eq=False)
 class PDSettings:
-    """Everything a transport needs, resolved and validated once."""
+    """Everything a transport needs, resolved and validated once; shared by client copies."""
 
     prefill: EndpointPool
     decode: EndpointPool
     on_trace: TraceCallback | None = None
-    on_prefill_failure: PrefillFailurePolicy = "decode"
+    on_prefill_failure: str = "decode"
+    retry: RetrySettings = field(default_factory=RetrySettings)
 
     @classmethod
     def resolve(
@@ -55,26 +81,47 @@ class PDSettings:
         *,
         on_trace: TraceCallback | None = None,
         on_prefill_failure: str = "decode",
+        routing: str | RoutingPolicy | None = None,
+        breaker: BreakerSettings | None = None,
+        retries: RetrySettings | None = None,
     ) -> PDSettings:
-        if on_prefill_failure not in PREFILL_FAILURE_POLICIES:
-            raise PDConfigError(
-                f"on_prefill_failure must be one of {PREFILL_FAILURE_POLICIES}, got {on_prefill_failure!r}"
-            )
         if on_trace is not None and not callable(on_trace):
             raise PDConfigError(f"on_trace must be callable, got {type(on_trace).__name__}")
+        policy = _check_failure_policy(on_prefill_failure, "on_prefill_failure")
+        breaker = breaker or BreakerSettings()
+        retries = retries or RetrySettings()
+        if retries.prefill_attempts < 1 or retries.decode_attempts < 1:
+            raise PDConfigError(f"retries: attempts must be at least 1, got {retries}")
+        prefill_urls = resolve_urls(prefill_base_url, argument="prefill_base_url", env=PREFILL_ENV)
+        decode_urls = resolve_urls(decode_base_url, argument="decode_base_url", env=DECODE_ENV)
         return cls(
-            prefill=EndpointPool(resolve_urls(prefill_base_url, argument="prefill_base_url", env=PREFILL_ENV)),
-            decode=EndpointPool(resolve_urls(decode_base_url, argument="decode_base_url", env=DECODE_ENV)),
+            # Each pool gets its own policy object: policies may keep state (round robin's turn).
+            prefill=EndpointPool("prefill", prefill_urls, make_policy(routing), breaker),
+            decode=EndpointPool("decode", decode_urls, make_policy(routing), breaker),
             on_trace=on_trace,
-            on_prefill_failure=on_prefill_failure,  # type: ignore[arg-type]
+            on_prefill_failure=policy,
+            retry=retries,
         )
 
 
 def _json_error(status: int, message: str, leg: str, trace: PDTrace) -> httpx.Response:
-    """A response the openai SDK turns into its usual APIStatusError, naming the cause."""
+    """A response the openai SDK turns into its usual APIStatusError, naming the cause.
+
+    The message says what was wrong; the leg that failed is in the x-pd-failed-leg header.
+    """
     body = {"error": {"message": f"pdclient: {message}", "type": "pdclient_error", "code": status}}
     headers = {**trace.to_headers(), _FAILED_LEG_HEADER: leg, "content-type": "application/json"}
     return httpx.Response(status, headers=headers, content=orjson.dumps(body))
+
+
+def _timeout_within(extensions: dict[str, Any], deadline: float | None) -> dict[str, Any]:
+    """Request extensions whose timeouts end no later than the call's deadline."""
+    if deadline is None:
+        return extensions
+    remaining = max(0.001, deadline - time.monotonic())
+    timeouts = extensions.get("timeout") or {}
+    clipped = {k: remaining if v is None else min(v, remaining) for k, v in timeouts.items()}
+    return {**extensions, "timeout": clipped}
 
 
 class _Handoff:
@@ -85,17 +132,26 @@ class _Handoff:
         self.request = request
         self.request_id = request.headers.get("x-request-id") or f"pd-{uuid.uuid4().hex}"
         self.started = time.perf_counter()
+        read_timeout = (request.extensions.get("timeout") or {}).get("read")
+        # openai's `timeout` bounds each read; the prefill phase (with retries) gets it as a total.
+        self.deadline = None if read_timeout is None else time.monotonic() + read_timeout
         self.kind: Kind | None = None
         self.relative_path = ""
         self.body: dict[str, Any] = {}
-        self.prefill_url: str | None = None
+        self.on_prefill_failure = settings.on_prefill_failure
+        self.affinity: str | None = None
+        self.prefill_endpoint: Endpoint | None = None
+        self.prefill_tried: list[Endpoint] = []
         self.prefill_ms: float | None = None
         self.prefill: PrefillResult | None = None
         self.fallback: str | None = None
+        self.fallback_url: str | None = None
         self.cpu_seconds = 0.0
-        self.decode_url = settings.decode.pick()
+        self.decode_endpoint: Endpoint | None = None
+        self.decode_tried: list[Endpoint] = []
         self.decode_sent_at = 0.0
         self.decode_headers_ms: float | None = None
+        self._decode_status: int | None = None
 
         url = str(request.url.copy_with(query=None))
         base = settings.decode.base_of(url)
@@ -114,32 +170,64 @@ class _Handoff:
         try:
             body = orjson.loads(self.request.content)
         except orjson.JSONDecodeError as exc:
-            return _json_error(400, f"request body is not JSON: {exc}", "client", self.trace())
+            return self._client_error(f"request body is not JSON: {exc}")
         if not isinstance(body, dict):
-            return _json_error(400, "request body is not a JSON object", "client", self.trace())
+            return self._client_error("request body is not a JSON object")
+        try:
+            options = plan.take_call_options(body)
+            if "on_prefill_failure" in options:
+                source = f"{plan.CALL_OPTIONS_KEY}.on_prefill_failure"
+                self.on_prefill_failure = _check_failure_policy(options["on_prefill_failure"], source)
+        except (ValueError, PDConfigError) as exc:
+            return self._client_error(str(exc))
         self.body = body
         reason = plan.handoff_refusal(self.kind, body)
-        return None if reason is None else _json_error(400, reason, "client", self.trace())
+        if reason is not None:
+            return self._client_error(reason)
+        self.affinity = plan.affinity_key(self.kind, body, options.get("session"))
+        return None
+
+    def _client_error(self, message: str) -> httpx.Response:
+        self.fallback = f"refused: {message}"
+        return self._ended_early(_json_error(400, message, "client", self.trace()))
+
+    def _ended_early(self, response: httpx.Response) -> httpx.Response:
+        """The call ends without a decode leg: the caller still gets its trace."""
+        deliver(self.trace(), self.settings.on_trace)
+        return response
+
+    def prefill_retrying(self) -> dict[str, object]:
+        return retry.prefill_policy(self.settings.retry, self.deadline or float("inf"))
 
     def prefill_request(self) -> httpx.Request:
+        """The next prefill attempt's request, on an endpoint this call has not tried yet if any."""
         assert self.kind is not None
-        self.prefill_url = self.settings.prefill.pick()
+        endpoint = self.settings.prefill.pick(self.affinity, avoid=self.prefill_tried)
+        endpoint.acquire()
+        self.prefill_endpoint = endpoint
+        self.prefill_tried.append(endpoint)
         body = plan.plan_prefill(self.kind, self.body)
-        request = self._leg_request(self.prefill_url, orjson.dumps(body))
+        request = self._leg_request(endpoint.url, orjson.dumps(body))
         request.headers["accept"] = "application/json"
         return request
 
-    def take_prefill(self, response: httpx.Response) -> httpx.Response | None:
-        """Read the prefill result; a response to return to the caller if the call ends here."""
-        assert self.kind is not None
-        self.prefill_ms = (time.perf_counter() - self.started) * 1000
-        status = response.status_code
-        if status >= 400 and status not in (408, 429) and status < 500:
+    def prefill_attempt_failed(self, error: BaseException) -> None:
+        """A prefill attempt raised: a transport error counts against the server, a cancel does not."""
+        assert self.prefill_endpoint is not None
+        self.prefill_endpoint.release(ok=False if isinstance(error, httpx.TransportError) else None)
+
+    def check_prefill(self, response: httpx.Response) -> httpx.Response | None:
+        """Judge one prefill attempt: raise to retry, return a response to end the call, or None."""
+        assert self.prefill_endpoint is not None and self.kind is not None
+        self.prefill_endpoint.release(ok=retry.counts_against_server(response.status_code))
+        if retry.is_transient_status(response.status_code):
+            raise retry.RetryableStatus(response)
+        if response.status_code >= 400:
             # The request itself is wrong (bad model, messages, ...): the decode leg would
             # refuse it too, so the caller gets the prefill's own error.
+            self.prefill_ms = self._elapsed_ms()
             return self._pass_error(response, "prefill")
-        if status >= 400:
-            return self.prefill_failed(f"HTTP {status}: {response.text[:200]}", response)
+        self.prefill_ms = self._elapsed_ms()
         cpu_start = time.thread_time()
         try:
             payload = orjson.loads(response.content)
@@ -151,30 +239,71 @@ class _Handoff:
             self.fallback = f"ids not forwarded: {self.prefill.problem}"
         return None
 
-    def prefill_failed(self, reason: str, response: httpx.Response | None = None) -> httpx.Response | None:
-        """Apply the failure policy; a response to return when it says to fail."""
-        if self.prefill_ms is None:
-            self.prefill_ms = (time.perf_counter() - self.started) * 1000
-        if self.settings.on_prefill_failure == "fail":
-            self.fallback = f"prefill failed: {reason}"
-            if response is not None:
-                return self._pass_error(response, "prefill")
-            return _json_error(502, f"prefill leg failed: {reason}", "prefill", self.trace())
-        self.fallback = f"prefill failed, decode-only: {reason}"
+    def prefill_failed(self, error: BaseException) -> httpx.Response | None:
+        """The prefill leg failed for good: apply the failure policy."""
+        self.prefill_ms = self._elapsed_ms()
+        if isinstance(error, retry.RetryableStatus):
+            reason = f"HTTP {error.response.status_code}: {error.response.text[:200]}"
+        else:
+            reason = f"{type(error).__name__}: {error}"
+        attempts = len(self.prefill_tried)
+        reason = f"{reason} (after {attempts} attempt{'s' * (attempts != 1)})"
         self.prefill = None
+        if self.on_prefill_failure == "fail":
+            self.fallback = f"prefill failed: {reason}"
+            if isinstance(error, retry.RetryableStatus):
+                return self._pass_error(error.response, "prefill")
+            status = 503 if isinstance(error, AllEndpointsOpen) else 502
+            return self._ended_early(_json_error(status, f"prefill leg failed: {reason}", "prefill", self.trace()))
+        if self.on_prefill_failure == "decode":
+            self.fallback = f"prefill failed, decode-only: {reason}"
+        else:
+            self.fallback_url = self.on_prefill_failure
+            self.fallback = f"prefill failed, sent to {self.fallback_url}: {reason}"
         return None
 
     def decode_request(self) -> httpx.Request:
+        """The next decode attempt's request; raises AllEndpointsOpen when none is admitted."""
+        if self.fallback_url is not None:
+            return self._leg_request(self.fallback_url, self.request.content)
+        endpoint = self.settings.decode.pick(self.affinity, avoid=self.decode_tried)
+        endpoint.acquire()
+        self.decode_endpoint = endpoint
+        self.decode_tried.append(endpoint)
         if self.kind is None:
-            return self._leg_request(self.decode_url, self.request.content)
+            return self._leg_request(endpoint.url, self.request.content)
         cpu_start = time.thread_time()
+        content = orjson.dumps(self._decode_body())
+        self.cpu_seconds += time.thread_time() - cpu_start
+        return self._leg_request(endpoint.url, content)
+
+    def _decode_body(self) -> dict[str, Any]:
+        assert self.kind is not None
         no_ids_reason = plan.ids_not_forwarded_because(self.kind, self.body)
         if no_ids_reason is not None and self.prefill is not None and self.fallback is None:
             self.fallback = f"ids not forwarded: {no_ids_reason}"
-        body = plan.plan_decode(self.kind, self.body, self.prefill, forward_ids=no_ids_reason is None)
-        content = orjson.dumps(body)
-        self.cpu_seconds += time.thread_time() - cpu_start
-        return self._leg_request(self.decode_url, content)
+        return plan.plan_decode(self.kind, self.body, self.prefill, forward_ids=no_ids_reason is None)
+
+    def decode_open_failed(self, error: BaseException) -> None:
+        """Opening the decode leg raised: a transport error counts against the server."""
+        if self.decode_endpoint is not None:
+            self.decode_endpoint.release(ok=False if isinstance(error, httpx.TransportError) else None)
+
+    def abandoned(self, error: BaseException) -> None:
+        """The call ends with an exception before any decode response: report it."""
+        self.fallback = self.fallback or f"decode leg not opened: {type(error).__name__}: {error}"
+        if self.kind is not None:
+            deliver(self.trace(), self.settings.on_trace)
+
+    def release_request(self) -> httpx.Request | None:
+        """A one-token decode that frees the prefill's KV blocks, if the call was abandoned."""
+        if self.kind is None or not plan.holds_remote_kv(self.prefill) or self.fallback_url is not None:
+            return None
+        assert self.prefill is not None
+        forward = plan.ids_not_forwarded_because(self.kind, self.body) is None
+        body = plan.plan_release(self.kind, self.body, self.prefill, forward_ids=forward)
+        url = (self.decode_endpoint or self.settings.decode.endpoints[0]).url
+        return self._leg_request(url, orjson.dumps(body))
 
     def _leg_request(self, base: str, content: bytes) -> httpx.Request:
         headers = self.request.headers.copy()
@@ -187,8 +316,11 @@ class _Handoff:
             url or self.request.url,
             headers=headers,
             content=content,
-            extensions=self.request.extensions,
+            extensions=_timeout_within(self.request.extensions, self.deadline if self.prefill_ms is None else None),
         )
+
+    def _elapsed_ms(self) -> float:
+        return (time.perf_counter() - self.started) * 1000
 
     # -- results -------------------------------------------------------------------
 
@@ -200,11 +332,12 @@ class _Handoff:
         return len(self.prefill.prompt_token_ids)
 
     def trace(self, decode_first_byte_ms: float | None = None) -> PDTrace:
+        decode_url = self.fallback_url or (self.decode_endpoint.url if self.decode_endpoint else None)
         return PDTrace(
             request_id=self.request_id,
             route=self.kind.value if self.kind else "passthrough",
-            prefill_url=self.prefill_url,
-            decode_url=self.decode_url if self.kind or self.decode_sent_at else None,
+            prefill_url=self.prefill_endpoint.url if self.prefill_endpoint else None,
+            decode_url=decode_url,
             prefill_ms=self.prefill_ms,
             forwarded_tokens=self.forwarded_tokens(),
             handoff_cpu_ms=self.cpu_seconds * 1000 if self.kind else None,
@@ -218,20 +351,27 @@ class _Handoff:
         headers.update({**self.trace().to_headers(), _FAILED_LEG_HEADER: leg})
         for name in ("content-length", "content-encoding", "transfer-encoding"):
             headers.pop(name, None)
-        return httpx.Response(response.status_code, headers=headers, content=response.content)
+        return self._ended_early(httpx.Response(response.status_code, headers=headers, content=response.content))
+
+    def decode_unavailable(self, error: AllEndpointsOpen) -> httpx.Response:
+        self.fallback = str(error)
+        return self._ended_early(_json_error(503, str(error), "decode", self.trace()))
 
     def decode_response(
         self, response: httpx.Response, stream: httpx.SyncByteStream | httpx.AsyncByteStream
     ) -> httpx.Response:
         self.decode_headers_ms = (time.perf_counter() - self.decode_sent_at) * 1000
-        trace = self.trace()
+        self._decode_status = response.status_code
         headers = httpx.Headers(response.headers)
-        headers.update(trace.to_headers())
+        headers.update(self.trace().to_headers())
         if response.status_code >= 400:
             headers[_FAILED_LEG_HEADER] = "decode"
         return httpx.Response(response.status_code, headers=headers, stream=stream, extensions=response.extensions)
 
     def finish(self, first_byte_at: float | None) -> None:
+        """The decode response was closed (fully read or abandoned)."""
+        if self.decode_endpoint is not None:
+            self.decode_endpoint.release(ok=retry.counts_against_server(self._decode_status))
         if self.kind is None:
             return  # a pass-through request is not a handoff: nothing to report
         first_byte_ms = None if first_byte_at is None else (first_byte_at - self.decode_sent_at) * 1000
@@ -239,7 +379,7 @@ class _Handoff:
 
 
 class _TracedStream(httpx.SyncByteStream):
-    """The decode body, passed through chunk by chunk; the trace is delivered on close."""
+    """The decode body, passed through chunk by chunk; bookkeeping is done on close."""
 
     def __init__(self, response: httpx.Response, handoff: _Handoff) -> None:
         self._response = response
@@ -296,7 +436,8 @@ class PDTransport(httpx.BaseTransport):
         transport = PDTransport(prefill_base_url="http://p:8100/v1", decode_base_url="http://d:8200/v1")
         client = openai.OpenAI(base_url="http://d:8200/v1", api_key="-", http_client=httpx.Client(transport=transport))
 
-    ``leg_transport`` sends both legs (default: a pooled ``httpx.HTTPTransport``).
+    Keyword arguments are those of ``PDChatClient``; ``leg_transport`` sends both legs
+    (default: a pooled ``httpx.HTTPTransport``).
     """
 
     def __init__(
@@ -304,41 +445,75 @@ class PDTransport(httpx.BaseTransport):
         prefill_base_url: URLArg = None,
         decode_base_url: URLArg = None,
         *,
-        on_trace: TraceCallback | None = None,
-        on_prefill_failure: PrefillFailurePolicy = "decode",
         leg_transport: httpx.BaseTransport | None = None,
         settings: PDSettings | None = None,
+        **options: Any,
     ) -> None:
-        self.settings = settings or PDSettings.resolve(
-            prefill_base_url, decode_base_url, on_trace=on_trace, on_prefill_failure=on_prefill_failure
-        )
+        self.settings = settings or PDSettings.resolve(prefill_base_url, decode_base_url, **options)
         self._legs = leg_transport or httpx.HTTPTransport()
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         handoff = _Handoff(self.settings, request)
         if handoff.kind is not None:
             request.read()
-            refused = handoff.refusal()
-            if refused is not None:
-                return refused
-            ended = self._run_prefill(handoff)
+            ended = handoff.refusal() or self._run_prefill(handoff)
             if ended is not None:
                 return ended
-        decode_request = handoff.decode_request()
-        handoff.decode_sent_at = time.perf_counter()
-        response = self._legs.handle_request(decode_request)
+        try:
+            response = self._open_decode(handoff)
+        except AllEndpointsOpen as exc:
+            self._release_kv(handoff)
+            return handoff.decode_unavailable(exc)
+        except BaseException as exc:
+            self._release_kv(handoff)
+            handoff.abandoned(exc)
+            raise
         return handoff.decode_response(response, _TracedStream(response, handoff))
 
     def _run_prefill(self, handoff: _Handoff) -> httpx.Response | None:
         try:
-            response = self._legs.handle_request(handoff.prefill_request())
+            for attempt in tenacity.Retrying(**handoff.prefill_retrying()):  # type: ignore[arg-type]
+                with attempt:
+                    request = handoff.prefill_request()
+                    try:
+                        response = self._legs.handle_request(request)
+                        try:
+                            response.read()
+                        finally:
+                            response.close()
+                    except BaseException as exc:
+                        handoff.prefill_attempt_failed(exc)
+                        raise
+                    return handoff.check_prefill(response)
+        except (httpx.TransportError, retry.RetryableStatus, AllEndpointsOpen) as exc:
+            return handoff.prefill_failed(exc)
+        return None
+
+    def _open_decode(self, handoff: _Handoff) -> httpx.Response:
+        for attempt in tenacity.Retrying(**retry.decode_policy(handoff.settings.retry)):  # type: ignore[arg-type]
+            with attempt:
+                request = handoff.decode_request()
+                handoff.decode_sent_at = time.perf_counter()
+                try:
+                    return self._legs.handle_request(request)
+                except BaseException as exc:
+                    handoff.decode_open_failed(exc)
+                    raise
+        raise AssertionError("unreachable: tenacity reraises the last error")
+
+    def _release_kv(self, handoff: _Handoff) -> None:
+        """The call ended between the legs: free the prefill's KV blocks in the background."""
+        request = handoff.release_request()
+        if request is None:
+            return
+
+        def send() -> None:
             try:
-                response.read()
-            finally:
-                response.close()
-        except httpx.TransportError as exc:
-            return handoff.prefill_failed(f"{type(exc).__name__}: {exc}")
-        return handoff.take_prefill(response)
+                self._legs.handle_request(request).close()
+            except Exception as exc:
+                logger.debug("KV release for %s failed: %s", handoff.request_id, exc)
+
+        threading.Thread(target=send, name=f"pdclient-release-{handoff.request_id}", daemon=True).start()
 
     def close(self) -> None:
         self._legs.close()
@@ -352,41 +527,80 @@ class AsyncPDTransport(httpx.AsyncBaseTransport):
         prefill_base_url: URLArg = None,
         decode_base_url: URLArg = None,
         *,
-        on_trace: TraceCallback | None = None,
-        on_prefill_failure: PrefillFailurePolicy = "decode",
         leg_transport: httpx.AsyncBaseTransport | None = None,
         settings: PDSettings | None = None,
+        **options: Any,
     ) -> None:
-        self.settings = settings or PDSettings.resolve(
-            prefill_base_url, decode_base_url, on_trace=on_trace, on_prefill_failure=on_prefill_failure
-        )
+        self.settings = settings or PDSettings.resolve(prefill_base_url, decode_base_url, **options)
         self._legs = leg_transport or httpx.AsyncHTTPTransport()
+        self._releases: set[asyncio.Task[None]] = set()
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         handoff = _Handoff(self.settings, request)
         if handoff.kind is not None:
             await request.aread()
-            refused = handoff.refusal()
-            if refused is not None:
-                return refused
-            ended = await self._run_prefill(handoff)
+            ended = handoff.refusal() or await self._run_prefill(handoff)
             if ended is not None:
                 return ended
-        decode_request = handoff.decode_request()
-        handoff.decode_sent_at = time.perf_counter()
-        response = await self._legs.handle_async_request(decode_request)
+        try:
+            response = await self._open_decode(handoff)
+        except AllEndpointsOpen as exc:
+            self._release_kv(handoff)
+            return handoff.decode_unavailable(exc)
+        except BaseException as exc:
+            self._release_kv(handoff)
+            handoff.abandoned(exc)
+            raise
         return handoff.decode_response(response, _AsyncTracedStream(response, handoff))
 
     async def _run_prefill(self, handoff: _Handoff) -> httpx.Response | None:
         try:
-            response = await self._legs.handle_async_request(handoff.prefill_request())
+            async for attempt in tenacity.AsyncRetrying(**handoff.prefill_retrying()):  # type: ignore[arg-type]
+                with attempt:
+                    request = handoff.prefill_request()
+                    try:
+                        response = await self._legs.handle_async_request(request)
+                        try:
+                            await response.aread()
+                        finally:
+                            await response.aclose()
+                    except BaseException as exc:
+                        handoff.prefill_attempt_failed(exc)
+                        raise
+                    return handoff.check_prefill(response)
+        except (httpx.TransportError, retry.RetryableStatus, AllEndpointsOpen) as exc:
+            return handoff.prefill_failed(exc)
+        return None
+
+    async def _open_decode(self, handoff: _Handoff) -> httpx.Response:
+        async for attempt in tenacity.AsyncRetrying(**retry.decode_policy(handoff.settings.retry)):  # type: ignore[arg-type]
+            with attempt:
+                request = handoff.decode_request()
+                handoff.decode_sent_at = time.perf_counter()
+                try:
+                    return await self._legs.handle_async_request(request)
+                except BaseException as exc:
+                    handoff.decode_open_failed(exc)
+                    raise
+        raise AssertionError("unreachable: tenacity reraises the last error")
+
+    def _release_kv(self, handoff: _Handoff) -> None:
+        """The call ended between the legs: free the prefill's KV blocks in the background."""
+        request = handoff.release_request()
+        if request is None:
+            return
+
+        async def send() -> None:
             try:
-                await response.aread()
-            finally:
+                response = await self._legs.handle_async_request(request)
                 await response.aclose()
-        except httpx.TransportError as exc:
-            return handoff.prefill_failed(f"{type(exc).__name__}: {exc}")
-        return handoff.take_prefill(response)
+            except Exception as exc:
+                logger.debug("KV release for %s failed: %s", handoff.request_id, exc)
+
+        # Held in a set: the event loop keeps only weak references to tasks.
+        task = asyncio.get_running_loop().create_task(send())
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
     async def aclose(self) -> None:
         await self._legs.aclose()

@@ -75,12 +75,26 @@ def test_foreign_http_client_is_refused_with_the_fix() -> None:
 
 
 def test_own_pd_http_client_is_used_as_given() -> None:
-    http = httpx.Client(transport=PDTransport(PREFILL, DECODE))
-    client = PDChatClient(prefill_base_url=PREFILL, decode_base_url=DECODE, api_key="k", http_client=http)
-    assert client._client is http
-    ahttp = httpx.AsyncClient(transport=AsyncPDTransport(PREFILL, DECODE))
-    aclient = AsyncPDChatClient(prefill_base_url=PREFILL, decode_base_url=DECODE, api_key="k", http_client=ahttp)
-    assert aclient._client is ahttp
+    transport = PDTransport(PREFILL, DECODE, on_prefill_failure="fail")
+    http = httpx.Client(transport=transport)
+    client = PDChatClient(api_key="k", http_client=http)
+    assert client._client is http and client.pd_settings is transport.settings
+    atransport = AsyncPDTransport(PREFILL, DECODE)
+    ahttp = httpx.AsyncClient(transport=atransport)
+    aclient = AsyncPDChatClient(api_key="k", http_client=ahttp)
+    assert aclient._client is ahttp and aclient.pd_settings is atransport.settings
+
+
+def test_explicit_settings_win_over_a_pd_http_client_and_share_its_connections() -> None:
+    transport = PDTransport(PREFILL, DECODE)
+    client = PDChatClient(
+        prefill_base_url="http://p2:1/v1",
+        decode_base_url=DECODE,
+        api_key="k",
+        http_client=httpx.Client(transport=transport),
+    )
+    assert client.pd_settings.prefill.urls == ("http://p2:1/v1",)
+    assert client._client._transport._legs is transport._legs  # type: ignore[attr-defined]
 
 
 def test_base_url_may_name_a_decode_endpoint() -> None:

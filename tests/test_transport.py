@@ -166,7 +166,7 @@ async def test_with_options_keeps_pd_and_applies_the_option(mode: str, pd_routes
     await twin.chat(copy, messages=MESSAGES)
     assert pd_routes["prefill"].call_count == 1 and pd_routes["decode"].call_count == 1
     timeouts = [call.request.extensions["timeout"] for call in pd_routes.calls]
-    assert all(t["read"] == 7 for t in timeouts), "the per-call timeout reaches both legs"
+    assert all(6 < t["read"] <= 7 for t in timeouts), "the per-call timeout reaches both legs"
 
 
 async def test_with_options_can_move_the_decode_leg(mode: str, pd_routes: respx.MockRouter) -> None:

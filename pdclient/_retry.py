@@ -1,0 +1,127 @@
+"""Retry decisions for the two legs, in one place; the transports only drive them.
+
+- Prefill leg: cheap to repeat. Retried on connection errors, timeouts, 408, 429 and
+  5xx, with exponential backoff and jitter (or the server's ``Retry-After``), on another
+  endpoint when the pool has one, within ``prefill_attempts`` and the call's deadline.
+- Decode leg: retried only when its request provably never reached a server (connect
+  errors), never after a response status has arrived and never during a stream.
+
+Worst case per call, counting the openai SDK's own ``max_retries`` (which repeats the
+whole call after a transport error, 408, 409, 429 or 5xx)::
+
+    (max_retries + 1) * (prefill_attempts + decode_attempts)   # defaults: 3 * (3 + 2) = 15 requests
+"""
+
+from __future__ import annotations
+
+import email.utils
+import time
+from dataclasses import dataclass
+
+import httpx
+import tenacity
+
+RETRYABLE_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+MAX_RETRY_AFTER = 10.0
+
+
+@dataclass(frozen=True)
+class RetrySettings:
+    prefill_attempts: int = 3
+    decode_attempts: int = 2
+    backoff_initial: float = 0.05
+    backoff_max: float = 2.0
+
+
+class RetryableStatus(Exception):
+    """A leg answered with a status worth retrying elsewhere; carries the response."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        super().__init__(f"HTTP {response.status_code}")
+        self.response = response
+
+
+def is_transient_status(status: int) -> bool:
+    return status in RETRYABLE_STATUSES or status >= 500
+
+
+def counts_against_server(status: int | None) -> bool | None:
+    """What a leg's outcome says of the server's health, for its circuit breaker.
+
+    None (a transport error) and 5xx are failures; 408/429 mean busy, not broken; the
+    rest are successes (a 4xx is the request's fault).
+    """
+    if status is None or status >= 500:
+        return False
+    if status in (408, 429):
+        return None
+    return True
+
+
+def retry_after_seconds(response: httpx.Response) -> float | None:
+    """The server's ``Retry-After`` (seconds or HTTP date), capped; None when absent or bad."""
+    value = response.headers.get("retry-after-ms")
+    if value is not None:
+        try:
+            return min(float(value) / 1000, MAX_RETRY_AFTER)
+        except ValueError:
+            return None
+    value = response.headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        parsed = email.utils.parsedate_tz(value)
+        if parsed is None:
+            return None
+        seconds = email.utils.mktime_tz(parsed) - time.time()
+    return max(0.0, min(seconds, MAX_RETRY_AFTER))
+
+
+class _WaitRetryAfterOrBackoff(tenacity.wait.wait_base):
+    def __init__(self, settings: RetrySettings) -> None:
+        self._backoff = tenacity.wait_exponential_jitter(
+            multiplier=settings.backoff_initial, max=settings.backoff_max, jitter=settings.backoff_initial
+        )
+
+    def __call__(self, retry_state: tenacity.RetryCallState) -> float:
+        outcome = retry_state.outcome
+        error = outcome.exception() if outcome is not None else None
+        if isinstance(error, RetryableStatus):
+            server_says = retry_after_seconds(error.response)
+            if server_says is not None:
+                return server_says
+        return float(self._backoff(retry_state))
+
+
+def _stop_at(deadline: float) -> tenacity.stop.stop_base:
+    """Stop when the next attempt could not start before the call's deadline."""
+
+    class _StopAtDeadline(tenacity.stop.stop_base):
+        def __call__(self, retry_state: tenacity.RetryCallState) -> bool:
+            return time.monotonic() + (retry_state.upcoming_sleep or 0) >= deadline
+
+    return _StopAtDeadline()
+
+
+def prefill_policy(settings: RetrySettings, deadline: float) -> dict[str, object]:
+    """tenacity arguments for the prefill leg (shared by ``Retrying`` and ``AsyncRetrying``)."""
+    return {
+        "stop": tenacity.stop_after_attempt(settings.prefill_attempts) | _stop_at(deadline),
+        "wait": _WaitRetryAfterOrBackoff(settings),
+        "retry": tenacity.retry_if_exception_type((httpx.TransportError, RetryableStatus)),
+        "reraise": True,
+    }
+
+
+def decode_policy(settings: RetrySettings) -> dict[str, object]:
+    """tenacity arguments for opening the decode leg: only when nothing reached a server."""
+    return {
+        "stop": tenacity.stop_after_attempt(settings.decode_attempts),
+        "wait": tenacity.wait_exponential_jitter(
+            multiplier=settings.backoff_initial, max=settings.backoff_max, jitter=settings.backoff_initial
+        ),
+        "retry": tenacity.retry_if_exception_type((httpx.ConnectError, httpx.ConnectTimeout)),
+        "reraise": True,
+    }
