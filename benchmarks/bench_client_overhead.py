@@ -1,0 +1,243 @@
+"""Client overhead of PDChatClient versus the same two calls written by hand.
+
+Against a real loopback stub of a vLLM P/D pair (tests/stubserver.py, one process for
+decode and one prefill process per prompt size, so the stubs never share this process's
+GIL), each iteration runs both arms back to back, alternating which goes first:
+
+- ``pdclient``: ``PDChatClient(...).chat.completions.create(stream=True)``, iterated to the end;
+- ``baseline``: what a user writes with plain ``openai.OpenAI`` clients (their default
+  HTTP client: httpx2 on openai 3.x): a prefill call with ``max_tokens=1`` and
+  ``extra_body`` ``return_token_ids`` / ``kv_transfer_params.do_remote_decode``, then a
+  streamed decode call whose ``extra_body`` carries the prefill's ``kv_transfer_params``
+  plus its ``prompt_token_ids``. Same ``X-Request-Id`` on both legs, as pdclient does.
+
+Printed per prompt size: median wall time per call of each arm and their ratio
+(target <= 1.05), pdclient's median handoff CPU per call from ``PDTrace.handoff_cpu_ms``
+(reading the prefill result and building the decode body; target <= 1.5 ms at 32k ids),
+and each arm's median client CPU per call (``time.thread_time`` around the whole call: a
+sync client does all its work, I/O included, in the calling thread).
+
+Run: PYTHONPATH=. python benchmarks/bench_client_overhead.py [--iterations 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import openai
+
+from pdclient import PDChatClient, PDTrace
+
+STUB = Path(__file__).resolve().parent.parent / "tests" / "stubserver.py"
+MODEL = "stub-model"
+PREFILL_KV_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+@contextlib.contextmanager
+def stub_process(prompt_tokens: int) -> Iterator[str]:
+    """A stub server in its own process; yields its base URL."""
+    process = subprocess.Popen(
+        [sys.executable, str(STUB), "--prompt-tokens", str(prompt_tokens)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline().strip()
+        if not line.startswith("READY "):
+            raise RuntimeError(f"stub server did not start: {line!r}")
+        yield line.split(" ", 1)[1]
+    finally:
+        assert process.stdin is not None
+        process.stdin.close()  # the stub exits when its stdin closes
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def messages_for(prompt_tokens: int, kind: str) -> list[dict[str, str]]:
+    """A short question, or a prompt about as long as ``prompt_tokens`` tokens (~4 chars each)."""
+    if kind == "short":
+        return [{"role": "user", "content": "Summarize the document."}]
+    words = "the quick brown fox jumps over a lazy dog while "
+    text = (words * (prompt_tokens * 4 // len(words) + 1))[: prompt_tokens * 4]
+    return [{"role": "system", "content": "You are concise."}, {"role": "user", "content": text}]
+
+
+@dataclass
+class Arm:
+    name: str
+    call: Callable[[], int]
+    """Runs one full call; returns the prompt tokens the decode reported it was given."""
+    wall_ms: list[float] = field(default_factory=list)
+    cpu_ms: list[float] = field(default_factory=list)
+
+    def run_once(self, record: bool) -> int:
+        wall, cpu = time.perf_counter(), time.thread_time()
+        prompt_tokens = self.call()
+        cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
+        if record:
+            self.wall_ms.append(wall * 1000)
+            self.cpu_ms.append(cpu * 1000)
+        return prompt_tokens
+
+
+def usage_prompt_tokens(stream: Any) -> int:
+    prompt_tokens = -1
+    for chunk in stream:
+        if chunk.usage is not None:
+            prompt_tokens = chunk.usage.prompt_tokens
+    return prompt_tokens
+
+
+def make_arms(prefill_url: str, decode_url: str, messages: Any, traces: list[PDTrace]) -> list[Arm]:
+    pd = PDChatClient(prefill_base_url=prefill_url, decode_base_url=decode_url, api_key="-", on_trace=traces.append)
+    # What a user writes by hand: two plain clients with their default HTTP client.
+    prefill = openai.OpenAI(base_url=prefill_url, api_key="-")
+    decode = openai.OpenAI(base_url=decode_url, api_key="-")
+    stream_options: Any = {"include_usage": True}  # the decode reports how many ids it was given
+
+    def pdclient_call() -> int:
+        stream = pd.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            stream=True,
+            stream_options=stream_options,
+        )
+        return usage_prompt_tokens(stream)
+
+    def baseline_call() -> int:
+        headers = {"X-Request-Id": f"bench-{uuid.uuid4().hex}"}
+        first = prefill.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=1,
+            extra_headers=headers,
+            extra_body={"return_token_ids": True, "kv_transfer_params": PREFILL_KV_PARAMS},
+        )
+        extra = first.model_extra or {}
+        kv_params = {**(extra.get("kv_transfer_params") or {}), "prompt_token_ids": extra["prompt_token_ids"]}
+        stream = decode.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            stream=True,
+            stream_options=stream_options,
+            extra_headers=headers,
+            extra_body={"kv_transfer_params": kv_params},
+        )
+        return usage_prompt_tokens(stream)
+
+    return [Arm("pdclient", pdclient_call), Arm("baseline", baseline_call)]
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def bench_size(
+    prefill_url: str, decode_url: str, prompt_tokens: int, kind: str, iterations: int, warmup: int
+) -> dict[str, Any]:
+    traces: list[PDTrace] = []
+    arms = make_arms(prefill_url, decode_url, messages_for(prompt_tokens, kind), traces)
+    for _ in range(warmup):
+        for arm in arms:
+            got = arm.run_once(record=False)
+            if got != prompt_tokens:
+                raise RuntimeError(f"{arm.name}: decode was given {got} prompt ids, expected {prompt_tokens}")
+    traces.clear()
+    for i in range(iterations):
+        for arm in arms if i % 2 == 0 else arms[::-1]:  # ABBA...: neither arm always goes first
+            arm.run_once(record=True)
+    pd, base = arms
+    handoff = [t.handoff_cpu_ms for t in traces if t.handoff_cpu_ms is not None]
+    assert len(handoff) == iterations and all(t.forwarded_tokens == prompt_tokens for t in traces)
+    paired = [a / b for a, b in zip(pd.wall_ms, base.wall_ms, strict=True)]
+    return {
+        "size": prompt_tokens,
+        "messages": kind,
+        "pd_ms": median(pd.wall_ms),
+        "base_ms": median(base.wall_ms),
+        "ratio": median(pd.wall_ms) / median(base.wall_ms),
+        "paired_ratio": median(paired),
+        "handoff_ms": median(handoff),
+        "handoff_p90_ms": statistics.quantiles(handoff, n=10)[-1],
+        "pd_cpu_ms": median(pd.cpu_ms),
+        "base_cpu_ms": median(base.cpu_ms),
+    }
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    header = (
+        f"{'ids':>6} {'messages':>8} | {'pdclient ms':>11} {'baseline ms':>11} {'ratio':>6} {'paired':>6} | "
+        f"{'handoff CPU ms':>14} {'p90':>5} | {'client CPU ms/call: pd':>22} {'baseline':>8}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(
+            f"{r['size']:>6} {r['messages']:>8} | {r['pd_ms']:>11.2f} {r['base_ms']:>11.2f} {r['ratio']:>6.3f} "
+            f"{r['paired_ratio']:>6.3f} | {r['handoff_ms']:>14.3f} {r['handoff_p90_ms']:>5.2f} | "
+            f"{r['pd_cpu_ms']:>22.2f} {r['base_cpu_ms']:>8.2f}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--iterations", type=int, default=200, help="measured calls per arm per row")
+    parser.add_argument("--warmup", type=int, default=20, help="unmeasured calls per arm per row")
+    parser.add_argument("--sizes", default="8192,32768", help="prompt ids the prefill answers with")
+    parser.add_argument(
+        "--messages",
+        choices=("short", "long", "both"),
+        default="both",
+        help="short: a one-line question; long: a prompt of about as many tokens as ids (both arms send it twice)",
+    )
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    kinds = ["short", "long"] if args.messages == "both" else [args.messages]
+
+    versions = ", ".join(f"{p} {metadata.version(p)}" for p in ("openai", "httpx", "httpx2", "orjson"))
+    print(f"python {platform.python_version()}, {versions}, {os.cpu_count()} CPUs")
+    print(
+        f"{args.iterations} calls per arm per row after {args.warmup} warm-up, interleaved; "
+        "baseline = plain openai.OpenAI, default HTTP client"
+    )
+    rows = []
+    with contextlib.ExitStack() as stack:
+        decode_url = stack.enter_context(stub_process(16))
+        for size in sizes:
+            prefill_url = stack.enter_context(stub_process(size))
+            for kind in kinds:
+                rows.append(bench_size(prefill_url, decode_url, size, kind, args.iterations, args.warmup))
+    print()
+    print_table(rows)
+    print()
+    print("ratio = median pdclient / median baseline (target <= 1.05); paired = median of per-iteration ratios")
+    print("handoff CPU = PDTrace.handoff_cpu_ms: parse prefill result + build decode body (target <= 1.5 ms at 32k)")
+
+
+if __name__ == "__main__":
+    main()
