@@ -40,7 +40,7 @@ def _copy_arguments(current: PDSettings, pd_options: dict[str, Any], kwargs: dic
             "decode_base_url": list(current.decode.urls),
             "on_trace": current.on_trace,
             "on_prefill_failure": current.on_prefill_failure,
-            "routing": current.prefill.policy.__class__(),
+            "routing": current.routing,
             "breaker": current.prefill.breaker,
             "retries": current.retry,
             **given,

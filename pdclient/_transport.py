@@ -72,6 +72,8 @@ class PDSettings:
     on_trace: TraceCallback | None = None
     on_prefill_failure: str = "decode"
     retry: RetrySettings = field(default_factory=RetrySettings)
+    routing: str | RoutingPolicy | None = None
+    """As given; each pool holds its own policy object made from it."""
 
     @classmethod
     def resolve(
@@ -101,6 +103,7 @@ class PDSettings:
             on_trace=on_trace,
             on_prefill_failure=policy,
             retry=retries,
+            routing=routing,
         )
 
 
@@ -302,8 +305,11 @@ class _Handoff:
         assert self.prefill is not None
         forward = plan.ids_not_forwarded_because(self.kind, self.body) is None
         body = plan.plan_release(self.kind, self.body, self.prefill, forward_ids=forward)
-        url = (self.decode_endpoint or self.settings.decode.endpoints[0]).url
-        return self._leg_request(url, orjson.dumps(body))
+        try:
+            endpoint = self.settings.decode.pick(self.affinity)
+        except AllEndpointsOpen:
+            return None  # the blocks expire with the connector's timeout
+        return self._leg_request(endpoint.url, orjson.dumps(body))
 
     def _leg_request(self, base: str, content: bytes) -> httpx.Request:
         headers = self.request.headers.copy()
@@ -368,6 +374,12 @@ class _Handoff:
             headers[_FAILED_LEG_HEADER] = "decode"
         return httpx.Response(response.status_code, headers=headers, stream=stream, extensions=response.extensions)
 
+    def broken_stream(self, error: httpx.TransportError, received: int) -> httpx.TransportError:
+        """The same kind of error (the SDK maps it to APIConnectionError), saying where it broke."""
+        url = self.decode_endpoint.url if self.decode_endpoint else self.fallback_url
+        self.fallback = f"decode stream broke after {received} bytes: {type(error).__name__}: {error}"
+        return type(error)(f"pdclient: {self.fallback} (decode {url}, request {self.request_id})")
+
     def finish(self, first_byte_at: float | None) -> None:
         """The decode response was closed (fully read or abandoned)."""
         if self.decode_endpoint is not None:
@@ -388,10 +400,15 @@ class _TracedStream(httpx.SyncByteStream):
         self._closed = False
 
     def __iter__(self) -> Iterator[bytes]:
-        for chunk in self._response.stream:  # type: ignore[union-attr]
-            if self._first_byte_at is None:
-                self._first_byte_at = time.perf_counter()
-            yield chunk
+        received = 0
+        try:
+            for chunk in self._response.stream:  # type: ignore[union-attr]
+                if self._first_byte_at is None:
+                    self._first_byte_at = time.perf_counter()
+                received += len(chunk)
+                yield chunk
+        except httpx.TransportError as exc:
+            raise self._handoff.broken_stream(exc, received) from exc
 
     def close(self) -> None:
         if self._closed:
@@ -413,10 +430,15 @@ class _AsyncTracedStream(httpx.AsyncByteStream):
         self._closed = False
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        async for chunk in self._response.stream:  # type: ignore[union-attr]
-            if self._first_byte_at is None:
-                self._first_byte_at = time.perf_counter()
-            yield chunk
+        received = 0
+        try:
+            async for chunk in self._response.stream:  # type: ignore[union-attr]
+                if self._first_byte_at is None:
+                    self._first_byte_at = time.perf_counter()
+                received += len(chunk)
+                yield chunk
+        except httpx.TransportError as exc:
+            raise self._handoff.broken_stream(exc, received) from exc
 
     async def aclose(self) -> None:
         if self._closed:

@@ -1,0 +1,177 @@
+"""Routing policies, circuit breakers and retry decisions, without HTTP."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import httpx
+import pytest
+
+from pdclient._endpoints import (
+    Affinity,
+    AllEndpointsOpen,
+    BreakerSettings,
+    EndpointPool,
+    LeastOutstanding,
+    PowerOfTwoChoices,
+    RoundRobin,
+    make_policy,
+)
+from pdclient._errors import PDConfigError
+from pdclient._retry import counts_against_server, is_transient_status, retry_after_seconds
+
+URLS = ("http://a/v1", "http://b/v1", "http://c/v1")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def pool(policy: object = None, failures: int = 2, cooldown: float = 10.0) -> tuple[EndpointPool, Clock]:
+    clock = Clock()
+    return EndpointPool("decode", URLS, make_policy(policy), BreakerSettings(failures, cooldown), clock), clock  # type: ignore[arg-type]
+
+
+def test_round_robin_takes_turns() -> None:
+    p, _ = pool(RoundRobin())
+    assert [p.pick().url for _ in range(4)] == [*URLS, URLS[0]]
+
+
+def test_least_outstanding_takes_the_idlest() -> None:
+    p, _ = pool(LeastOutstanding())
+    a, b, _c = p.endpoints
+    a.acquire()
+    b.acquire()
+    assert p.pick().url == URLS[2]
+    a.release(ok=True)
+    assert p.pick().url == URLS[0]
+
+
+def test_power_of_two_never_takes_the_busiest_of_its_two() -> None:
+    p, _ = pool(PowerOfTwoChoices(random.Random(7)))
+    busy = p.endpoints[0]
+    for _ in range(5):
+        busy.acquire()
+    picks = Counter(p.pick().url for _ in range(300))
+    assert URLS[0] not in picks and set(picks) == {URLS[1], URLS[2]}
+
+
+def test_affinity_is_stable_and_spreads_keys() -> None:
+    p, _ = pool(Affinity())
+    chosen = {f"k{i}": p.pick(f"k{i}").url for i in range(60)}
+    assert all(p.pick(k).url == url for k, url in chosen.items())
+    assert set(chosen.values()) == set(URLS)
+
+
+def test_affinity_moves_only_the_keys_of_a_down_endpoint() -> None:
+    p, _ = pool(Affinity(), failures=1)
+    before = {f"k{i}": p.pick(f"k{i}").url for i in range(60)}
+    down = p.endpoints[0]
+    down.acquire()
+    down.release(ok=False)
+    after = {k: p.pick(k).url for k in before}
+    assert all(after[k] == url for k, url in before.items() if url != down.url)
+    assert down.url not in after.values()
+
+
+def test_pick_avoids_endpoints_already_tried_when_it_can() -> None:
+    p, _ = pool(LeastOutstanding())
+    assert p.pick(avoid=p.endpoints[:2]).url == URLS[2]
+    assert p.pick(avoid=p.endpoints).url == URLS[0], "all tried: any admitted one"
+
+
+def test_breaker_opens_after_consecutive_failures_and_half_opens_for_one_probe() -> None:
+    p, clock = pool(RoundRobin(), failures=2, cooldown=10)
+    a = p.endpoints[0]
+    for ok in (False, True, False):
+        a.acquire()
+        a.release(ok=ok)
+    assert a.state == "closed", "a success resets the count"
+    a.acquire()
+    a.release(ok=False)
+    assert a.state == "open" and not a.admits()
+    clock.now = 10
+    assert a.state == "half-open" and a.admits()
+    a.acquire()
+    assert not a.admits(), "one probe at a time"
+    a.release(ok=False)
+    assert a.state == "open", "a failed probe opens it again"
+    clock.now = 20
+    a.acquire()
+    a.release(ok=True)
+    assert a.state == "closed" and a.admits()
+
+
+def test_busy_answers_do_not_trip_the_breaker() -> None:
+    p, _ = pool(failures=1)
+    a = p.endpoints[0]
+    a.acquire()
+    a.release(ok=None)
+    assert a.state == "closed"
+
+
+def test_all_open_names_every_endpoint() -> None:
+    p, _ = pool(failures=1)
+    for endpoint in p.endpoints:
+        endpoint.acquire()
+        endpoint.release(ok=False)
+    with pytest.raises(AllEndpointsOpen, match=r"every decode endpoint .* http://a/v1 \(open\), http://b/v1 \(open\)"):
+        p.pick()
+
+
+def test_unknown_policy_is_a_config_error() -> None:
+    with pytest.raises(PDConfigError, match="routing must be one of"):
+        make_policy("fastest")
+    with pytest.raises(PDConfigError, match="routing must be one of"):
+        make_policy(42)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("status", "transient", "health"),
+    [
+        (200, False, True),
+        (400, False, True),
+        (404, False, True),
+        (408, True, None),
+        (429, True, None),
+        (500, True, False),
+        (502, True, False),
+        (503, True, False),
+        (504, True, False),
+        (None, None, False),
+    ],
+)
+def test_status_decisions(status: int | None, transient: bool | None, health: bool | None) -> None:
+    if status is not None:
+        assert is_transient_status(status) is transient
+    assert counts_against_server(status) is health
+
+
+@pytest.mark.parametrize(
+    ("headers", "seconds"),
+    [
+        ({}, None),
+        ({"retry-after": "2"}, 2.0),
+        ({"retry-after": "0.5"}, 0.5),
+        ({"retry-after": "999"}, 10.0),
+        ({"retry-after-ms": "250"}, 0.25),
+        ({"retry-after": "soon"}, None),
+        ({"retry-after": "-3"}, 0.0),
+    ],
+)
+def test_retry_after(headers: dict[str, str], seconds: float | None) -> None:
+    assert retry_after_seconds(httpx.Response(429, headers=headers)) == seconds
+
+
+def test_retry_after_http_date() -> None:
+    import email.utils
+    import time
+
+    when = email.utils.formatdate(time.time() + 3, usegmt=True)
+    value = retry_after_seconds(httpx.Response(503, headers={"retry-after": when}))
+    assert value is not None and 1.5 < value <= 3.0
