@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import openai
 import orjson
 import tenacity
 
@@ -374,11 +375,16 @@ class _Handoff:
             headers[_FAILED_LEG_HEADER] = "decode"
         return httpx.Response(response.status_code, headers=headers, stream=stream, extensions=response.extensions)
 
-    def broken_stream(self, error: httpx.TransportError, received: int) -> httpx.TransportError:
-        """The same kind of error (the SDK maps it to APIConnectionError), saying where it broke."""
+    def broken_stream(self, error: httpx.TransportError, received: int) -> openai.APIConnectionError:
+        """A decode stream cut mid-way, as the openai error a caller already handles.
+
+        openai 3.x maps an httpx error during iteration to APIConnectionError itself, 2.x
+        lets the raw httpx error through; raising the openai error here makes both alike.
+        """
         url = self.decode_endpoint.url if self.decode_endpoint else self.fallback_url
         self.fallback = f"decode stream broke after {received} bytes: {type(error).__name__}: {error}"
-        return type(error)(f"pdclient: {self.fallback} (decode {url}, request {self.request_id})")
+        message = f"pdclient: {self.fallback} (decode {url}, request {self.request_id})"
+        return openai.APIConnectionError(message=message, request=self.request)  # type: ignore[arg-type]
 
     def finish(self, first_byte_at: float | None) -> None:
         """The decode response was closed (fully read or abandoned)."""
