@@ -1,0 +1,152 @@
+"""`pdclient chat` and `pdclient bench` against a respx fake pair (the real pair: tests/test_examples.py)."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from pdclient import _cli_bench, _cli_chat
+
+PREFILL = "http://prefill.test:8100/v1"
+DECODE = "http://decode.test:8200/v1"
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="pdclient")
+    commands = parser.add_subparsers(dest="command", required=True)
+    _cli_chat.register(commands)
+    _cli_bench.register(commands)
+    return parser.parse_args(argv)
+
+
+def sse(*pieces: str) -> bytes:
+    chunks = [
+        {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [choice]}
+        for choice in [{"index": 0, "delta": {"content": p}, "finish_reason": None} for p in pieces]
+        + [{"index": 0, "delta": {}, "finish_reason": "stop"}]
+    ]
+    return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+
+
+class Fake:
+    def __init__(self) -> None:
+        self.decode_bodies: list[dict[str, Any]] = []
+        self.router: Any = None
+
+    def prefill(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        ids = list(range(len(json.dumps(body["messages"])) // 4))  # ~4 characters a token
+        return httpx.Response(200, json={"choices": [], "prompt_token_ids": ids, "kv_transfer_params": {"a": 1}})
+
+    def decode(self, request: httpx.Request) -> httpx.Response:
+        self.decode_bodies.append(json.loads(request.content))
+        return httpx.Response(200, content=sse("Par", "is."), headers={"content-type": "text/event-stream"})
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> Any:
+    import respx
+
+    monkeypatch.delenv("PDCLIENT_PREFILL_BASE_URL", raising=False)
+    monkeypatch.delenv("PDCLIENT_DECODE_BASE_URL", raising=False)
+    pair = Fake()
+    with respx.mock(assert_all_called=False) as router:
+        pair.router = router
+        router.post(f"{PREFILL}/chat/completions").mock(side_effect=pair.prefill)
+        router.post(f"{DECODE}/chat/completions", name="decode").mock(side_effect=pair.decode)
+        router.get(f"{DECODE}/models").mock(return_value=httpx.Response(200, json={"data": [{"id": "served"}]}))
+        yield pair
+
+
+def test_chat_streams_the_answer_and_trace(fake: Fake, capsys: pytest.CaptureFixture[str]) -> None:
+    args = parse("chat", "--prefill", PREFILL, "--decode", DECODE, "--trace", "Capital", "of", "France?")
+    assert args.func(args) == 0
+    out, err = capsys.readouterr()
+    assert out == "Paris.\n"
+    assert "route=chat" in err and "forwarded_tokens=" in err and "fallback=None" in err
+    assert fake.decode_bodies[0]["model"] == "served"  # the decode server's first model
+    assert fake.decode_bodies[0]["messages"] == [{"role": "user", "content": "Capital of France?"}]
+    assert fake.decode_bodies[0]["kv_transfer_params"]["prompt_token_ids"]
+
+
+def test_chat_reads_stdin_and_env(
+    fake: Fake, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("PDCLIENT_PREFILL_BASE_URL", PREFILL)
+    monkeypatch.setenv("PDCLIENT_DECODE_BASE_URL", DECODE)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hello there\n"))
+    args = parse("chat", "--model", "m", "--system", "Be brief.")
+    assert args.func(args) == 0
+    assert capsys.readouterr().out == "Paris.\n"
+    assert fake.decode_bodies[0]["messages"][0] == {"role": "system", "content": "Be brief."}
+    assert fake.decode_bodies[0]["model"] == "m"
+
+
+def test_chat_errors_are_one_line(fake: Fake, capsys: pytest.CaptureFixture[str]) -> None:
+    fake.router.routes["decode"].mock(
+        return_value=httpx.Response(404, json={"error": {"message": "The model `x` does not exist."}})
+    )
+    args = parse("chat", "--prefill", PREFILL, "--decode", DECODE, "--model", "x", "hi")
+    assert args.func(args) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith("pdclient chat: error: HTTP 404")
+
+
+def test_chat_unreachable_server_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    args = parse("chat", "--prefill", "http://127.0.0.1:9/v1", "--decode", "http://127.0.0.1:9/v1", "--model", "m", "x")
+    args.api_key = "EMPTY"
+    assert args.func(args) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("pdclient chat: error: ") and err.count("\n") == 1
+
+
+def test_chat_needs_both_urls(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PDCLIENT_DECODE_BASE_URL", raising=False)
+    args = parse("chat", "--prefill", PREFILL, "hi")
+    assert args.func(args) == 1
+    assert "give both --prefill and --decode" in capsys.readouterr().err
+
+
+def test_bench_table_json_and_plot(fake: Fake, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plot, raw = tmp_path / "bench.png", tmp_path / "bench.json"
+    argv = ["bench", "--prefill", PREFILL, "--decode", DECODE, "--sizes", "64,256", "--pairs", "3"]
+    args = parse(*argv, "--plot", str(plot), "--json", str(raw))
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "decode TTFT ms: ids" in out and "saving ms [95% CI]" in out
+    samples = json.loads(raw.read_text())
+    assert len(samples) == 2 * 2 * 3
+    # The arms alternate and differ only by the forwarded ids.
+    assert [s["arm"] for s in samples[:4]] == ["ids", "no ids", "no ids", "ids"]
+    measured = fake.decode_bodies[2:8]  # after the two warm-up calls of the first size
+    with_ids = [b for b in measured if "prompt_token_ids" in b["kv_transfer_params"]]
+    assert len(with_ids) == 3
+    # Every call had its own prompt.
+    prompts = [b["messages"][0]["content"] for b in fake.decode_bodies]
+    assert len(set(prompts)) == len(prompts)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "plot skipped" in out
+    else:
+        assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_bad_sizes(capsys: pytest.CaptureFixture[str]) -> None:
+    args = parse("bench", "--prefill", PREFILL, "--decode", DECODE, "--sizes", "1k")
+    assert args.func(args) == 1
+    assert capsys.readouterr().err == "pdclient bench: error: --sizes must be comma-separated integers, got '1k'\n"
+
+
+def test_bootstrap_interval_brackets_the_median() -> None:
+    diffs = [10.0 + (i % 7) for i in range(40)]
+    low, high = _cli_bench.bootstrap_ci(diffs)
+    assert low <= sorted(diffs)[20] <= high
