@@ -1,0 +1,76 @@
+"""End-to-end tier: one real local prefill+decode vLLM pair (NIXL on CPU) for the session.
+
+Every test here is marked ``e2e``; ``pytest -m "not e2e"`` skips the tier. The server
+environment and the model are prepared at collection time (minutes on a fresh machine,
+outside any per-test timeout); the pair itself starts once, in the first test's setup.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from pdclient.local import LocalPD, _prepare
+
+HERE = Path(__file__).parent
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "e2e: end-to-end against a real local prefill+decode vLLM pair")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if HERE in Path(str(item.path)).parents:
+            item.add_marker(pytest.mark.e2e)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # After -m/-k deselection: prepare only when an e2e test will actually run.
+    if any(item.get_closest_marker("e2e") for item in session.items) and not os.environ.get("PDCLIENT_E2E_PAIR"):
+        logging.getLogger("pdclient.local").setLevel(logging.INFO)
+        _prepare.server_python()
+        _prepare.model_dir()
+
+
+class AttachedPair(LocalPD):
+    """An already running pair (``PDCLIENT_E2E_PAIR=prefill_url,decode_url``): no start, no stop.
+
+    For iterating on this tier without a server restart per run, or for running it
+    against another deployment serving the same model.
+    """
+
+    def __init__(self, prefill_url: str, decode_url: str) -> None:
+        super().__init__()
+        self._urls = (prefill_url.rstrip("/"), decode_url.rstrip("/"))
+
+    @property
+    def prefill_url(self) -> str:
+        return self._urls[0]
+
+    @property
+    def decode_url(self) -> str:
+        return self._urls[1]
+
+
+@pytest.fixture(scope="session")
+def pd() -> Iterator[LocalPD]:
+    attach = os.environ.get("PDCLIENT_E2E_PAIR")
+    if attach:
+        prefill_url, decode_url = attach.split(",")
+        yield AttachedPair(prefill_url, decode_url)
+        return
+    with LocalPD() as pair:
+        yield pair
+
+
+@pytest.fixture(scope="session")
+def plain(pd: LocalPD) -> Iterator[openai.OpenAI]:
+    """The decode server alone, no P/D: the reference answers come from here."""
+    with openai.OpenAI(base_url=pd.decode_url, api_key="EMPTY", max_retries=0) as client:
+        yield client
