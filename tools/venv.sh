@@ -4,7 +4,9 @@
 set -euo pipefail
 req="$1"
 cache="${PDCLIENT_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/pdclient}"
-hash=$(sha256sum "$req" | cut -c1-12)
+# The key covers the file and the files it includes with `-r`.
+includes=$(sed -n 's/^-r[[:space:]]*//p' "$req" | sed "s|^|$(dirname "$req")/|")
+hash=$(cat "$req" $includes | sha256sum | cut -c1-12)
 venv="$cache/venv-$(basename "$req" .txt)-$hash"
 if [ ! -f "$venv/.ready" ]; then
   mkdir -p "$cache"
