@@ -42,6 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     doctor.add_argument("--timeout", type=float, default=120.0, help="seconds per HTTP request (default: 120)")
     doctor.set_defaults(func=_doctor)
+
+    # Each other subcommand lives in its own module and adds itself here.
+    from . import _cli_bench, _cli_chat
+
+    _cli_chat.register(commands)
+    _cli_bench.register(commands)
     return parser
 
 
