@@ -17,7 +17,7 @@ Printed per prompt size: median wall time per call of each arm and their ratio
 and each arm's median client CPU per call (``time.thread_time`` around the whole call: a
 sync client does all its work, I/O included, in the calling thread).
 
-Run: PYTHONPATH=. python benchmarks/bench_client_overhead.py [--iterations 200]
+Run: PYTHONPATH=. python benchmarks/bench_client_overhead.py [--repeat 3] [--iterations 200]
 """
 
 from __future__ import annotations
@@ -189,6 +189,12 @@ def bench_size(
     }
 
 
+def median_over(runs: list[list[dict[str, Any]]], i: int) -> dict[str, float]:
+    """Row ``i``'s measured columns, each the median over the runs."""
+    first = runs[0][i]
+    return {k: statistics.median(run[i][k] for run in runs) for k in first if isinstance(first[k], float)}
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
     header = (
         f"{'ids':>6} {'messages':>8} | {'pdclient ms':>11} {'baseline ms':>11} {'ratio':>6} {'paired':>6} | "
@@ -208,6 +214,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iterations", type=int, default=200, help="measured calls per arm per row")
     parser.add_argument("--warmup", type=int, default=20, help="unmeasured calls per arm per row")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of the whole table; prints their medians")
     parser.add_argument("--sizes", default="8192,32768", help="prompt ids the prefill answers with")
     parser.add_argument(
         "--messages",
@@ -225,18 +232,26 @@ def main() -> None:
         f"{args.iterations} calls per arm per row after {args.warmup} warm-up, interleaved; "
         "baseline = plain openai.OpenAI, default HTTP client"
     )
-    rows = []
+    runs: list[list[dict[str, Any]]] = []
     with contextlib.ExitStack() as stack:
         decode_url = stack.enter_context(stub_process(16))
-        for size in sizes:
-            prefill_url = stack.enter_context(stub_process(size))
-            for kind in kinds:
-                rows.append(bench_size(prefill_url, decode_url, size, kind, args.iterations, args.warmup))
-    print()
-    print_table(rows)
+        prefill_urls = {size: stack.enter_context(stub_process(size)) for size in sizes}
+        for run in range(args.repeat):
+            rows = [
+                bench_size(prefill_urls[size], decode_url, size, kind, args.iterations, args.warmup)
+                for size in sizes
+                for kind in kinds
+            ]
+            runs.append(rows)
+            print(f"\nrun {run + 1} of {args.repeat}, load average {os.getloadavg()[0]:.1f}")
+            print_table(rows)
+    if len(runs) > 1:
+        print(f"\nmedian of each column over the {len(runs)} runs")
+        print_table([{**row, **median_over(runs, i)} for i, row in enumerate(runs[0])])
     print()
     print("ratio = median pdclient / median baseline (target <= 1.05); paired = median of per-iteration ratios")
     print("handoff CPU = PDTrace.handoff_cpu_ms: parse prefill result + build decode body (target <= 1.5 ms at 32k)")
+    print("client CPU = thread_time per whole call (the least load-sensitive column on a busy machine)")
 
 
 if __name__ == "__main__":
