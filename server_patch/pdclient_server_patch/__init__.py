@@ -1,0 +1,194 @@
+"""pdclient's vLLM plugin: reuse forwarded prompt ids, guard the channel, catch drift.
+
+Loaded by vLLM from the ``vllm.general_plugins`` entry point ``pdclient_reuse`` in every
+vLLM process (API server, engine core, workers); ``VLLM_PLUGINS`` allowlists it by that
+name. Three independent parts, each described where it lives:
+
+- reuse (``_reuse.py``): on vLLM 0.20 - 0.26, honor ``kv_transfer_params["prompt_token_ids"]``
+  on the chat path as vLLM 0.27+ does natively; on 0.27+ do nothing.
+- guard (``_guard.py``, ``_signing.py``): with ``PDCLIENT_REUSE_SECRET`` set, 403 for any
+  request whose ``kv_transfer_params`` are not signed with it.
+- drift check (``_verify.py``): with ``PDCLIENT_REUSE_VERIFY_RATE`` > 0, re-render a sample of
+  reused prompts in the background and count mismatches on /metrics.
+
+With neither variable set on vLLM 0.27+, the plugin changes nothing.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._signing import SIGNATURE_KEY, sign_kv_transfer_params, verify_kv_transfer_params
+
+__all__ = ["SIGNATURE_KEY", "register", "sign_kv_transfer_params", "verify_kv_transfer_params"]
+__version__ = "0.1.0"
+
+logger = logging.getLogger("vllm.plugins.pdclient_reuse")
+
+SECRET_ENV = "PDCLIENT_REUSE_SECRET"
+VERIFY_RATE_ENV = "PDCLIENT_REUSE_VERIFY_RATE"
+
+# The oldest vLLM whose chat seams this plugin knows (renderers/base.py with
+# BaseRenderer.render_chat_async, and a chat renderer class with preprocess_chat).
+MIN_VLLM = (0, 20)
+# The first vLLM with native reuse (vllm-project/vllm#48145).
+NATIVE_VLLM = (0, 27)
+
+# Where the chat renderer class lives, newest first: ``OnlineRenderer`` from 0.26 on,
+# ``OpenAIServingRender`` in 0.20. Both have ``preprocess_chat`` (the text path) and
+# ``_make_request_with_harmony`` (gpt-oss), the two places vLLM 0.27+ reads the ids.
+CHAT_SEAMS = (
+    ("vllm.renderers.online_renderer", "OnlineRenderer"),
+    ("vllm.entrypoints.serve.render.serving", "OpenAIServingRender"),
+)
+
+
+@dataclass
+class State:
+    """What ``register()`` did in this process (read by tests and the startup log)."""
+
+    registered: bool = False
+    vllm_version: str | None = None
+    applied: dict[str, str] = field(default_factory=dict)
+
+
+STATE = State()
+_lock = threading.Lock()
+
+
+def register() -> None:
+    """vLLM plugin entry point. Idempotent; never raises (vLLM does not catch it)."""
+    with _lock:
+        if STATE.registered:
+            return
+        STATE.registered = True
+        try:
+            _register()
+        except Exception:
+            logger.exception("pdclient_reuse: not applied (unexpected error); vLLM runs unpatched")
+            return
+    logger.info(
+        "pdclient_reuse %s on vLLM %s: %s",
+        __version__,
+        STATE.vllm_version,
+        "; ".join(f"{part}: {what}" for part, what in STATE.applied.items()),
+    )
+
+
+def _register() -> None:
+    import vllm  # lazily: importing this package must not import vLLM
+
+    STATE.vllm_version = version = getattr(vllm, "__version__", "unknown")
+    applied = STATE.applied
+    rate = _verify_rate()
+    secret = os.environ.get(SECRET_ENV) or None
+
+    seam = _find_chat_seam()
+    if seam is None:
+        applied["reuse"] = "skipped (no known chat renderer class in this vLLM)"
+    elif seam[2]:
+        applied["reuse"] = "native (vLLM has _reused_prompt_token_ids), not patched"
+    elif _version_tuple(version) < MIN_VLLM:
+        applied["reuse"] = f"skipped (vLLM older than {'.'.join(map(str, MIN_VLLM))})"
+    elif _version_tuple(version) >= NATIVE_VLLM:
+        # Native reuse is expected but its function moved: patching on top could apply
+        # the ids twice or not at all. Say so rather than guess.
+        applied["reuse"] = "skipped (vLLM 0.27+ without _reused_prompt_token_ids: seam changed, not patching)"
+    else:
+        applied["reuse"] = _apply_reuse(seam[1])
+
+    if rate <= 0:
+        applied["drift check"] = f"off ({VERIFY_RATE_ENV} unset or 0)"
+    elif seam is None:
+        applied["drift check"] = "skipped (no chat renderer seam)"
+    else:
+        applied["drift check"] = _apply_verify(seam[1], rate)
+
+    if secret is None and rate <= 0:
+        applied["guard"] = f"off ({SECRET_ENV} unset)"
+    else:
+        from . import _guard
+
+        _guard.install(secret)
+        applied["guard"] = (
+            f"on ({SECRET_ENV} set: kv_transfer_params must carry a valid {SIGNATURE_KEY})"
+            if secret
+            else f"off ({SECRET_ENV} unset; middleware only records X-Request-Id for the drift check)"
+        )
+
+
+def _find_chat_seam() -> tuple[Any, type, bool] | None:
+    """(module, chat renderer class, has native reuse) for this vLLM, or None."""
+    for module_name, class_name in CHAT_SEAMS:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        cls = getattr(module, class_name, None)
+        if cls is not None and hasattr(cls, "preprocess_chat"):
+            return module, cls, callable(getattr(module, "_reused_prompt_token_ids", None))
+    return None
+
+
+def _apply_reuse(cls: type) -> str:
+    from vllm.inputs import tokens_input
+    from vllm.renderers.base import BaseRenderer
+
+    from . import _reuse
+
+    if not hasattr(BaseRenderer, "render_chat_async"):
+        return "skipped (BaseRenderer.render_chat_async missing)"
+    _patch(BaseRenderer, "render_chat_async", lambda f: _reuse.wrap_render_chat_async(f, tokens_input))
+    _patch(cls, "preprocess_chat", _reuse.wrap_preprocess_chat)
+    harmony = hasattr(cls, "_make_request_with_harmony")
+    if harmony:
+        _patch(cls, "_make_request_with_harmony", lambda f: _reuse.wrap_make_request_with_harmony(f, tokens_input))
+    return f"patched {cls.__name__}.preprocess_chat{' and Harmony path' if harmony else ''} (vLLM < 0.27 has no reuse)"
+
+
+def _apply_verify(cls: type, rate: float) -> str:
+    from . import _verify
+
+    _patch(cls, "preprocess_chat", lambda f: _verify.wrap_preprocess_chat(f, rate), layer="verify")
+    return f"on for {rate:g} of reused chat prompts (Harmony path not checked)"
+
+
+def _patch(owner: type, name: str, wrap: Any, layer: str = "reuse") -> None:
+    """Replace ``owner.name`` by ``wrap(original)`` once per layer (idempotent across reloads)."""
+    current = getattr(owner, name)
+    layers = getattr(current, "__pdclient_layers__", frozenset())
+    if layer in layers:
+        return
+    wrapped = wrap(current)
+    wrapped.__pdclient_layers__ = layers | {layer}
+    setattr(owner, name, wrapped)
+
+
+def _verify_rate() -> float:
+    raw = os.environ.get(VERIFY_RATE_ENV, "").strip()
+    if not raw:
+        return 0.0
+    try:
+        rate = float(raw)
+    except ValueError:
+        logger.warning("pdclient_reuse: ignoring %s=%r (not a number in 0..1)", VERIFY_RATE_ENV, raw)
+        return 0.0
+    if not 0.0 <= rate <= 1.0:
+        logger.warning("pdclient_reuse: ignoring %s=%r (not in 0..1)", VERIFY_RATE_ENV, raw)
+        return 0.0
+    return rate
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts) or (999,)  # unparseable (a source build): trust feature detection
