@@ -7,10 +7,11 @@ handoff logic lives in ``_transport`` and ``_handoff``.
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import httpx
 import openai
+from typing_extensions import Self
 
 from ._endpoints import DECODE_ENV, BreakerSettings, RoutingPolicy, URLArg, resolve_urls
 from ._errors import PDConfigError
@@ -43,6 +44,7 @@ def _copy_arguments(current: PDSettings, pd_options: dict[str, Any], kwargs: dic
             "routing": current.routing,
             "breaker": current.prefill.breaker,
             "retries": current.retry,
+            "reuse_secret": current.reuse_secret,
             **given,
         }
     if "decode_base_url" in given:
@@ -115,142 +117,113 @@ def _wire(
     return client_type(transport=transport, follow_redirects=True, timeout=http_client.timeout)
 
 
-class PDChatClient(openai.OpenAI):
+class _PDClient:
+    """The P/D part of both clients, written once: settings, the wired httpx client, copy().
+
+    Mixed in before ``openai.OpenAI`` / ``openai.AsyncOpenAI``; the twins only name
+    their transport and httpx types.
+    """
+
+    _transport_type: ClassVar[type[PDTransport] | type[AsyncPDTransport]]
+    _http_client_type: ClassVar[type[httpx.Client] | type[httpx.AsyncClient]]
+    _leg_transport_type: ClassVar[type[httpx.HTTPTransport] | type[httpx.AsyncHTTPTransport]]
+    pd_settings: PDSettings
+
+    def __init__(
+        self,
+        *,
+        prefill_base_url: URLArg = None,
+        decode_base_url: URLArg = None,
+        on_trace: TraceCallback | None = None,
+        on_prefill_failure: str = "decode",
+        routing: str | RoutingPolicy | None = None,
+        breaker: BreakerSettings | None = None,
+        retries: RetrySettings | None = None,
+        reuse_secret: str | None = None,
+        base_url: str | httpx.URL | openai.NotGiven | None = openai.not_given,
+        http_client: httpx.Client | httpx.AsyncClient | None = None,
+        **kwargs: Any,
+    ) -> None:
+        settings = _settings_for(
+            kwargs.pop("_pd_settings", None),
+            http_client,
+            self._transport_type,
+            prefill_base_url=prefill_base_url,
+            decode_base_url=decode_base_url,
+            on_trace=on_trace,
+            on_prefill_failure=on_prefill_failure,
+            routing=routing,
+            breaker=breaker,
+            retries=retries,
+            reuse_secret=reuse_secret,
+        )
+        base = _api_base(settings, base_url)
+        wired = _wire(http_client, settings, self._transport_type, self._http_client_type, self._leg_transport_type)  # type: ignore[type-var]
+        # openai 3.x annotates httpx2 clients but accepts httpx ones (it checks for both).
+        super().__init__(base_url=base, http_client=wired, **kwargs)  # type: ignore[call-arg]
+        self.pd_settings = settings
+
+    def copy(
+        self,
+        *,
+        prefill_base_url: URLArg = _UNSET,
+        decode_base_url: URLArg = _UNSET,
+        on_trace: TraceCallback | None = _UNSET,
+        on_prefill_failure: str = _UNSET,
+        routing: str | RoutingPolicy | None = _UNSET,
+        breaker: BreakerSettings | None = _UNSET,
+        retries: RetrySettings | None = _UNSET,
+        reuse_secret: str | None = _UNSET,
+        **kwargs: Any,
+    ) -> Self:
+        """The openai client's ``copy`` (and ``with_options``), keeping or overriding the P/D settings."""
+        pd_options = {
+            "prefill_base_url": prefill_base_url,
+            "decode_base_url": decode_base_url,
+            "on_trace": on_trace,
+            "on_prefill_failure": on_prefill_failure,
+            "routing": routing,
+            "breaker": breaker,
+            "retries": retries,
+            "reuse_secret": reuse_secret,
+        }
+        copied: Self = super().copy(**_copy_arguments(self.pd_settings, pd_options, kwargs))  # type: ignore[misc]
+        return copied
+
+    with_options = copy
+
+
+class PDChatClient(_PDClient, openai.OpenAI):
     """``openai.OpenAI`` for a prefill/decode disaggregated vLLM deployment.
 
     Chat and completions calls run a prefill call on ``prefill_base_url`` and a decode
     call (streamed or not) on ``decode_base_url``, forwarding the prefill's prompt token
     ids so the decode server does not render and tokenize the prompt again. Every other
-    request goes to the decode endpoint. All other arguments are ``openai.OpenAI``'s.
+    request goes to a decode endpoint. All other arguments are ``openai.OpenAI``'s.
 
     Args:
         prefill_base_url: a URL or list of URLs; default ``$PDCLIENT_PREFILL_BASE_URL``
             (comma-separated).
         decode_base_url: likewise, default ``$PDCLIENT_DECODE_BASE_URL``.
-        on_trace: called with each call's ``PDTrace`` once its decode response is closed.
-        on_prefill_failure: ``"decode"`` (send the call to decode without P/D) or ``"fail"``.
+        on_trace: called with each call's ``PDTrace`` once the call is over.
+        on_prefill_failure: when the prefill leg fails for good: ``"decode"`` (send the
+            call to decode without P/D, the default), ``"fail"``, or a fallback base URL.
+        routing: ``"least_outstanding"`` (default), ``"round_robin"``, ``"power_of_two"``,
+            ``"affinity"``, or a ``RoutingPolicy`` object.
+        breaker: circuit breaker settings per endpoint (``BreakerSettings``).
+        retries: per-leg retry settings (``RetrySettings``).
+        reuse_secret: signs ``kv_transfer_params`` for servers running the server patch
+            with ``PDCLIENT_REUSE_SECRET``; default that environment variable.
     """
 
-    pd_settings: PDSettings
-
-    def __init__(
-        self,
-        *,
-        prefill_base_url: URLArg = None,
-        decode_base_url: URLArg = None,
-        on_trace: TraceCallback | None = None,
-        on_prefill_failure: str = "decode",
-        routing: str | RoutingPolicy | None = None,
-        breaker: BreakerSettings | None = None,
-        retries: RetrySettings | None = None,
-        base_url: str | httpx.URL | openai.NotGiven | None = openai.not_given,
-        http_client: httpx.Client | None = None,
-        **kwargs: Any,
-    ) -> None:
-        settings = _settings_for(
-            kwargs.pop("_pd_settings", None),
-            http_client,
-            PDTransport,
-            prefill_base_url=prefill_base_url,
-            decode_base_url=decode_base_url,
-            on_trace=on_trace,
-            on_prefill_failure=on_prefill_failure,
-            routing=routing,
-            breaker=breaker,
-            retries=retries,
-        )
-        base = _api_base(settings, base_url)
-        wired = _wire(http_client, settings, PDTransport, httpx.Client, httpx.HTTPTransport)
-        # openai 3.x annotates httpx2 clients but accepts httpx ones (it checks for both).
-        super().__init__(base_url=base, http_client=wired, **kwargs)  # type: ignore[arg-type]
-        self.pd_settings = settings
-
-    def copy(
-        self,
-        *,
-        prefill_base_url: URLArg = _UNSET,
-        decode_base_url: URLArg = _UNSET,
-        on_trace: TraceCallback | None = _UNSET,
-        on_prefill_failure: str = _UNSET,
-        routing: str | RoutingPolicy | None = _UNSET,
-        breaker: BreakerSettings | None = _UNSET,
-        retries: RetrySettings | None = _UNSET,
-        **kwargs: Any,
-    ) -> PDChatClient:
-        """``openai.OpenAI.copy`` that keeps (or overrides) the P/D settings."""
-        pd_options = {
-            "prefill_base_url": prefill_base_url,
-            "decode_base_url": decode_base_url,
-            "on_trace": on_trace,
-            "on_prefill_failure": on_prefill_failure,
-            "routing": routing,
-            "breaker": breaker,
-            "retries": retries,
-        }
-        return super().copy(**_copy_arguments(self.pd_settings, pd_options, kwargs))
-
-    with_options = copy
+    _transport_type = PDTransport
+    _http_client_type = httpx.Client
+    _leg_transport_type = httpx.HTTPTransport
 
 
-class AsyncPDChatClient(openai.AsyncOpenAI):
+class AsyncPDChatClient(_PDClient, openai.AsyncOpenAI):
     """``openai.AsyncOpenAI`` twin of ``PDChatClient``; same arguments."""
 
-    pd_settings: PDSettings
-
-    def __init__(
-        self,
-        *,
-        prefill_base_url: URLArg = None,
-        decode_base_url: URLArg = None,
-        on_trace: TraceCallback | None = None,
-        on_prefill_failure: str = "decode",
-        routing: str | RoutingPolicy | None = None,
-        breaker: BreakerSettings | None = None,
-        retries: RetrySettings | None = None,
-        base_url: str | httpx.URL | openai.NotGiven | None = openai.not_given,
-        http_client: httpx.AsyncClient | None = None,
-        **kwargs: Any,
-    ) -> None:
-        settings = _settings_for(
-            kwargs.pop("_pd_settings", None),
-            http_client,
-            AsyncPDTransport,
-            prefill_base_url=prefill_base_url,
-            decode_base_url=decode_base_url,
-            on_trace=on_trace,
-            on_prefill_failure=on_prefill_failure,
-            routing=routing,
-            breaker=breaker,
-            retries=retries,
-        )
-        base = _api_base(settings, base_url)
-        wired = _wire(http_client, settings, AsyncPDTransport, httpx.AsyncClient, httpx.AsyncHTTPTransport)
-        # openai 3.x annotates httpx2 clients but accepts httpx ones (it checks for both).
-        super().__init__(base_url=base, http_client=wired, **kwargs)  # type: ignore[arg-type]
-        self.pd_settings = settings
-
-    def copy(
-        self,
-        *,
-        prefill_base_url: URLArg = _UNSET,
-        decode_base_url: URLArg = _UNSET,
-        on_trace: TraceCallback | None = _UNSET,
-        on_prefill_failure: str = _UNSET,
-        routing: str | RoutingPolicy | None = _UNSET,
-        breaker: BreakerSettings | None = _UNSET,
-        retries: RetrySettings | None = _UNSET,
-        **kwargs: Any,
-    ) -> AsyncPDChatClient:
-        """``openai.AsyncOpenAI.copy`` that keeps (or overrides) the P/D settings."""
-        pd_options = {
-            "prefill_base_url": prefill_base_url,
-            "decode_base_url": decode_base_url,
-            "on_trace": on_trace,
-            "on_prefill_failure": on_prefill_failure,
-            "routing": routing,
-            "breaker": breaker,
-            "retries": retries,
-        }
-        return super().copy(**_copy_arguments(self.pd_settings, pd_options, kwargs))
-
-    with_options = copy
+    _transport_type = AsyncPDTransport
+    _http_client_type = httpx.AsyncClient
+    _leg_transport_type = httpx.AsyncHTTPTransport

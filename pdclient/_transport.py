@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 import uuid
@@ -44,6 +45,7 @@ from ._endpoints import (
 from ._errors import PDConfigError
 from ._handoff import Kind, PrefillResult
 from ._retry import RetrySettings
+from ._signing import SECRET_ENV, signed
 from ._trace import PDTrace, TraceCallback, deliver
 
 logger = logging.getLogger("pdclient")
@@ -75,6 +77,8 @@ class PDSettings:
     retry: RetrySettings = field(default_factory=RetrySettings)
     routing: str | RoutingPolicy | None = None
     """As given; each pool holds its own policy object made from it."""
+    reuse_secret: str | None = field(default=None, repr=False)
+    """Signs every leg's kv_transfer_params for servers guarded by the server patch."""
 
     @classmethod
     def resolve(
@@ -87,6 +91,7 @@ class PDSettings:
         routing: str | RoutingPolicy | None = None,
         breaker: BreakerSettings | None = None,
         retries: RetrySettings | None = None,
+        reuse_secret: str | None = None,
     ) -> PDSettings:
         if on_trace is not None and not callable(on_trace):
             raise PDConfigError(f"on_trace must be callable, got {type(on_trace).__name__}")
@@ -105,6 +110,7 @@ class PDSettings:
             on_prefill_failure=policy,
             retry=retries,
             routing=routing,
+            reuse_secret=reuse_secret or os.environ.get(SECRET_ENV) or None,
         )
 
 
@@ -210,7 +216,7 @@ class _Handoff:
         endpoint.acquire()
         self.prefill_endpoint = endpoint
         self.prefill_tried.append(endpoint)
-        body = plan.plan_prefill(self.kind, self.body)
+        body = signed(plan.plan_prefill(self.kind, self.body), self.settings.reuse_secret)
         request = self._leg_request(endpoint.url, orjson.dumps(body))
         request.headers["accept"] = "application/json"
         return request
@@ -286,7 +292,8 @@ class _Handoff:
         no_ids_reason = plan.ids_not_forwarded_because(self.kind, self.body)
         if no_ids_reason is not None and self.prefill is not None and self.fallback is None:
             self.fallback = f"ids not forwarded: {no_ids_reason}"
-        return plan.plan_decode(self.kind, self.body, self.prefill, forward_ids=no_ids_reason is None)
+        body = plan.plan_decode(self.kind, self.body, self.prefill, forward_ids=no_ids_reason is None)
+        return signed(body, self.settings.reuse_secret)
 
     def decode_open_failed(self, error: BaseException) -> None:
         """Opening the decode leg raised: a transport error counts against the server."""
@@ -305,7 +312,9 @@ class _Handoff:
             return None
         assert self.prefill is not None
         forward = plan.ids_not_forwarded_because(self.kind, self.body) is None
-        body = plan.plan_release(self.kind, self.body, self.prefill, forward_ids=forward)
+        body = signed(
+            plan.plan_release(self.kind, self.body, self.prefill, forward_ids=forward), self.settings.reuse_secret
+        )
         try:
             endpoint = self.settings.decode.pick(self.affinity)
         except AllEndpointsOpen:
