@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import atexit
 import logging
+import signal
+import threading
 import time
 import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -42,6 +44,26 @@ def _stop_all() -> None:
         pd.stop()
 
 
+def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _guard_sigterm(on: bool) -> None:
+    """While a pair runs, SIGTERM unwinds Python instead of ending it on the spot.
+
+    SIGTERM's default action (a CI timeout, `kill`, a notebook kernel shutdown) skips
+    `with` blocks and atexit, so the servers would outlive their owner. Only the main
+    thread may set handlers, and a handler someone else installed is left alone.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    current = signal.getsignal(signal.SIGTERM)
+    if on and current is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    elif not on and current is _exit_on_sigterm and not _live:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 class LocalPD:
     """Starts a prefill and a decode vLLM server on 127.0.0.1 and stops them on exit.
 
@@ -64,7 +86,8 @@ class LocalPD:
         max_model_len: per server; raise it for long-prompt benchmarks.
         server_env: extra environment for both servers (e.g. plugin settings).
         extra_server_args: extra vLLM command-line flags for both servers.
-        startup_timeout: seconds to wait for both servers to answer.
+        startup_timeout: seconds to wait for both servers to answer (~50 s on an idle
+            2-core machine, several minutes when other processes load its cores).
         warmup: run one KV handoff before returning, so the NIXL handshake (~20 s on
             this CPU setup, once per pair) is not paid by the first real call.
     """
@@ -79,7 +102,7 @@ class LocalPD:
         max_model_len: int = 2048,
         server_env: Mapping[str, str] | None = None,
         extra_server_args: Sequence[str] = (),
-        startup_timeout: float = 300.0,
+        startup_timeout: float = 600.0,
         warmup: bool = True,
     ) -> None:
         self._prefill_port = prefill_port
@@ -97,7 +120,7 @@ class LocalPD:
     # -- lifecycle -----------------------------------------------------------------
 
     def start(self) -> LocalPD:
-        if self.prefill is not None:
+        if self.prefill is not None and self.prefill.running:
             return self
         for port, what in ((self._prefill_port, "prefill"), (self._decode_port, "decode")):
             if port is not None:
@@ -131,6 +154,7 @@ class LocalPD:
         self.prefill = server("prefill", prefill_port, self._kv_connector, cpu=0)
         self.decode = server("decode", decode_port, self._decode_kv_connector, cpu=1)
         _live.add(self)
+        _guard_sigterm(True)
         try:
             # Start both before waiting on either: they load in parallel on their own cores.
             self.prefill.start()
@@ -190,6 +214,7 @@ class LocalPD:
             if srv is not None:
                 srv.stop()
         _live.discard(self)
+        _guard_sigterm(False)
 
     def __enter__(self) -> LocalPD:
         return self.start()
@@ -202,7 +227,7 @@ class LocalPD:
     # -- endpoints -----------------------------------------------------------------
 
     def _running(self) -> tuple[VLLMServer, VLLMServer]:
-        if self.prefill is None or self.decode is None:
+        if self.prefill is None or self.decode is None or not (self.prefill.running and self.decode.running):
             raise PDSetupError("the local pair is not started; use `with LocalPD() as pd:` or pd.start()")
         return self.prefill, self.decode
 
@@ -223,9 +248,10 @@ class LocalPD:
 
     @property
     def logs(self) -> tuple[Path, Path]:
-        """The (prefill, decode) server log files."""
-        prefill, decode = self._running()
-        return prefill.log_path, decode.log_path
+        """The (prefill, decode) server log files; they stay readable after stop()."""
+        if self.prefill is None or self.decode is None:
+            raise PDSetupError("the local pair was never started")
+        return self.prefill.log_path, self.decode.log_path
 
     def client(self, **kwargs: Any) -> PDChatClient:
         """A PDChatClient wired to this pair; kwargs go to its constructor."""
@@ -242,6 +268,6 @@ class LocalPD:
         return AsyncPDChatClient(prefill_base_url=self.prefill_url, decode_base_url=self.decode_url, **kwargs)
 
     def __repr__(self) -> str:
-        if self.prefill is None or self.decode is None:
+        if self.prefill is None or self.decode is None or not self.prefill.running:
             return "LocalPD(stopped)"
         return f"LocalPD(prefill={self.prefill_url}, decode={self.decode_url}, kv_connector={self._kv_connector!r})"

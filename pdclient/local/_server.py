@@ -17,6 +17,7 @@ import subprocess
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -29,12 +30,17 @@ SERVED_MODEL_NAME = "smollm2"
 
 # kv_both: every server can send and receive KV, so one config serves either role.
 # kv_buffer_device cpu: NIXL moves the KV between host buffers (there is no GPU here).
-NIXL_KV_TRANSFER_CONFIG = {
+# kv_lease_duration: how long the prefill keeps a request's KV for the decode to pull
+# (vLLM default 30 s). On a contended 2-core machine a decode leg can start later than
+# that; the prefill then frees blocks the decode may still read ("Potentially invalid KV
+# blocks ... may have expired" in its log). Two minutes covers it.
+NIXL_KV_TRANSFER_CONFIG: dict[str, Any] = {
     "kv_connector": "NixlConnector",
     "kv_role": "kv_both",
     "kv_buffer_device": "cpu",
+    "kv_connector_extra_config": {"kv_lease_duration": 120},
 }
-KV_CONNECTORS: dict[str, dict[str, str]] = {"nixl": NIXL_KV_TRANSFER_CONFIG}
+KV_CONNECTORS: dict[str, dict[str, Any]] = {"nixl": NIXL_KV_TRANSFER_CONFIG}
 
 _STOP_GRACE_S = 20.0
 _POLL_S = 0.5
@@ -94,6 +100,7 @@ class VLLMServer:
         self.kv_connector = kv_connector
         self._workdir = workdir
         self._proc: subprocess.Popen[bytes] | None = None
+        self._pid: int | None = None
         self._started_at = 0.0
 
         self.argv = [
@@ -147,7 +154,13 @@ class VLLMServer:
 
     @property
     def pid(self) -> int | None:
-        return self._proc.pid if self._proc else None
+        """The server's process id (also after stop(), to check it is gone)."""
+        return self._pid
+
+    @property
+    def running(self) -> bool:
+        """Started and not stopped (it may still be starting, or have crashed since)."""
+        return self._proc is not None
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -168,6 +181,7 @@ class VLLMServer:
                 # stop() can signal vLLM's forked engine processes along with it.
                 start_new_session=True,
             )
+        self._pid = self._proc.pid
         self._started_at = time.monotonic()
 
     def poll_ready(self, client: httpx.Client) -> bool:

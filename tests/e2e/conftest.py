@@ -28,6 +28,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if HERE in Path(str(item.path)).parents:
             item.add_marker(pytest.mark.e2e)
+            # Bound the test bodies, not the server starts: those have their own deadlines
+            # (LocalPD's startup_timeout) and take minutes when the 2 cores are contended.
+            item.add_marker(pytest.mark.timeout(300, func_only=True))
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

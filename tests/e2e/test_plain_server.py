@@ -36,7 +36,7 @@ def plain_server(pd: LocalPD) -> Iterator[VLLMServer]:
     )
     server.start()
     try:
-        server.wait_ready(time.monotonic() + 300)
+        server.wait_ready(time.monotonic() + 600)
         yield server
     finally:
         server.stop()
