@@ -72,12 +72,40 @@ def register() -> None:
         except Exception:
             logger.exception("pdclient_reuse: not applied (unexpected error); vLLM runs unpatched")
             return
-    logger.info(
+    _log_when_configured(
         "pdclient_reuse %s on vLLM %s: %s",
         __version__,
         STATE.vllm_version,
         "; ".join(f"{part}: {what}" for part, what in STATE.applied.items()),
     )
+
+
+def _log_when_configured(msg: str, *args: Any) -> None:
+    """Log at INFO now, or right after vLLM configures logging if it has not yet.
+
+    vLLM 0.32 configures its loggers only once its CLI arguments are parsed, and loads
+    plugins while building the parser: an INFO line logged from register() would be
+    dropped. So the line waits for ``vllm.logger.configure_logging`` (0.20 - 0.26 configure
+    logging at import, and the line goes out at once).
+    """
+    if logging.getLogger("vllm").handlers:
+        logger.info(msg, *args)
+        return
+    try:
+        import vllm.logger as vllm_logger
+
+        configure = vllm_logger.configure_logging
+    except (ImportError, AttributeError):
+        logger.info(msg, *args)
+        return
+
+    def configure_logging(*c_args: Any, **c_kwargs: Any) -> Any:
+        vllm_logger.configure_logging = configure  # one-shot
+        result = configure(*c_args, **c_kwargs)
+        logger.info(msg, *args)
+        return result
+
+    vllm_logger.configure_logging = configure_logging
 
 
 def _register() -> None:

@@ -103,11 +103,12 @@ def _replay(body: bytes, receive: Any) -> Any:
 async def _forbidden(send: Any, kv: Any) -> None:
     _verify.metrics()["rejected"].inc()
     reason = "missing" if not (isinstance(kv, dict) and SIGNATURE_KEY in kv) else "invalid"
+    request_id = _verify.REQUEST_ID.get()
     logger.warning(
-        "pdclient_reuse: rejected a request with %s %s (request %s)",
+        "pdclient_reuse: 403 for a request with %s kv_transfer_params.%s%s",
         reason,
         SIGNATURE_KEY,
-        _verify.REQUEST_ID.get(),
+        f" (X-Request-Id {request_id})" if request_id else "",
     )
     # The shape of vLLM's own ErrorResponse, so OpenAI clients raise PermissionDeniedError.
     body = json.dumps(
