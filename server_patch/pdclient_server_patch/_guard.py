@@ -28,7 +28,7 @@ import logging
 from typing import Any
 
 from . import _verify
-from ._signing import SIGNATURE_KEY, verify_kv_transfer_params
+from ._signing import SIGNATURE_KEY, verified_canonical_bytes
 
 logger = logging.getLogger("vllm.plugins.pdclient_reuse")
 
@@ -67,11 +67,15 @@ class PDClientMiddleware:
                 payload = None  # not JSON: vLLM answers 400 itself
             kv = payload.get("kv_transfer_params") if isinstance(payload, dict) else None
             if kv is not None:
-                if not isinstance(kv, dict) or not verify_kv_transfer_params(kv, self.secret):  # type: ignore[arg-type]
+                canonical = verified_canonical_bytes(kv, self.secret) if isinstance(kv, dict) else None  # type: ignore[arg-type]
+                if canonical is None:
                     return await _forbidden(send, kv)
                 # vLLM must not see the signature (it would travel on to the KV connector).
-                del kv[SIGNATURE_KEY]
-                body = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+                # The canonical bytes are exactly the params without it: reuse them
+                # rather than serializing the id list a second time.
+                del payload["kv_transfer_params"]
+                head = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8")[:-1]
+                body = head + (b"," if payload else b"") + b'"kv_transfer_params":' + canonical + b"}"
                 scope = dict(scope, headers=_with_content_length(scope["headers"], len(body)))
         await self.app(scope, _replay(body, receive), send)
 

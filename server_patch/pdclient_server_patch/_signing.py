@@ -41,12 +41,22 @@ def sign_kv_transfer_params(params: dict[str, Any], secret: str) -> str:
 
 def verify_kv_transfer_params(params: dict[str, Any], secret: str) -> bool:
     """Whether ``params[SIGNATURE_KEY]`` is the valid signature of the rest of ``params``."""
+    return verified_canonical_bytes(params, secret) is not None
+
+
+def verified_canonical_bytes(params: dict[str, Any], secret: str) -> bytes | None:
+    """``canonical_bytes(params)`` if the signature is valid, else None.
+
+    The server reuses these bytes as the signature-free ``kv_transfer_params`` it passes
+    on, so the (large) id list is serialized once.
+    """
     signature = params.get(SIGNATURE_KEY)
     if not isinstance(signature, str):
-        return False
+        return None
     try:
-        expected = sign_kv_transfer_params(params, secret)
+        canonical = canonical_bytes(params)
     except (TypeError, ValueError):  # not JSON-encodable (cannot come from a JSON body)
-        return False
+        return None
+    expected = hmac.new(secret.encode("utf-8"), canonical, hashlib.sha256).hexdigest()
     # Constant-time comparison: the signature must not leak through timing.
-    return hmac.compare_digest(expected, signature)
+    return canonical if hmac.compare_digest(expected, signature) else None

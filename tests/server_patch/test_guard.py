@@ -131,3 +131,9 @@ def test_install_wraps_fastapi_apps_once() -> None:
         assert ok.status_code == 200 and ok.json()["kv_transfer_params"] == KV
     finally:
         FastAPI.build_middleware_stack = original  # type: ignore[method-assign]
+
+
+def test_params_only_body_stays_valid_json() -> None:
+    response, app = post({"kv_transfer_params": signed(KV)})
+    assert response.status_code == 200
+    assert json.loads(app.seen[0][0]) == {"kv_transfer_params": KV}

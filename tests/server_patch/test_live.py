@@ -132,9 +132,10 @@ def own_ids(server: Server) -> dict[str, list[int]]:
 
 
 def test_plugin_logged_what_it_applied(server: Server) -> None:
-    text = server.log.read_text()
-    assert "pdclient_reuse 0.1.0 on vLLM 0.32" in text
-    assert "reuse: native" in text and "guard: on" in text and "drift check: on" in text
+    lines = [line for line in server.log.read_text().splitlines() if "pdclient_reuse 0.1.0 on vLLM 0.32" in line]
+    # The API server process is where reuse, guard and drift check act.
+    (api_line,) = [line for line in lines if line.startswith("(APIServer")]
+    assert "reuse: native" in api_line and "guard: on" in api_line and "drift check: on" in api_line
 
 
 def test_unsigned_and_tampered_are_403(server: Server, own_ids: dict[str, list[int]]) -> None:
