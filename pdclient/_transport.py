@@ -405,6 +405,10 @@ class _Handoff:
         deliver(self.trace(decode_first_byte_ms=first_byte_ms), self.settings.on_trace)
 
 
+_SSE_DONE = b"data: [DONE]"
+_SSE_TAIL = 32  # [DONE] is the stream's last event: look for it at a chunk's end only
+
+
 class _TracedStream(httpx.SyncByteStream):
     """The decode body, passed through chunk by chunk; bookkeeping is done on close."""
 
@@ -417,9 +421,14 @@ class _TracedStream(httpx.SyncByteStream):
     def __iter__(self) -> Iterator[bytes]:
         received = 0
         try:
-            for chunk in self._response.stream:  # type: ignore[union-attr]
+            chunks = iter(self._response.stream)  # type: ignore[arg-type]
+            for chunk in chunks:
                 if self._first_byte_at is None:
                     self._first_byte_at = time.perf_counter()
+                if _SSE_DONE in chunk[-_SSE_TAIL:]:
+                    # openai stops reading at [DONE] and closes; the body's end is right behind
+                    # it, so read it now and the connection goes back to the pool for reuse.
+                    chunk += b"".join(chunks)
                 received += len(chunk)
                 yield chunk
         except httpx.TransportError as exc:
@@ -447,9 +456,12 @@ class _AsyncTracedStream(httpx.AsyncByteStream):
     async def __aiter__(self) -> AsyncIterator[bytes]:
         received = 0
         try:
-            async for chunk in self._response.stream:  # type: ignore[union-attr]
+            chunks = aiter(self._response.stream)  # type: ignore[arg-type]
+            async for chunk in chunks:
                 if self._first_byte_at is None:
                     self._first_byte_at = time.perf_counter()
+                if _SSE_DONE in chunk[-_SSE_TAIL:]:
+                    chunk += b"".join([rest async for rest in chunks])
                 received += len(chunk)
                 yield chunk
         except httpx.TransportError as exc:

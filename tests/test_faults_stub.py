@@ -83,12 +83,15 @@ async def test_decode_dropped_mid_stream_is_a_clean_error(mode: str, pair: tuple
 
 
 async def test_decode_connection_dropped_before_answer(mode: str, pair: tuple[StubServer, StubServer]) -> None:
-    prefill, decode = pair
-    decode.inject(Fault(drop=True), leg="decode")
-    twin = Twin(mode, prefill_base_url=prefill.url, decode_base_url=decode.url, retries=FAST)
-    with pytest.raises(openai.APIConnectionError):
-        await twin.chat(messages=MESSAGES)
-    await twin.close()
+    prefill, _ = pair
+    # A decode stub of its own: a KV release sent in the background by an earlier test's
+    # failed call must not be the request that meets this fault.
+    with StubServer(prompt_tokens=64) as decode:
+        decode.inject(Fault(drop=True), leg="decode")
+        twin = Twin(mode, prefill_base_url=prefill.url, decode_base_url=decode.url, retries=FAST)
+        with pytest.raises(openai.APIConnectionError):
+            await twin.chat(messages=MESSAGES)
+        await twin.close()
 
 
 SOAK_CALLS = 2000
