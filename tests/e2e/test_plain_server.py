@@ -6,6 +6,8 @@ second kills it. It shares core 0 with the prefill server; memory is ~3.7 GB.
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -18,7 +20,7 @@ from pdclient._doctor import run_doctor
 from pdclient.local import LocalPD, _prepare
 from pdclient.local._server import VLLMServer, free_port
 
-from .helpers import GREEDY, chat_text, metric, user
+from .helpers import GREEDY, chat_text, user
 
 
 @pytest.fixture(scope="module")
@@ -43,21 +45,28 @@ def plain_server(pd: LocalPD) -> Iterator[VLLMServer]:
 
 
 def test_doctor_says_no_when_decode_has_no_kv_connector(pd: LocalPD, plain_server: VLLMServer) -> None:
-    report = run_doctor(pd.prefill_url, plain_server.base_url + "/v1", pd.model)
+    # A generous per-request timeout: this server shares a core with a NIXL worker.
+    report = run_doctor(pd.prefill_url, plain_server.base_url + "/v1", pd.model, timeout=300)
+    table = report.table()
     verdicts = {c.name: c.ok for c in report.checks}
-    assert not report.can_reuse_tokens, report.table()
-    assert verdicts["prefill KV connector"] is True
+    assert not report.can_reuse_tokens, table
+    assert verdicts.get("prefill KV connector") is True, table
+    assert verdicts.get("handoff completes") is True, table
     # The plain server still reuses the ids (vLLM's renderer does), but recomputes the KV.
-    assert verdicts["decode pulled the KV"] is False, report.table()
-    assert verdicts["decode honors forwarded ids"] is True, report.table()
-    assert "NO token-reusing P/D handoff" in report.table()
+    assert verdicts.get("decode pulled the KV") is False, table
+    assert verdicts.get("decode honors forwarded ids") is True, table
+    assert "NO token-reusing P/D handoff" in table
 
 
 def test_prefill_killed_mid_run_falls_back(pd: LocalPD, plain: openai.OpenAI, plain_server: VLLMServer) -> None:
-    """Long prompts keep the prefill busy; it is SIGKILLed once it holds requests."""
-    filler = " ".join(f"Note {i}: the archive lists item {i * 7} on shelf {i % 13}." for i in range(90))
-    questions = [f"{filler}\nQuestion {k}: which shelf holds item {k * 7}?" for k in range(4)]
+    """The prefill server is frozen (SIGSTOP), the calls connect and send, then it is SIGKILLed.
+
+    Freezing first makes "mid-run" certain rather than a race with a fast prefill: the
+    kernel still accepts the connections, so every call is in flight when the server dies.
+    """
+    questions = [f"Name a famous landmark in city number {k} of this list: Paris, Rome, Tokyo." for k in range(3)]
     prefill_url = plain_server.base_url + "/v1"
+    assert plain_server.pid is not None
     traces: list[PDTrace] = []
     answers: dict[int, str | BaseException] = {}
 
@@ -78,21 +87,19 @@ def test_prefill_killed_mid_run_falls_back(pd: LocalPD, plain: openai.OpenAI, pl
         finally:
             client.close()
 
+    os.killpg(plain_server.pid, signal.SIGSTOP)
     threads = [threading.Thread(target=ask, args=(k,)) for k in range(len(questions))]
-    started = time.monotonic()
     for t in threads:
         t.start()
-    while metric(prefill_url, "vllm:num_requests_running") + metric(prefill_url, "vllm:num_requests_waiting") < 1:
-        assert time.monotonic() - started < 60, "the prefill server never saw the requests"
-        time.sleep(0.05)
-    plain_server.stop()  # SIGTERM then SIGKILL to its process group, while it holds requests
+    time.sleep(3)  # the requests are sent and waiting on the frozen server
+    os.killpg(plain_server.pid, signal.SIGKILL)
+    plain_server.stop()
     for t in threads:
-        t.join(timeout=180)
+        t.join(timeout=240)
     assert not any(t.is_alive() for t in threads), "a call hung after the prefill server died"
 
-    assert len(answers) == len(questions)
-    failed_prefill = [t for t in traces if t.fallback and t.fallback.startswith("prefill failed")]
-    assert failed_prefill, f"no call saw the prefill die: {[t.fallback for t in traces]}"
+    assert len(answers) == len(questions) == len(traces)
     for k, answer in answers.items():
         assert not isinstance(answer, BaseException), f"call {k} failed instead of falling back: {answer}"
         assert answer == chat_text(plain, pd.model, questions[k])
+    assert all(t.fallback and t.fallback.startswith("prefill failed") for t in traces), [t.fallback for t in traces]

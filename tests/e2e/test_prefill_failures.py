@@ -72,7 +72,7 @@ def _client(pd: LocalPD, prefill_url: str, traces: list[PDTrace], policy: str) -
         api_key="EMPTY",
         on_trace=traces.append,
         on_prefill_failure=policy,  # type: ignore[arg-type]
-        timeout=20,
+        timeout=60,
         max_retries=0,
     )
 
@@ -86,7 +86,7 @@ def test_prefill_failure_falls_back_to_decode(pd: LocalPD, plain: openai.OpenAI,
     assert answer.choices[0].message.content == chat_text(plain, pd.model, QUESTION)
     assert traces[-1].fallback is not None and traces[-1].fallback.startswith("prefill failed")
     assert traces[-1].forwarded_tokens == 0
-    assert elapsed < 90, f"fallback took {elapsed:.0f} s"
+    assert elapsed < 180, f"fallback took {elapsed:.0f} s"
 
 
 def test_prefill_failure_is_a_clear_error(pd: LocalPD, bad_prefill: str) -> None:
@@ -100,4 +100,4 @@ def test_prefill_failure_is_a_clear_error(pd: LocalPD, bad_prefill: str) -> None
     elapsed = time.monotonic() - started
     assert "prefill" in info.value.message
     assert info.value.response.headers.get("x-pd-failed-leg") == "prefill"
-    assert elapsed < 40, f"the error took {elapsed:.0f} s"
+    assert elapsed < 90, f"the error took {elapsed:.0f} s"
