@@ -1,0 +1,93 @@
+"""The examples, run as a user runs them, against the real local pair (marked e2e).
+
+Each script runs in a subprocess with ``PDCLIENT_PREFILL_BASE_URL`` / ``PDCLIENT_DECODE_BASE_URL``
+pointing at the session's pair (so none starts a pair of its own), and the notebook is
+executed headlessly with nbclient the same way. Framework examples are skipped when their
+package is not installed (requirements-frameworks.txt has them all).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.frameworks._pair import Pair, shared_pair
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+# Bound the test bodies, not the pair's start (minutes when the 2 cores are contended).
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300, func_only=True)]
+
+# script -> (packages it needs, text its output must contain)
+SCRIPTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "chat_stream.py": ((), ("ids forwarded, fallback=None",)),
+    "chat_async.py": ((), ("3 handoffs, ids forwarded on 3",)),
+    "raw_response_trace.py": ((), ("x-pd-forwarded-tokens", "answer:")),
+    "openai_client_transport.py": ((), ("sync: ", "async:", "models via decode:")),
+    "langchain_chat.py": (("langchain_openai",), ("invoke:", "stream:", "astream:")),
+    "openai_agents.py": (("agents",), ("agent:", "1 model call(s)")),
+    "litellm_chat.py": (("litellm",), ("completion:", "async stream:")),
+    "otel_spans.py": (("opentelemetry.sdk",), ("pdclient.prefill", "pdclient.decode", "pdclient.forwarded_tokens")),
+}
+
+
+@pytest.fixture(scope="module")
+def pair() -> Pair:
+    return shared_pair()
+
+
+def installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def test_every_example_is_tested() -> None:
+    scripts = {p.name for p in EXAMPLES.glob("*.py") if not p.name.startswith("_")}
+    assert scripts - {"demo.py"} == set(SCRIPTS)  # demo.py is `make demo`, run by its own test
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_example_script(pair: Pair, script: str) -> None:
+    needs, expected = SCRIPTS[script]
+    for module in needs:
+        if not installed(module):
+            pytest.skip(f"{module} is not installed (pip install -r requirements-frameworks.txt)")
+    if script == "openai_agents.py" and not pair.supports_tools:
+        pytest.skip("the shared pair runs without --tool-call-parser, which vLLM needs to accept tools")
+    env = {**os.environ, **pair.env()}
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / script)], capture_output=True, text=True, env=env, timeout=600, check=False
+    )
+    assert result.returncode == 0, f"{script} failed:\n{result.stdout}\n{result.stderr}"
+    for text in expected:
+        assert text in result.stdout, f"{script} printed:\n{result.stdout}\n{result.stderr}"
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.timeout(900, func_only=True)  # a dozen calls with ~1k-token prompts on 2 shared cores
+def test_notebook(pair: Pair, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    for module in ("nbclient", "nbformat", "ipykernel", "matplotlib"):
+        if not installed(module):
+            pytest.skip(f"{module} is not installed (pip install -r requirements-frameworks.txt)")
+    import nbformat
+    from nbclient import NotebookClient
+
+    for name, value in pair.env().items():
+        monkeypatch.setenv(name, value)  # the kernel inherits them: it uses this pair
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    notebook = nbformat.read(EXAMPLES / "pd_quickstart.ipynb", as_version=4)
+    NotebookClient(
+        notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
+    outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
+    text = "".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream")
+    assert "forwarded_tokens" in text and "fallback               None" in text
+    assert "decode first byte median" in text
+    assert any("image/png" in o.get("data", {}) for o in outputs), "the timing plot was not drawn"
+    assert not [o for o in outputs if o.get("output_type") == "error"]
