@@ -25,14 +25,8 @@ from typing import Any
 
 import httpx
 
-PREFILL_KV_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+from ._handoff import PREFILL_KV_TRANSFER_PARAMS
+
 _EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
 _ANSWER_TOKENS = 12
 
@@ -193,7 +187,8 @@ def _diagnose(doc: _Doctor, report: DoctorReport, model: str | None) -> None:
     # 2. The prefill leg, exactly as PDChatClient sends it.
     try:
         pre = doc.chat(
-            doc.prefill, body(question_a, max_tokens=1, return_token_ids=True, kv_transfer_params=PREFILL_KV_PARAMS)
+            doc.prefill,
+            body(question_a, max_tokens=1, return_token_ids=True, kv_transfer_params=dict(PREFILL_KV_TRANSFER_PARAMS)),
         )
     except (httpx.HTTPError, ValueError) as exc:
         report.add("prefill leg", False, f"POST {doc.prefill}/chat/completions failed: {_error_text(exc)}")

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from .._errors import PDSetupError
+from .._handoff import PREFILL_KV_TRANSFER_PARAMS
 from . import _prepare
 from ._server import SERVED_MODEL_NAME, VLLMServer, check_port_free, free_port
 
@@ -182,14 +183,7 @@ class LocalPD:
             "messages": [{"role": "user", "content": "Hello"}],
             "max_tokens": 1,
             "return_token_ids": True,
-            "kv_transfer_params": {
-                "do_remote_decode": True,
-                "do_remote_prefill": False,
-                "remote_engine_id": None,
-                "remote_block_ids": None,
-                "remote_host": None,
-                "remote_port": None,
-            },
+            "kv_transfer_params": dict(PREFILL_KV_TRANSFER_PARAMS),
         }
         timeout = max(self._startup_timeout, 60.0)
         try:
