@@ -70,7 +70,7 @@ def test_example_script(pair: Pair, script: str) -> None:
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.timeout(900, func_only=True)  # a dozen calls with ~1k-token prompts on 2 shared cores
+@pytest.mark.timeout(1800, func_only=True)  # 6 calls with ~500-token prompts on 2 shared cores
 def test_notebook(pair: Pair, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     for module in ("nbclient", "nbformat", "ipykernel", "matplotlib"):
         if not installed(module):
@@ -80,10 +80,10 @@ def test_notebook(pair: Pair, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
 
     for name, value in pair.env().items():
         monkeypatch.setenv(name, value)  # the kernel inherits them: it uses this pair
-    monkeypatch.setenv("MPLBACKEND", "Agg")
+    monkeypatch.delenv("MPLBACKEND", raising=False)  # the kernel's inline backend returns the plot as a PNG
     notebook = nbformat.read(EXAMPLES / "pd_quickstart.ipynb", as_version=4)
     NotebookClient(
-        notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+        notebook, timeout=1200, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
     ).execute()
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
     text = "".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream")
@@ -91,3 +91,33 @@ def test_notebook(pair: Pair, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
     assert "decode first byte median" in text
     assert any("image/png" in o.get("data", {}) for o in outputs), "the timing plot was not drawn"
     assert not [o for o in outputs if o.get("output_type") == "error"]
+
+
+def run_cli(pair: Pair, *argv: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, **pair.env()}
+    return subprocess.run(
+        [sys.executable, "-m", "pdclient", *argv], capture_output=True, text=True, env=env, timeout=600, check=False
+    )
+
+
+def test_cli_chat(pair: Pair) -> None:
+    result = run_cli(pair, "chat", "--trace", "--max-tokens", "16", "What is the capital of France?")
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+    assert "route=chat" in result.stderr and "fallback=None" in result.stderr
+    assert "forwarded_tokens=0" not in result.stderr
+
+
+def test_cli_bench(pair: Pair, tmp_path: Path) -> None:
+    plot = tmp_path / "bench.png"
+    result = run_cli(pair, "bench", "--sizes", "200", "--pairs", "3", "--max-tokens", "2", "--plot", str(plot))
+    assert result.returncode == 0, result.stderr
+    assert "decode TTFT ms: ids" in result.stdout and "saving ms [95% CI]" in result.stdout
+    if installed("matplotlib"):
+        assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_errors_are_one_line(pair: Pair) -> None:
+    result = run_cli(pair, "chat", "--prefill", pair.prefill_url, "--decode", pair.decode_url, "--model", "nope", "hi")
+    assert result.returncode == 1
+    assert result.stderr.startswith("pdclient chat: error: HTTP 404") and result.stderr.count("\n") == 1
