@@ -72,7 +72,7 @@ async def main(calls: int, rounds: int, concurrency: int) -> None:
         for server in servers:
             server.stop()
     baseline = percentile(results["round_robin"], 0.99)
-    print(f"{calls * rounds} streamed calls per policy, concurrency {concurrency}, 1 of 3 decode servers 100x slower per event")
+    print(f"{calls * rounds} calls per policy, concurrency {concurrency}, 1 of 3 decode servers 100x slower per event")
     print(f"{'policy':<20}{'p50 ms':>10}{'p90 ms':>10}{'p99 ms':>10}{'mean ms':>10}{'p99 / round robin':>20}")
     for policy, values in results.items():
         p99 = percentile(values, 0.99)

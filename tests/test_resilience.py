@@ -40,7 +40,7 @@ def decode_body(router: respx.MockRouter, index: int = 0) -> dict[str, Any]:
 async def eventually(condition: Any, seconds: float = 5.0) -> None:
     """Wait for background work (a KV release runs in a thread or task) to happen."""
     deadline = time.monotonic() + seconds
-    while not condition() and time.monotonic() < deadline:
+    while not condition() and time.monotonic() < deadline:  # noqa: ASYNC110 - polling another thread's work
         await asyncio.sleep(0.01)
 
 
