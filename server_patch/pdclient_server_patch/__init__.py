@@ -69,15 +69,16 @@ def register() -> None:
         STATE.registered = True
         try:
             _register()
+            _log_when_configured(
+                "pdclient_reuse %s on vLLM %s: %s",
+                __version__,
+                STATE.vllm_version,
+                "; ".join(f"{part}: {what}" for part, what in STATE.applied.items()),
+            )
         except Exception:
-            logger.exception("pdclient_reuse: not applied (unexpected error); vLLM runs unpatched")
-            return
-    _log_when_configured(
-        "pdclient_reuse %s on vLLM %s: %s",
-        __version__,
-        STATE.vllm_version,
-        "; ".join(f"{part}: {what}" for part, what in STATE.applied.items()),
-    )
+            logger.exception(
+                "pdclient_reuse: not applied (unexpected error); applied before it: %s", STATE.applied or "nothing"
+            )
 
 
 def _log_when_configured(msg: str, *args: Any) -> None:
