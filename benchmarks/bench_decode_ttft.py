@@ -149,7 +149,7 @@ def measure(
     rounds: int,
     seed: int,
     log: Callable[[str], None],
-    on_size_done: Callable[[list[Sample]], None] = lambda samples: None,
+    on_progress: Callable[[list[Sample]], None] = lambda samples: None,
 ) -> list[Sample]:
     prompts = Prompts(random.Random(seed))
     samples: list[Sample] = []
@@ -169,7 +169,8 @@ def measure(
                 samples.append(Sample(size, r, arm, tokens, decode_ms, client_ms))
             if (r + 1) % 5 == 0:
                 log(f"~{size} tokens: round {r + 1}/{rounds} ({time.monotonic() - started:.0f} s)")
-        on_size_done(samples)
+                on_progress(samples)
+        on_progress(samples)
     return samples
 
 
@@ -279,7 +280,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
 
     def save(samples: list[Sample]) -> None:
-        # After each size, so a long run stopped half-way still leaves its samples.
+        # Every few rounds, so a long run stopped half-way still leaves its samples.
         (args.out / "decode_ttft.json").write_text(json.dumps({"samples": [asdict(s) for s in samples]}))
 
     def run(prefill: str, decode: str) -> list[Sample]:
