@@ -1,0 +1,203 @@
+"""Decode-side preprocessing: chat template + tokenize versus forwarded prompt ids.
+
+    python benchmarks/bench_server_preprocess.py [--repeats 15] [--sizes 2048,8192,32768]
+
+Runs vLLM's real chat renderer (``render_chat``: the step between the parsed request and
+the engine) with the real SmolLM2 tokenizer, in one process per vLLM version, under the
+server venv's Python:
+
+- vLLM 0.26.0 (unpacked wheel, see tests/server_patch/_vllm_src.py) with the plugin, which
+  adds the reuse path;
+- vLLM 0.32.0 (installed) without the plugin: its native reuse path.
+
+For each prompt size it times, medians over ``--repeats`` runs after warm-up:
+``render``: render_chat alone; ``parse+render``: the JSON body to pydantic request plus
+render_chat (a body with ids is bigger, so this is the fairer end-to-end figure). It also
+times the plugin's guard (HMAC check and signature strip of the same body) on 0.32.
+Prints a table of medians and ratios (template+tokenize / forwarded ids).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+VERSIONS = (("0.26.0", True), ("0.32.0", False))  # (vLLM, load the plugin)
+
+PARAGRAPH = (
+    "Disaggregated serving splits a request in two. The prefill server reads the whole prompt, "
+    "fills the KV cache and returns the first token; the decode server pulls that cache over "
+    "the network and generates the rest. Section {i}: the operator measured {n} requests per "
+    "second at p99 latency of {m} ms, with tool calls, JSON output and a long system prompt. "
+)
+
+
+def conversation(scale: int) -> list[dict[str, str]]:
+    """A multi-turn chat that grows with ``scale`` (about 75 tokens per unit)."""
+    messages = [{"role": "system", "content": "You are a careful assistant. Answer from the documents."}]
+    for turn in range(8):
+        text = "".join(PARAGRAPH.format(i=turn * 1000 + k, n=37 + k, m=120 + 3 * k) for k in range(scale // 8 + 1))
+        messages.append({"role": "user" if turn % 2 == 0 else "assistant", "content": text})
+    messages.append({"role": "user", "content": "Summarise the documents above in one sentence."})
+    return messages
+
+
+def child(version: str, with_plugin: bool, sizes: list[int], repeats: int) -> dict[str, Any]:
+    """Measure in this process (server venv, the right vLLM first on sys.path)."""
+    import asyncio
+
+    sys.path.insert(0, str(REPO / "tests" / "server_patch"))
+    import pdclient_server_patch as plugin
+    from conftest import build_chat_renderer
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    if with_plugin:
+        plugin.register()
+    chat = build_chat_renderer(os.environ["PDCLIENT_TEST_MODEL_DIR"], max_model_len=40960)
+    loop = asyncio.new_event_loop()
+
+    def render(body: bytes, parse: bool, parsed: Any = None) -> float:
+        start = time.perf_counter()
+        request = ChatCompletionRequest.model_validate_json(body) if parse else parsed
+        result = loop.run_until_complete(chat.render_chat(request))
+        elapsed = time.perf_counter() - start
+        assert not hasattr(result, "error"), result
+        return elapsed
+
+    rows = []
+    for target in sizes:
+        scale = 1
+        while True:  # grow the conversation until it renders to about target tokens
+            messages = conversation(scale)
+            base = {"model": "smol", "messages": messages, "max_tokens": 16}
+            _, (engine_input,) = loop.run_until_complete(chat.render_chat(ChatCompletionRequest.model_validate(base)))
+            ids = list(engine_input["prompt_token_ids"])
+            if len(ids) >= target * 0.97:
+                break
+            scale = max(scale + 1, int(scale * target / max(len(ids), 1)))
+        kv = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [1, 2, 3]}
+        plain = json.dumps({**base, "kv_transfer_params": kv}).encode()
+        forwarded = json.dumps({**base, "kv_transfer_params": {**kv, "prompt_token_ids": ids}}).encode()
+        timings: dict[str, list[float]] = {k: [] for k in ("tok", "ids", "tok_parse", "ids_parse")}
+        for i in range(repeats + 3):  # 3 warm-up runs
+            pre_plain = ChatCompletionRequest.model_validate_json(plain)
+            pre_forwarded = ChatCompletionRequest.model_validate_json(forwarded)
+            sample = {
+                "tok": render(plain, False, pre_plain),
+                "ids": render(forwarded, False, pre_forwarded),
+                "tok_parse": render(plain, True),
+                "ids_parse": render(forwarded, True),
+            }
+            if i >= 3:
+                for key, value in sample.items():
+                    timings[key].append(value)
+        # The forwarded ids really were used (the engine input is the list sent).
+        check = ChatCompletionRequest.model_validate_json(forwarded)
+        _, (used,) = loop.run_until_complete(chat.render_chat(check))
+        assert used["prompt_token_ids"] == ids and len(ids) > 0
+        row = {"tokens": len(ids), **{k: statistics.median(v) * 1e3 for k, v in timings.items()}}
+        if not with_plugin:
+            row["guard"] = guard_cost(forwarded, repeats)
+        rows.append(row)
+    return {
+        "version": version,
+        "plugin": with_plugin,
+        "reuse": plugin.STATE.applied.get("reuse", "native"),
+        "rows": rows,
+    }
+
+
+def guard_cost(body: bytes, repeats: int) -> float:
+    """Median ms the guard middleware adds to a signed request of this body."""
+    import asyncio
+
+    from pdclient_server_patch import _guard
+    from pdclient_server_patch._signing import SIGNATURE_KEY, sign_kv_transfer_params
+
+    payload = json.loads(body)
+    kv = payload["kv_transfer_params"]
+    kv[SIGNATURE_KEY] = sign_kv_transfer_params(kv, "bench")
+    signed = json.dumps(payload).encode()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+
+    async def send(message: Any) -> None:
+        pass
+
+    middleware = _guard.PDClientMiddleware(app, "bench")
+    scope = {"type": "http", "method": "POST", "headers": [(b"content-type", b"application/json")]}
+    times = []
+    for _ in range(repeats + 3):
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": signed, "more_body": False}
+
+        start = time.perf_counter()
+        asyncio.run(middleware(scope, receive, send))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[3:]) * 1e3
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--sizes", default="2048,8192,32768")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    if args.child:
+        version, with_plugin = args.child.split(":")
+        print("RESULT " + json.dumps(child(version, with_plugin == "1", sizes, args.repeats)), flush=True)
+        return 0
+
+    sys.path[:0] = [str(REPO), str(REPO / "tests" / "server_patch")]
+    from _vllm_src import vllm_src
+
+    from pdclient.local._prepare import model_dir, server_python
+
+    python = str(server_python())
+    env = dict(os.environ, PDCLIENT_TEST_MODEL_DIR=str(model_dir()), VLLM_ALLOW_LONG_MAX_MODEL_LEN="1")
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", VLLM_LOGGING_LEVEL="WARNING")
+    results = []
+    for version, with_plugin in VERSIONS:
+        src = vllm_src(version, python)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(src) if src else "", str(REPO / "server_patch")) if p)
+        cmd = [python, __file__, "--child", f"{version}:{int(with_plugin)}", "--repeats", str(args.repeats)]
+        out = subprocess.run([*cmd, "--sizes", args.sizes], env=env, cwd=REPO, capture_output=True, text=True)
+        line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+        if out.returncode != 0 or line is None:
+            print(out.stdout[-3000:], out.stderr[-3000:], file=sys.stderr)
+            return 1
+        results.append(json.loads(line[len("RESULT ") :]))
+
+    print(f"decode-side preprocessing, SmolLM2-135M tokenizer, medians of {args.repeats} runs (ms)")
+    print(
+        "| vLLM | tokens | template+tokenize | forwarded ids | ratio "
+        "| parse+render: template | parse+render: ids | ratio |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for result in results:
+        label = f"{result['version']} {'+ plugin' if result['plugin'] else 'native'}"
+        for row in result["rows"]:
+            print(
+                f"| {label} | {row['tokens']} | {row['tok']:.2f} | {row['ids']:.2f} | {row['tok'] / row['ids']:.1f}x "
+                f"| {row['tok_parse']:.2f} | {row['ids_parse']:.2f} | {row['tok_parse'] / row['ids_parse']:.1f}x |"
+            )
+    native = results[-1]
+    print("\nguard (PDCLIENT_REUSE_SECRET set): HMAC check + signature strip of the signed forwarded-ids body")
+    for row in native["rows"]:
+        print(f"  {row['tokens']} tokens: {row['guard']:.2f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
