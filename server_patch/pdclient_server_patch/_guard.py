@@ -32,7 +32,9 @@ from ._signing import SIGNATURE_KEY, verified_canonical_bytes
 
 logger = logging.getLogger("vllm.plugins.pdclient_reuse")
 
-_NEEDLE = b'"kv_transfer_params"'
+# Bodies that cannot name kv_transfer_params skip the JSON parse. A key can also be
+# spelled with \u escapes ("kv\u005ftransfer_params"), so any escape means: parse.
+_NEEDLES = (b"kv_transfer_params", b"\\u")
 
 
 class PDClientMiddleware:
@@ -60,7 +62,7 @@ class PDClientMiddleware:
         body, disconnected = await _read_body(receive)
         if disconnected:
             return
-        if _NEEDLE in body:
+        if any(needle in body for needle in _NEEDLES):
             try:
                 payload = json.loads(body)
             except ValueError:

@@ -137,3 +137,10 @@ def test_params_only_body_stays_valid_json() -> None:
     response, app = post({"kv_transfer_params": signed(KV)})
     assert response.status_code == 200
     assert json.loads(app.seen[0][0]) == {"kv_transfer_params": KV}
+
+
+def test_escaped_key_does_not_slip_through() -> None:
+    payload = json.dumps(body(KV)).replace("kv_transfer_params", "kv\\u005ftransfer_params").encode()
+    assert b"kv_transfer_params" not in payload and json.loads(payload)["kv_transfer_params"] == KV
+    response, app = post(payload)
+    assert response.status_code == 403 and app.seen == []
