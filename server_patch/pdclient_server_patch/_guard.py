@@ -18,7 +18,8 @@ Where: an ASGI middleware around vLLM's FastAPI app. vLLM has built that app in 
 different module in nearly every release (and ``python -m`` runs it as ``__main__``), so
 the hook is Starlette's ``build_middleware_stack``, which FastAPI calls once, lazily, on
 the app's first ASGI call - after vLLM added all its own middleware. The guard is the
-outermost layer; it only reads POST bodies that mention ``kv_transfer_params``.
+outermost layer. It buffers each POST body (vLLM reads them whole anyway) and parses only
+those that could name ``kv_transfer_params``.
 """
 
 from __future__ import annotations
@@ -52,7 +53,9 @@ class PDClientMiddleware:
         request_id = _header(scope, b"x-request-id")
         token = _verify.REQUEST_ID.set(request_id.decode("latin-1") if request_id else None)
         try:
-            if self.secret is None or scope["method"] != "POST" or not _is_json(scope):
+            # Every POST, whatever its content-type: some vLLM routes (e.g. SageMaker's
+            # /invocations) parse the raw body as JSON themselves.
+            if self.secret is None or scope["method"] != "POST":
                 return await self.app(scope, receive, send)
             await self._guarded(scope, receive, send)
         finally:
@@ -142,12 +145,6 @@ def _header(scope: dict[str, Any], name: bytes) -> bytes | None:
         if key.lower() == name:
             return bytes(value)
     return None
-
-
-def _is_json(scope: dict[str, Any]) -> bool:
-    # FastAPI parses a body without content-type as JSON too.
-    content_type = _header(scope, b"content-type")
-    return content_type is None or b"json" in content_type.lower()
 
 
 def _with_content_length(headers: Any, length: int) -> list[tuple[bytes, bytes]]:

@@ -144,3 +144,8 @@ def test_escaped_key_does_not_slip_through() -> None:
     assert b"kv_transfer_params" not in payload and json.loads(payload)["kv_transfer_params"] == KV
     response, app = post(payload)
     assert response.status_code == 403 and app.seen == []
+
+
+def test_any_content_type_is_checked() -> None:
+    response, app = post(body(KV), headers={"Content-Type": "text/plain"})
+    assert response.status_code == 403 and app.seen == []
