@@ -31,6 +31,10 @@ class RetrySettings:
     decode_attempts: int = 2
     backoff_initial: float = 0.05
     backoff_max: float = 2.0
+    prefill_timeout: float | None = 60.0
+    """Bound on the whole prefill phase, retries included (the call's own timeout also
+    bounds it). openai's default timeout is 600 s: far too long to wait for a hung
+    prefill before the failure policy takes over."""
 
 
 class RetryableStatus(Exception):

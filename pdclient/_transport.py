@@ -142,9 +142,11 @@ class _Handoff:
         self.request = request
         self.request_id = request.headers.get("x-request-id") or f"pd-{uuid.uuid4().hex}"
         self.started = time.perf_counter()
-        read_timeout = (request.extensions.get("timeout") or {}).get("read")
-        # openai's `timeout` bounds each read; the prefill phase (with retries) gets it as a total.
-        self.deadline = None if read_timeout is None else time.monotonic() + read_timeout
+        # openai's `timeout` bounds each read; the prefill phase (with retries) gets it, or
+        # the shorter prefill_timeout, as a total.
+        bounds = [(request.extensions.get("timeout") or {}).get("read"), settings.retry.prefill_timeout]
+        given = [b for b in bounds if b is not None]
+        self.deadline = time.monotonic() + min(given) if given else None
         self.kind: Kind | None = None
         self.relative_path = ""
         self.body: dict[str, Any] = {}

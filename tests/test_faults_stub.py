@@ -179,3 +179,17 @@ async def test_soak_random_faults_never_mix_ids_or_leak() -> None:
     assert tally.get("ok", 0) > SOAK_CALLS * 0.8
     assert in_flight == [0, 0, 0, 0]
     assert busy_connections == []
+
+
+async def test_prefill_timeout_bounds_the_prefill_phase(mode: str, pair: tuple[StubServer, StubServer]) -> None:
+    prefill, decode = pair
+    prefill.inject(Fault(delay=5.0), leg="prefill", times=10)
+    traces: list[PDTrace] = []
+    retries = RetrySettings(backoff_initial=0.001, backoff_max=0.01, prefill_timeout=0.8)
+    twin = Twin(mode, prefill_base_url=prefill.url, decode_base_url=decode.url, retries=retries, on_trace=traces.append)
+    started = time.monotonic()
+    text = await twin.stream_text(messages=MESSAGES)  # openai's own timeout: 600 s
+    assert "".join(text) == STUB_ANSWER
+    assert time.monotonic() - started < 2.5
+    assert traces[0].fallback is not None and "ReadTimeout" in traces[0].fallback
+    await twin.close()
