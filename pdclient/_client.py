@@ -112,8 +112,9 @@ def _wire(
         )
     if current.settings is settings:
         return http_client
+    # type(current): a subclass (the OpenTelemetry transport) survives with_options().
     legs = current._legs
-    transport = transport_type(settings=settings, leg_transport=legs)
+    transport = type(current)(settings=settings, leg_transport=legs)
     return client_type(transport=transport, follow_redirects=True, timeout=http_client.timeout)
 
 

@@ -328,7 +328,8 @@ class _Handoff:
         for name in _DROPPED_REQUEST_HEADERS:
             headers.pop(name, None)
         headers["x-request-id"] = self.request_id
-        url = httpx.URL(base + self.relative_path, query=self.request.url.query) if self.relative_path else None
+        query = self.request.url.query
+        url = httpx.URL(base + self.relative_path, query=query or None) if self.relative_path else None
         return httpx.Request(
             self.request.method,
             url or self.request.url,

@@ -68,7 +68,8 @@ def pd() -> Iterator[LocalPD]:
         prefill_url, decode_url = attach.split(",")
         yield AttachedPair(prefill_url, decode_url)
         return
-    with LocalPD() as pair:
+    # Tool calling on, so the framework and example tests can share this one pair.
+    with LocalPD(extra_server_args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes")) as pair:
         yield pair
 
 
