@@ -14,7 +14,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from pdclient import PDChatClient
-from pdclient._otel import instrument
+from pdclient.otel import instrument
 
 
 def main() -> None:

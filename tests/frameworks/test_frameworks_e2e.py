@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from pdclient import PDTrace
-from pdclient._otel import instrument
+from pdclient.otel import instrument
 
 from ._pair import WEATHER_TOOL, Pair, shared_pair
 

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from pdclient import AsyncPDChatClient, AsyncPDTransport, PDChatClient, PDTransport
-from pdclient._otel import instrument
+from pdclient.otel import instrument
 
 from .conftest import DECODE, MODEL, PREFILL, FakePair
 
@@ -285,7 +285,7 @@ def test_instrument_without_opentelemetry_says_what_to_install() -> None:
         import sys
         sys.modules["opentelemetry"] = None  # as if the extra were not installed
         from pdclient import PDChatClient, PDSetupError
-        from pdclient._otel import instrument
+        from pdclient.otel import instrument
         try:
             instrument(PDChatClient(prefill_base_url="{PREFILL}", decode_base_url="{DECODE}", api_key="x"))
         except PDSetupError as exc:
