@@ -152,6 +152,8 @@ class _Handoff:
         self.body: dict[str, Any] = {}
         self.on_prefill_failure = settings.on_prefill_failure
         self.affinity: str | None = None
+        self.no_ids_reason: str | None = None
+        """Why the decode must render the prompt itself (media, echo), decided once per call."""
         self.prefill_endpoint: Endpoint | None = None
         self.prefill_tried: list[Endpoint] = []
         self.prefill_ms: float | None = None
@@ -197,6 +199,7 @@ class _Handoff:
         if reason is not None:
             return self._client_error(reason)
         self.affinity = plan.affinity_key(self.kind, body, options.get("session"))
+        self.no_ids_reason = plan.ids_not_forwarded_because(self.kind, body)
         return None
 
     def _client_error(self, message: str) -> httpx.Response:
@@ -291,10 +294,9 @@ class _Handoff:
 
     def _decode_body(self) -> dict[str, Any]:
         assert self.kind is not None
-        no_ids_reason = plan.ids_not_forwarded_because(self.kind, self.body)
-        if no_ids_reason is not None and self.prefill is not None and self.fallback is None:
-            self.fallback = f"ids not forwarded: {no_ids_reason}"
-        body = plan.plan_decode(self.kind, self.body, self.prefill, forward_ids=no_ids_reason is None)
+        if self.no_ids_reason is not None and self.prefill is not None and self.fallback is None:
+            self.fallback = f"ids not forwarded: {self.no_ids_reason}"
+        body = plan.plan_decode(self.kind, self.body, self.prefill, forward_ids=self.no_ids_reason is None)
         return signed(body, self.settings.reuse_secret)
 
     def decode_open_failed(self, error: BaseException) -> None:
@@ -313,10 +315,8 @@ class _Handoff:
         if self.kind is None or not plan.holds_remote_kv(self.prefill) or self.fallback_url is not None:
             return None
         assert self.prefill is not None
-        forward = plan.ids_not_forwarded_because(self.kind, self.body) is None
-        body = signed(
-            plan.plan_release(self.kind, self.body, self.prefill, forward_ids=forward), self.settings.reuse_secret
-        )
+        release = plan.plan_release(self.kind, self.body, self.prefill, forward_ids=self.no_ids_reason is None)
+        body = signed(release, self.settings.reuse_secret)
         try:
             endpoint = self.settings.decode.pick(self.affinity)
         except AllEndpointsOpen:
@@ -344,9 +344,7 @@ class _Handoff:
     # -- results -------------------------------------------------------------------
 
     def forwarded_tokens(self) -> int:
-        if self.prefill is None or self.prefill.prompt_token_ids is None or self.kind is None:
-            return 0
-        if plan.ids_not_forwarded_because(self.kind, self.body) is not None:
+        if self.prefill is None or self.prefill.prompt_token_ids is None or self.no_ids_reason is not None:
             return 0
         return len(self.prefill.prompt_token_ids)
 
