@@ -17,19 +17,10 @@ from typing import Any
 import httpx
 import pytest
 
-PREFILL = "http://prefill.test:8100/v1"
-DECODE = "http://decode.test:8200/v1"
+from tests.conftest import DECODE, NIXL_PARAMS, PREFILL
+
 MODEL = "smollm2"
-KV_PARAMS = {
-    "do_remote_prefill": True,
-    "do_remote_decode": False,
-    "remote_block_ids": [1, 2],
-    "remote_engine_id": "engine-p",
-    "remote_request_id": "req-p",
-    "remote_host": "127.0.0.1",
-    "remote_port": 5600,
-    "tp_size": 1,
-}
+KV_PARAMS = NIXL_PARAMS
 USAGE = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
 
 
