@@ -15,7 +15,7 @@ VENV_OPENAI2 = $(shell tools/venv.sh requirements-openai2.txt)
 CLIENT_TIER = tests/unit tests/test_transport.py tests/test_config.py tests/test_concurrency.py \
               tests/test_resilience.py tests/test_signing.py tests/test_stubserver.py
 
-.PHONY: test lint typecheck test-client test-openai2 test-server-patch test-fast demo
+.PHONY: test lint typecheck test-client test-openai2 test-server-patch test-fast demo bench-decode-ttft
 
 test: lint typecheck test-client test-openai2 test-server-patch
 
@@ -44,3 +44,8 @@ test-fast:
 
 demo:
 	$(VENV)/bin/python examples/demo.py
+
+# Decode TTFT with forwarded ids versus without, on a LocalPD pair it starts (~1.5 h here).
+# ARGS="--prefill URL --decode URL ..." for another pair; see the script's docstring.
+bench-decode-ttft:
+	$(VENV)/bin/python benchmarks/bench_decode_ttft.py $(ARGS)

@@ -1,23 +1,26 @@
 """Decode time to first token with forwarded prompt ids versus without, on a real P/D pair.
 
-    python benchmarks/bench_decode_ttft.py                       # starts a LocalPD pair for the run
-    python benchmarks/bench_decode_ttft.py --prefill URL --decode URL --sizes 1000,4000,7500 --rounds 30
+    make bench-decode-ttft                                       # starts a LocalPD pair for the run
+    make bench-decode-ttft ARGS="--prefill URL --decode URL --sizes 1000,4000,7500 --rounds 30"
 
-Five arms, each call with its own prompt (a unique tag, then random words), so no prefix
+Four arms, each call with its own prompt (a unique tag, then random words), so no prefix
 cache hides work; the arms are interleaved, their order rotated every round:
 
 - ``pdclient ids``      PDTransport under an openai client: prefill leg, decode leg with ids
 - ``pdclient no ids``   the same, with ``prompt_token_ids`` dropped from the decode body
 - ``hand ids``          the two calls written by hand with the plain openai client
-- ``hand no ids``       likewise, without ids (decode renders and tokenizes the prompt)
-- ``single``            one plain streamed call to the decode server (no P/D at all)
+- ``single``            one plain streamed call to the decode server (no P/D at all), every
+                        ``--single-every`` rounds: it is a reference, and costs a whole prefill
+
+There is no "by hand, no ids" arm: its decode request would be byte for byte the one of
+``pdclient no ids``, and each arm costs a prefill (~35 s at 7.5k tokens on one core here).
 
 Per call: decode TTFT, from sending the decode request to the first byte of its stream
 (for ``single`` that includes the whole prefill), and client TTFT, from the start of the
 call to the first content chunk. Printed: medians, p10-p90, and bootstrap 95 % intervals
-of the paired differences (no ids - ids, for pdclient and by hand; pdclient ids - hand
+of the paired differences (no ids - pdclient ids, no ids - hand ids, pdclient ids - hand
 ids). Written: a PNG plot and every sample as JSON. The plot needs matplotlib (the
-frameworks venv has it: ``$(tools/venv.sh requirements-frameworks.txt)/bin/python``).
+frameworks venv has it; ``make bench-decode-ttft`` uses that venv).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from pdclient import PDTrace, PDTransport
 # two report the same quantities the same way.
 from pdclient._cli_bench import Prompts, _DecodeTimer, bootstrap_ci, quantile
 
-ARMS = ("pdclient ids", "pdclient no ids", "hand ids", "hand no ids", "single")
+ARMS = ("pdclient ids", "pdclient no ids", "hand ids", "single")
 PREFILL_KV = {
     "do_remote_decode": True,
     "do_remote_prefill": False,
@@ -129,9 +132,7 @@ class Bench:
             )
             result = raw.http_response.json()
             ids = result["prompt_token_ids"]
-            kv = dict(result["kv_transfer_params"])
-            if arm == "hand ids":
-                kv["prompt_token_ids"] = ids
+            kv = dict(result["kv_transfer_params"], prompt_token_ids=ids)
             first = self._stream(self.decode, prompt, {"kv_transfer_params": kv})
             return len(ids), self._ms(self.hand_timer), (first - started) * 1000
         first = self._stream(self.decode, prompt)
@@ -147,6 +148,7 @@ def measure(
     bench: Bench,
     sizes: Sequence[int],
     rounds: int,
+    single_every: int,
     seed: int,
     log: Callable[[str], None],
     on_progress: Callable[[list[Sample]], None] = lambda samples: None,
@@ -163,8 +165,9 @@ def measure(
             prompts.calibrate(size, tokens)
         started = time.monotonic()
         for r in range(rounds):
-            shift = r % len(ARMS)
-            for arm in ARMS[shift:] + ARMS[:shift]:
+            arms = [arm for arm in ARMS if arm != "single" or r % single_every == 0]
+            shift = r % len(arms)
+            for arm in arms[shift:] + arms[:shift]:
                 tokens, decode_ms, client_ms = bench.call(arm, prompts.make(size))
                 samples.append(Sample(size, r, arm, tokens, decode_ms, client_ms))
             if (r + 1) % 5 == 0:
@@ -202,7 +205,7 @@ def report(samples: Sequence[Sample]) -> tuple[str, dict[str, Any]]:
         row["differences"] = {}
         for label, a, b in (
             ("saving, pdclient (no ids - ids)", "pdclient no ids", "pdclient ids"),
-            ("saving, by hand  (no ids - ids)", "hand no ids", "hand ids"),
+            ("saving, by hand  (no ids - ids)", "pdclient no ids", "hand ids"),
             ("pdclient ids - hand ids", "pdclient ids", "hand ids"),
         ):
             diffs = _paired(samples, size, a, b)
@@ -225,17 +228,18 @@ def plot(samples: Sequence[Sample], path: Path) -> str:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib import ticker
     except ImportError:
         return "plot skipped: matplotlib is not installed"
     sizes = sorted({s.size for s in samples})
-    colors = dict(zip(ARMS, ("tab:blue", "tab:orange", "tab:cyan", "tab:red", "tab:gray"), strict=True))
+    colors = dict(zip(ARMS, ("tab:blue", "tab:orange", "tab:cyan", "tab:gray"), strict=True))
     figure, axes = plt.subplots(1, 2, figsize=(13, 4.8))
     for axis, metric, title in (
         (axes[0], "decode_ttft_ms", "decode time to first byte"),
         (axes[1], "client_ttft_ms", "client time to first token"),
     ):
         for k, arm in enumerate(ARMS):
-            offset = (k - 2) * 0.16
+            offset = (k - 1.5) * 0.18
             for i, size in enumerate(sizes):
                 values = [getattr(s, metric) for s in samples if s.size == size and s.arm == arm]
                 axis.scatter([i + offset] * len(values), values, s=7, alpha=0.4, color=colors[arm])
@@ -246,6 +250,8 @@ def plot(samples: Sequence[Sample], path: Path) -> str:
         ]
         axis.set_xticks(range(len(sizes)), [f"{t} tokens" for t in tokens])
         axis.set_yscale("log")
+        axis.yaxis.set_major_formatter(ticker.FuncFormatter(lambda y, _: f"{y:g}"))
+        axis.yaxis.set_minor_formatter(ticker.FuncFormatter(lambda y, _: f"{y:g}" if str(y)[0] in "25" else ""))
         axis.set_ylabel("ms (log scale; bar = median)")
         axis.set_title(title)
         axis.grid(axis="y", alpha=0.3, which="both")
@@ -265,6 +271,7 @@ def main() -> int:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--sizes", default="1000,4000,7500", help="prompt sizes in tokens (default: 1000,4000,7500)")
     parser.add_argument("--rounds", type=int, default=30, help="interleaved rounds per size, one call per arm")
+    parser.add_argument("--single-every", type=int, default=3, help="run the single-server arm every N rounds")
     parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"), help="directory for the PNG and JSON")
@@ -285,7 +292,7 @@ def main() -> int:
 
     def run(prefill: str, decode: str) -> list[Sample]:
         bench = Bench(prefill, decode, args.model, args.max_tokens)
-        return measure(bench, sizes, args.rounds, args.seed, log, save)
+        return measure(bench, sizes, args.rounds, args.single_every, args.seed, log, save)
 
     if args.from_json:
         samples = [Sample(**s) for s in json.loads(args.from_json.read_text())["samples"]]
