@@ -10,8 +10,12 @@ name. Three independent parts, each described where it lives:
   request whose ``kv_transfer_params`` are not signed with it.
 - drift check (``_verify.py``): with ``PDCLIENT_REUSE_VERIFY_RATE`` > 0, re-render a sample of
   reused prompts in the background and count mismatches on /metrics.
+- NIXL on CPU (``_nixl_cpu.py``), for small CPU hosts: with ``PDCLIENT_NIXL_PROGRESS_DELAY_US``
+  > 0, NIXL's progress thread sleeps that long between rounds instead of spinning a core;
+  with ``PDCLIENT_NIXL_KV_CPUS`` (a CPU list), vLLM's NIXL worker keeps its thread there
+  instead of moving it to the machine's last core.
 
-With neither variable set on vLLM 0.27+, the plugin changes nothing.
+With none of these variables set on vLLM 0.27+, the plugin changes nothing.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ logger = logging.getLogger("vllm.plugins.pdclient_reuse")
 
 SECRET_ENV = "PDCLIENT_REUSE_SECRET"
 VERIFY_RATE_ENV = "PDCLIENT_REUSE_VERIFY_RATE"
+NIXL_DELAY_ENV = "PDCLIENT_NIXL_PROGRESS_DELAY_US"
+NIXL_KV_CPUS_ENV = "PDCLIENT_NIXL_KV_CPUS"
 
 # The oldest vLLM whose chat seams this plugin knows (renderers/base.py with
 # BaseRenderer.render_chat_async, and a chat renderer class with preprocess_chat).
@@ -150,6 +156,15 @@ def _register() -> None:
             else f"off ({SECRET_ENV} unset; middleware only records X-Request-Id for the drift check)"
         )
 
+    from . import _nixl_cpu
+
+    delay_us = _nixl_delay_us()
+    applied["nixl progress"] = (
+        _nixl_cpu.slow_progress_thread(delay_us) if delay_us > 0 else f"off ({NIXL_DELAY_ENV} unset or 0)"
+    )
+    kv_cpus = _nixl_kv_cpus()
+    applied["nixl kv cpus"] = _nixl_cpu.keep_kv_thread_on(kv_cpus) if kv_cpus else f"off ({NIXL_KV_CPUS_ENV} unset)"
+
 
 def _find_chat_seam() -> tuple[Any, type, bool] | None:
     """(module, chat renderer class, has native reuse) for this vLLM, or None."""
@@ -211,6 +226,29 @@ def _verify_rate() -> float:
         logger.warning("pdclient_reuse: ignoring %s=%r (not in 0..1)", VERIFY_RATE_ENV, raw)
         return 0.0
     return rate
+
+
+def _nixl_delay_us() -> int:
+    raw = os.environ.get(NIXL_DELAY_ENV, "").strip()
+    if not raw:
+        return 0
+    if not raw.isdigit():
+        logger.warning("pdclient_reuse: ignoring %s=%r (not a whole number of microseconds)", NIXL_DELAY_ENV, raw)
+        return 0
+    return int(raw)
+
+
+def _nixl_kv_cpus() -> set[int]:
+    from ._nixl_cpu import parse_cpu_list
+
+    raw = os.environ.get(NIXL_KV_CPUS_ENV, "").strip()
+    if not raw:
+        return set()
+    try:
+        return parse_cpu_list(raw)
+    except ValueError:
+        logger.warning("pdclient_reuse: ignoring %s=%r (not a CPU list like 0 or 0-3,8)", NIXL_KV_CPUS_ENV, raw)
+        return set()
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Iterator
 
 import pytest
 
 from pdclient import PDSetupError
 from pdclient.local import LocalPD
+from pdclient.local._server import VLLMServer
 
 
 def test_port_in_use_is_a_clear_error() -> None:
@@ -42,3 +44,63 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+@pytest.fixture
+def servers(pd: LocalPD) -> list[VLLMServer]:
+    """The session pair's two server processes, when this process started them."""
+    started = [srv for srv in (pd.prefill, pd.decode) if srv is not None and srv.pid is not None]
+    if len(started) != 2:
+        pytest.skip("an attached pair: its processes are not ours to watch")
+    return started
+
+
+def test_an_idle_pair_leaves_the_cores_free(servers: list[VLLMServer]) -> None:
+    """NIXL's progress thread spins a whole core by default: LocalPD's servers must not."""
+    sessions = {srv.pid for srv in servers}  # each server runs in its own session
+    before, started = _cpu_seconds_by_session(sessions), time.monotonic()
+    time.sleep(3.0)
+    after, elapsed = _cpu_seconds_by_session(sessions), time.monotonic() - started
+    busy = {sid: (after[sid] - before[sid]) / elapsed for sid in sessions}
+    assert all(share < 0.5 for share in busy.values()), f"idle servers use these shares of a core: {busy}"
+
+
+def _cpu_seconds_by_session(sessions: set[int | None]) -> dict[int | None, float]:
+    """User + system CPU seconds of every process in each session (vLLM's forked engine too)."""
+    totals: dict[int | None, float] = dict.fromkeys(sessions, 0.0)
+    for _, _, stat in _proc_stats():
+        if int(stat[3]) in totals:
+            totals[int(stat[3])] += (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+    return totals
+
+
+def test_each_server_computes_on_its_own_core(servers: list[VLLMServer]) -> None:
+    """vLLM's NIXL worker moves its model thread to the machine's last core unless told not to."""
+    for srv in servers:
+        core = {int(srv.env["VLLM_CPU_OMP_THREADS_BIND"])}
+        workers = [pid for pid, comm in _processes_in_session(srv.pid) if comm.startswith("VLLM::Worker")]
+        assert workers, f"no vLLM worker process found for the {srv.name} server"
+        strays = {
+            (pid, int(tid)): os.sched_getaffinity(int(tid))
+            for pid in workers
+            for tid in os.listdir(f"/proc/{pid}/task")
+            if os.sched_getaffinity(int(tid)) - core
+        }
+        assert not strays, f"{srv.name} server threads off core {core}: {strays}"
+
+
+def _processes_in_session(session: int | None) -> list[tuple[int, str]]:
+    return [(pid, comm) for pid, comm, stat in _proc_stats() if int(stat[3]) == session]
+
+
+def _proc_stats() -> Iterator[tuple[int, str, list[str]]]:
+    """(pid, name, the /proc/<pid>/stat fields after the name) of every process."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                head, tail = stat.read().rsplit(")", 1)
+        except OSError:
+            continue  # exited meanwhile
+        yield int(entry), head.split("(", 1)[1], tail.split()
