@@ -1,13 +1,17 @@
-"""Shared fixtures: fake vLLM prefill/decode responses for respx, and sync/async twins."""
+"""Shared fixtures: fake vLLM prefill/decode responses for respx, sync/async twins, and
+the one real local pair that tests/e2e, tests/frameworks and tests/test_examples.py share."""
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
+
+from pdclient.local import LocalPD
 
 PREFILL = "http://prefill.test:8100/v1"
 DECODE = "http://decode.test:8200/v1"
@@ -104,3 +108,36 @@ def pd_routes() -> Iterator[Any]:
 def mode(request: pytest.FixtureRequest) -> str:
     """Run a test once with PDChatClient and once with AsyncPDChatClient."""
     return str(request.param)
+
+
+class AttachedPair(LocalPD):
+    """An already running pair (``PDCLIENT_E2E_PAIR=prefill_url,decode_url``): no start, no stop.
+
+    For iterating on the real-pair tests without a server restart per run, or for running
+    them against another deployment serving the same model.
+    """
+
+    def __init__(self, prefill_url: str, decode_url: str) -> None:
+        super().__init__()
+        self._urls = (prefill_url.strip().rstrip("/"), decode_url.strip().rstrip("/"))
+
+    @property
+    def prefill_url(self) -> str:
+        return self._urls[0]
+
+    @property
+    def decode_url(self) -> str:
+        return self._urls[1]
+
+
+@pytest.fixture(scope="session")
+def pd() -> Iterator[LocalPD]:
+    """The real pair, started once per session (~7 GB, ~30 s) by its first user."""
+    attach = os.environ.get("PDCLIENT_E2E_PAIR")
+    if attach:
+        prefill_url, decode_url = attach.split(",")
+        yield AttachedPair(prefill_url, decode_url)
+        return
+    # Tool calling on, so the framework and example tests can share this one pair.
+    with LocalPD(extra_server_args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes")) as pair:
+        yield pair

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.frameworks._pair import Pair, shared_pair
+from pdclient.local import LocalPD
+from tests.frameworks._pair import Pair
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 # Bound the test bodies, not the pair's start (minutes when the 2 cores are contended).
@@ -36,8 +37,8 @@ SCRIPTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 
 
 @pytest.fixture(scope="module")
-def pair() -> Pair:
-    return shared_pair()
+def pair(pd: LocalPD) -> Pair:
+    return Pair.of(pd)
 
 
 def installed(module: str) -> bool:

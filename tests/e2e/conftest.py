@@ -41,38 +41,6 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         _prepare.model_dir()
 
 
-class AttachedPair(LocalPD):
-    """An already running pair (``PDCLIENT_E2E_PAIR=prefill_url,decode_url``): no start, no stop.
-
-    For iterating on this tier without a server restart per run, or for running it
-    against another deployment serving the same model.
-    """
-
-    def __init__(self, prefill_url: str, decode_url: str) -> None:
-        super().__init__()
-        self._urls = (prefill_url.rstrip("/"), decode_url.rstrip("/"))
-
-    @property
-    def prefill_url(self) -> str:
-        return self._urls[0]
-
-    @property
-    def decode_url(self) -> str:
-        return self._urls[1]
-
-
-@pytest.fixture(scope="session")
-def pd() -> Iterator[LocalPD]:
-    attach = os.environ.get("PDCLIENT_E2E_PAIR")
-    if attach:
-        prefill_url, decode_url = attach.split(",")
-        yield AttachedPair(prefill_url, decode_url)
-        return
-    # Tool calling on, so the framework and example tests can share this one pair.
-    with LocalPD(extra_server_args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes")) as pair:
-        yield pair
-
-
 @pytest.fixture(scope="session")
 def plain(pd: LocalPD) -> Iterator[openai.OpenAI]:
     """The decode server alone, no P/D: the reference answers come from here."""

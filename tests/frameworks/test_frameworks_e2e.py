@@ -19,9 +19,10 @@ import openai
 import pytest
 
 from pdclient import PDTrace
+from pdclient.local import LocalPD
 from pdclient.otel import instrument
 
-from ._pair import WEATHER_TOOL, Pair, shared_pair
+from ._pair import WEATHER_TOOL, Pair
 
 # Bound the test bodies, not the pair's start (minutes when the 2 cores are contended).
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300, func_only=True)]
@@ -30,8 +31,8 @@ MAX_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def pair() -> Pair:
-    return shared_pair()
+def pair(pd: LocalPD) -> Pair:
+    return Pair.of(pd)
 
 
 @pytest.fixture
