@@ -24,8 +24,9 @@ import importlib
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from ._signing import SIGNATURE_KEY, sign_kv_transfer_params, verify_kv_transfer_params
 
@@ -214,41 +215,55 @@ def _patch(owner: type, name: str, wrap: Any, layer: str = "reuse") -> None:
 
 
 def _verify_rate() -> float:
-    raw = os.environ.get(VERIFY_RATE_ENV, "").strip()
-    if not raw:
-        return 0.0
-    try:
-        rate = float(raw)
-    except ValueError:
-        logger.warning("pdclient_reuse: ignoring %s=%r (not a number in 0..1)", VERIFY_RATE_ENV, raw)
-        return 0.0
-    if not 0.0 <= rate <= 1.0:
-        logger.warning("pdclient_reuse: ignoring %s=%r (not in 0..1)", VERIFY_RATE_ENV, raw)
-        return 0.0
-    return rate
+    return _setting(VERIFY_RATE_ENV, _rate, 0.0)
 
 
 def _nixl_delay_us() -> int:
-    raw = os.environ.get(NIXL_DELAY_ENV, "").strip()
-    if not raw:
-        return 0
-    if not raw.isdigit():
-        logger.warning("pdclient_reuse: ignoring %s=%r (not a whole number of microseconds)", NIXL_DELAY_ENV, raw)
-        return 0
-    return int(raw)
+    return _setting(NIXL_DELAY_ENV, _microseconds, 0)
 
 
 def _nixl_kv_cpus() -> set[int]:
+    return _setting(NIXL_KV_CPUS_ENV, _cpu_list, set())
+
+
+_T = TypeVar("_T")
+
+
+def _setting(name: str, parse: Callable[[str], _T], off: _T) -> _T:
+    """The variable ``name`` parsed, or ``off`` when it is unset or invalid (said in the log)."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return off
+    try:
+        return parse(raw)
+    except ValueError as why:
+        logger.warning("pdclient_reuse: ignoring %s=%r (%s)", name, raw, why)
+        return off
+
+
+def _rate(raw: str) -> float:
+    try:
+        rate = float(raw)
+    except ValueError:
+        raise ValueError("not a number in 0..1") from None
+    if not 0.0 <= rate <= 1.0:
+        raise ValueError("not in 0..1")
+    return rate
+
+
+def _microseconds(raw: str) -> int:
+    if not raw.isdigit():
+        raise ValueError("not a whole number of microseconds")
+    return int(raw)
+
+
+def _cpu_list(raw: str) -> set[int]:
     from ._nixl_cpu import parse_cpu_list
 
-    raw = os.environ.get(NIXL_KV_CPUS_ENV, "").strip()
-    if not raw:
-        return set()
     try:
         return parse_cpu_list(raw)
     except ValueError:
-        logger.warning("pdclient_reuse: ignoring %s=%r (not a CPU list like 0 or 0-3,8)", NIXL_KV_CPUS_ENV, raw)
-        return set()
+        raise ValueError("not a CPU list like 0 or 0-3,8") from None
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
