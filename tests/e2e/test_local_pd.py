@@ -68,9 +68,10 @@ def test_an_idle_pair_leaves_the_cores_free(servers: list[VLLMServer]) -> None:
 def _cpu_seconds_by_session(sessions: set[int | None]) -> dict[int | None, float]:
     """User + system CPU seconds of every process in each session (vLLM's forked engine too)."""
     totals: dict[int | None, float] = dict.fromkeys(sessions, 0.0)
+    ticks_per_second = os.sysconf("SC_CLK_TCK")
     for _, _, stat in _proc_stats():
         if int(stat[3]) in totals:
-            totals[int(stat[3])] += (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+            totals[int(stat[3])] += (int(stat[11]) + int(stat[12])) / ticks_per_second
     return totals
 
 

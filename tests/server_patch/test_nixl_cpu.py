@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 import pytest
+from pdclient_server_patch import NIXL_DELAY_ENV
 
 # Builds the agent the way vLLM's NIXL connector does, idles, and prints the process CPU.
 # A subprocess: the patch changes NIXL's bindings module for the whole process.
@@ -31,9 +32,9 @@ print("CPU", (after.user + after.system - before.user - before.system) / (time.m
 
 def _idle_agent_cpu(delay: str | None) -> tuple[str, float]:
     env = dict(os.environ)
-    env.pop("PDCLIENT_NIXL_PROGRESS_DELAY_US", None)
+    env.pop(NIXL_DELAY_ENV, None)
     if delay is not None:
-        env["PDCLIENT_NIXL_PROGRESS_DELAY_US"] = delay
+        env[NIXL_DELAY_ENV] = delay
     done = subprocess.run([sys.executable, "-c", AGENT_CPU], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     # NIXL logs to stdout too: read only the two lines printed above.
