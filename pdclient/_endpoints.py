@@ -1,26 +1,26 @@
 """Endpoint pools: where each leg goes, which member is healthy, and who is busy.
 
 A pool holds one leg's endpoints (prefill or decode). Choosing a member is two steps:
-the circuit breakers drop the members that failed recently, then a routing policy picks
-among the rest. Policies are small objects behind one interface (``RoutingPolicy``); a
-user may pass their own.
+the circuit breakers drop the members that failed recently, then a routing policy
+(``_routing``) picks among the rest.
 """
 
 from __future__ import annotations
 
-import hashlib
-import itertools
 import os
-import random
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 import httpx
 
-from ._errors import PDConfigError, PDHandoffError
+from ._errors import PDConfigError, PDError
+from ._routing import LeastOutstanding, RouteRequest
+
+if TYPE_CHECKING:
+    from ._routing import RoutingPolicy
 
 PREFILL_ENV = "PDCLIENT_PREFILL_BASE_URL"
 DECODE_ENV = "PDCLIENT_DECODE_BASE_URL"
@@ -58,8 +58,8 @@ def normalise_url(item: object, source: str) -> str:
     return str(url).rstrip("/")
 
 
-class AllEndpointsOpen(PDHandoffError):
-    """Every endpoint of a pool has its circuit breaker open."""
+class AllEndpointsOpen(PDError):
+    """Every endpoint of a pool has its circuit breaker open (internal: the caller gets a 503)."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,12 @@ class BreakerSettings:
 
     failures: int = 3
     cooldown: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.failures, int) and self.failures >= 1):
+            raise PDConfigError(f"breaker.failures must be an int >= 1, got {self.failures!r}")
+        if not (isinstance(self.cooldown, int | float) and self.cooldown >= 0):
+            raise PDConfigError(f"breaker.cooldown must be a number of seconds >= 0, got {self.cooldown!r}")
 
 
 class Endpoint:
@@ -117,77 +123,6 @@ class Endpoint:
                     self._opened_at = self._clock()
 
 
-class RoutingPolicy(Protocol):
-    """Chooses one of the admitted endpoints (never empty) for a request."""
-
-    def choose(self, endpoints: Sequence[Endpoint], affinity_key: str | None) -> Endpoint: ...
-
-
-class RoundRobin:
-    def __init__(self) -> None:
-        self._turn = itertools.count()
-
-    def choose(self, endpoints: Sequence[Endpoint], affinity_key: str | None) -> Endpoint:
-        # next() on itertools.count is atomic under the GIL: safe across threads and tasks.
-        return endpoints[next(self._turn) % len(endpoints)]
-
-
-class LeastOutstanding:
-    """The endpoint with the fewest requests in flight from this client (ties: first listed)."""
-
-    def choose(self, endpoints: Sequence[Endpoint], affinity_key: str | None) -> Endpoint:
-        return min(endpoints, key=lambda e: e.in_flight)
-
-
-class PowerOfTwoChoices:
-    """Two endpoints at random, the less busy one: near least-outstanding, no herding."""
-
-    def __init__(self, rng: random.Random | None = None) -> None:
-        self._rng = rng or random.Random()
-
-    def choose(self, endpoints: Sequence[Endpoint], affinity_key: str | None) -> Endpoint:
-        if len(endpoints) == 1:
-            return endpoints[0]
-        first, second = self._rng.sample(list(endpoints), 2)
-        return first if first.in_flight <= second.in_flight else second
-
-
-class Affinity:
-    """The same conversation (or session key) goes to the same endpoint, so its prefix cache is reused.
-
-    Rendezvous hashing: each key ranks the endpoints by hash; the best admitted one wins,
-    so a key moves only when its endpoint is down. Requests without a key use ``fallback``.
-    """
-
-    def __init__(self, fallback: RoutingPolicy | None = None) -> None:
-        self._fallback = fallback or LeastOutstanding()
-
-    def choose(self, endpoints: Sequence[Endpoint], affinity_key: str | None) -> Endpoint:
-        if affinity_key is None:
-            return self._fallback.choose(endpoints, None)
-        return max(endpoints, key=lambda e: hashlib.blake2b(f"{affinity_key}|{e.url}".encode(), digest_size=8).digest())
-
-
-POLICIES: dict[str, Callable[[], RoutingPolicy]] = {
-    "round_robin": RoundRobin,
-    "least_outstanding": LeastOutstanding,
-    "power_of_two": PowerOfTwoChoices,
-    "affinity": Affinity,
-}
-
-
-def make_policy(value: str | RoutingPolicy | None) -> RoutingPolicy:
-    if value is None:
-        return LeastOutstanding()
-    if isinstance(value, str):
-        if value not in POLICIES:
-            raise PDConfigError(f"routing must be one of {sorted(POLICIES)} or a RoutingPolicy, got {value!r}")
-        return POLICIES[value]()
-    if not callable(getattr(value, "choose", None)):
-        raise PDConfigError(f"routing must be one of {sorted(POLICIES)} or a RoutingPolicy, got {value!r}")
-    return value
-
-
 @dataclass(eq=False)
 class EndpointPool:
     """The endpoints of one leg with their routing policy and breakers."""
@@ -202,14 +137,14 @@ class EndpointPool:
     def __post_init__(self) -> None:
         self.endpoints = tuple(Endpoint(url, self.breaker, self.clock) for url in self.urls)
 
-    def pick(self, affinity_key: str | None = None, avoid: Sequence[Endpoint] = ()) -> Endpoint:
+    def pick(self, request: RouteRequest, avoid: Sequence[Endpoint] = ()) -> Endpoint:
         """An admitted endpoint, preferring ones not in ``avoid`` (those already tried by this call)."""
         admitted = [e for e in self.endpoints if e.admits()]
         if not admitted:
             states = ", ".join(f"{e.url} ({e.state})" for e in self.endpoints)
             raise AllEndpointsOpen(f"every {self.leg} endpoint has its circuit breaker open: {states}")
         fresh = [e for e in admitted if e not in avoid]
-        return self.policy.choose(fresh or admitted, affinity_key)
+        return self.policy.choose(fresh or admitted, request)
 
     def base_of(self, url: str) -> str | None:
         """The pool URL that ``url`` lies under, if any."""

@@ -1,35 +1,37 @@
-"""HMAC signature over ``kv_transfer_params``: the client half of the server patch's guard.
+"""Request signatures for servers whose server patch guards ``kv_transfer_params`` (spec v2).
 
-Mirrors ``server_patch/pdclient_server_patch/_signing.py`` (spec version 1), which the
-decode and prefill servers check when ``PDCLIENT_REUSE_SECRET`` is set there:
-HMAC-SHA256, keyed by the secret, over the params minus ``pdclient_signature`` encoded
-as ``json.dumps(sort_keys=True, separators=(",", ":"), ensure_ascii=False)`` in UTF-8,
-sent as lowercase hex in ``kv_transfer_params["pdclient_signature"]``.
-
-stdlib json, not orjson: the bytes must match the server's encoder exactly (the two
-differ on some floats, e.g. ``1e+16`` against ``1e16``).
+The client half of ``server_patch/pdclient_server_patch/_signing.py``; the spec lives
+there. Each leg attempt carries ``X-PDClient-Signature: v2;t=<expiry>;n=<nonce>;s=<hmac>``,
+an HMAC-SHA256 over the method, path, expiry, nonce and the exact body bytes, so nothing
+is re-encoded to sign it and a signature is good for one request only.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import json
-from typing import Any
+import secrets
+import time
 
 SECRET_ENV = "PDCLIENT_REUSE_SECRET"
-SIGNATURE_KEY = "pdclient_signature"
+SIGNATURE_HEADER = "x-pdclient-signature"
+DEFAULT_TTL = 60.0
 
 
-def sign_kv_transfer_params(params: dict[str, Any], secret: str) -> str:
-    rest = {k: v for k, v in params.items() if k != SIGNATURE_KEY}
-    canonical = json.dumps(rest, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    return hmac.new(secret.encode("utf-8"), canonical, hashlib.sha256).hexdigest()
-
-
-def signed(body: dict[str, Any], secret: str | None) -> dict[str, Any]:
-    """``body`` with its ``kv_transfer_params`` signed, when there are both a secret and params."""
-    params = body.get("kv_transfer_params")
-    if not secret or not isinstance(params, dict):
-        return body
-    return {**body, "kv_transfer_params": {**params, SIGNATURE_KEY: sign_kv_transfer_params(params, secret)}}
+def signature(
+    secret: str,
+    method: str,
+    path: str,
+    body: bytes,
+    *,
+    ttl: float = DEFAULT_TTL,
+    now: float | None = None,
+    nonce: str | None = None,
+) -> str:
+    """The ``X-PDClient-Signature`` header value for one request."""
+    expiry = str(int((time.time() if now is None else now) + ttl)).encode()
+    nonce_bytes = (nonce or secrets.token_hex(16)).encode()
+    mac = hmac.new(secret.encode("utf-8"), b"pdclient-v2\n", hashlib.sha256)
+    mac.update(method.upper().encode() + b"\n" + path.encode() + b"\n" + expiry + b"\n" + nonce_bytes + b"\n")
+    mac.update(body)
+    return f"v2;t={expiry.decode()};n={nonce_bytes.decode()};s={mac.hexdigest()}"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import sys
@@ -12,18 +11,10 @@ from typing import Any
 import httpx
 import pytest
 
-from pdclient import _cli_bench, _cli_chat
+from pdclient.cli import bench, main
 
 PREFILL = "http://prefill.test:8100/v1"
 DECODE = "http://decode.test:8200/v1"
-
-
-def parse(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="pdclient")
-    commands = parser.add_subparsers(dest="command", required=True)
-    _cli_chat.register(commands)
-    _cli_bench.register(commands)
-    return parser.parse_args(argv)
 
 
 def sse(*pieces: str) -> bytes:
@@ -66,8 +57,7 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 def test_chat_streams_the_answer_and_trace(fake: Fake, capsys: pytest.CaptureFixture[str]) -> None:
-    args = parse("chat", "--prefill", PREFILL, "--decode", DECODE, "--trace", "Capital", "of", "France?")
-    assert args.func(args) == 0
+    assert main(["chat", "--prefill", PREFILL, "--decode", DECODE, "--trace", "Capital", "of", "France?"]) == 0
     out, err = capsys.readouterr()
     assert out == "Paris.\n"
     assert "route=chat" in err and "forwarded_tokens=" in err and "fallback=None" in err
@@ -82,8 +72,7 @@ def test_chat_reads_stdin_and_env(
     monkeypatch.setenv("PDCLIENT_PREFILL_BASE_URL", PREFILL)
     monkeypatch.setenv("PDCLIENT_DECODE_BASE_URL", DECODE)
     monkeypatch.setattr(sys, "stdin", io.StringIO("Hello there\n"))
-    args = parse("chat", "--model", "m", "--system", "Be brief.")
-    assert args.func(args) == 0
+    assert main(["chat", "--model", "m", "--system", "Be brief."]) == 0
     assert capsys.readouterr().out == "Paris.\n"
     assert fake.decode_bodies[0]["messages"][0] == {"role": "system", "content": "Be brief."}
     assert fake.decode_bodies[0]["model"] == "m"
@@ -93,33 +82,29 @@ def test_chat_errors_are_one_line(fake: Fake, capsys: pytest.CaptureFixture[str]
     fake.router.routes["decode"].mock(
         return_value=httpx.Response(404, json={"error": {"message": "The model `x` does not exist."}})
     )
-    args = parse("chat", "--prefill", PREFILL, "--decode", DECODE, "--model", "x", "hi")
-    assert args.func(args) == 1
+    assert main(["chat", "--prefill", PREFILL, "--decode", DECODE, "--model", "x", "hi"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert err.startswith("pdclient chat: error: HTTP 404")
 
 
 def test_chat_unreachable_server_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    args = parse("chat", "--prefill", "http://127.0.0.1:9/v1", "--decode", "http://127.0.0.1:9/v1", "--model", "m", "x")
-    args.api_key = "EMPTY"
-    assert args.func(args) == 1
+    argv = ["chat", "--prefill", "http://127.0.0.1:9/v1", "--decode", "http://127.0.0.1:9/v1", "--model", "m", "x"]
+    assert main([*argv, "--api-key", "EMPTY"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("pdclient chat: error: ") and err.count("\n") == 1
 
 
 def test_chat_needs_both_urls(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PDCLIENT_DECODE_BASE_URL", raising=False)
-    args = parse("chat", "--prefill", PREFILL, "hi")
-    assert args.func(args) == 1
+    assert main(["chat", "--prefill", PREFILL, "hi"]) == 1
     assert "give both --prefill and --decode" in capsys.readouterr().err
 
 
 def test_bench_table_json_and_plot(fake: Fake, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     plot, raw = tmp_path / "bench.png", tmp_path / "bench.json"
     argv = ["bench", "--prefill", PREFILL, "--decode", DECODE, "--sizes", "64,256", "--pairs", "3"]
-    args = parse(*argv, "--plot", str(plot), "--json", str(raw))
-    assert args.func(args) == 0
+    assert main([*argv, "--plot", str(plot), "--json", str(raw)]) == 0
     out = capsys.readouterr().out
     assert "decode TTFT ms: ids" in out and "saving ms [95% CI]" in out
     samples = json.loads(raw.read_text())
@@ -141,12 +126,11 @@ def test_bench_table_json_and_plot(fake: Fake, tmp_path: Path, capsys: pytest.Ca
 
 
 def test_bench_bad_sizes(capsys: pytest.CaptureFixture[str]) -> None:
-    args = parse("bench", "--prefill", PREFILL, "--decode", DECODE, "--sizes", "1k")
-    assert args.func(args) == 1
+    assert main(["bench", "--prefill", PREFILL, "--decode", DECODE, "--sizes", "1k"]) == 1
     assert capsys.readouterr().err == "pdclient bench: error: --sizes must be comma-separated integers, got '1k'\n"
 
 
 def test_bootstrap_interval_brackets_the_median() -> None:
     diffs = [10.0 + (i % 7) for i in range(40)]
-    low, high = _cli_bench.bootstrap_ci(diffs)
+    low, high = bench.bootstrap_ci(diffs)
     assert low <= sorted(diffs)[20] <= high

@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 import pdclient
-from pdclient import AsyncPDChatClient, AsyncPDTransport, PDChatClient, PDConfigError, PDTransport
+from pdclient import AsyncPDChatClient, AsyncPDTransport, PDChatClient, PDConfigError, PDOptions, PDTransport
 
 from .conftest import DECODE, PREFILL
 
@@ -18,13 +18,21 @@ def test_public_surface_is_pinned() -> None:
         [
             "AsyncPDChatClient",
             "AsyncPDTransport",
+            "BreakerSettings",
+            "CallView",
+            "LegView",
+            "Outcome",
             "PDChatClient",
             "PDConfigError",
             "PDError",
-            "PDHandoffError",
+            "PDObserver",
+            "PDOptions",
             "PDSetupError",
             "PDTrace",
             "PDTransport",
+            "RetrySettings",
+            "RouteRequest",
+            "RoutingPolicy",
             "__version__",
         ]
     )
@@ -45,8 +53,8 @@ def test_urls_from_environment_comma_separated(client_type: type, monkeypatch: p
     monkeypatch.setenv("PDCLIENT_PREFILL_BASE_URL", " http://p1:1/v1, http://p2:1/v1/ ")
     monkeypatch.setenv("PDCLIENT_DECODE_BASE_URL", "http://d1:2/v1")
     client = client_type(api_key="k")
-    assert client.pd_settings.prefill.urls == ("http://p1:1/v1", "http://p2:1/v1")
-    assert client.pd_settings.decode.urls == ("http://d1:2/v1",)
+    assert client.pd_options.prefill_urls == ("http://p1:1/v1", "http://p2:1/v1")
+    assert client.pd_options.decode_urls == ("http://d1:2/v1",)
 
 
 @pytest.mark.parametrize("client_type", CLIENTS)
@@ -75,14 +83,14 @@ def test_foreign_http_client_is_refused_with_the_fix() -> None:
 
 
 def test_own_pd_http_client_is_used_as_given() -> None:
-    transport = PDTransport(PREFILL, DECODE, on_prefill_failure="fail")
+    transport = PDTransport(options=PDOptions(PREFILL, DECODE, on_prefill_failure="fail"))
     http = httpx.Client(transport=transport)
     client = PDChatClient(api_key="k", http_client=http)
-    assert client._client is http and client.pd_settings is transport.settings
+    assert client._client is http and client.pd_options is transport.options
     atransport = AsyncPDTransport(PREFILL, DECODE)
     ahttp = httpx.AsyncClient(transport=atransport)
     aclient = AsyncPDChatClient(api_key="k", http_client=ahttp)
-    assert aclient._client is ahttp and aclient.pd_settings is atransport.settings
+    assert aclient._client is ahttp and aclient.pd_options is atransport.options
 
 
 def test_explicit_settings_win_over_a_pd_http_client_and_share_its_connections() -> None:
@@ -93,7 +101,7 @@ def test_explicit_settings_win_over_a_pd_http_client_and_share_its_connections()
         api_key="k",
         http_client=httpx.Client(transport=transport),
     )
-    assert client.pd_settings.prefill.urls == ("http://p2:1/v1",)
+    assert client.pd_options.prefill_urls == ("http://p2:1/v1",)
     assert client._client._transport._legs is transport._legs  # type: ignore[attr-defined]
 
 

@@ -161,11 +161,11 @@ async def test_soak_random_faults_never_mix_ids_or_leak() -> None:
         started = time.monotonic()
         await asyncio.gather(*(one(i) for i in range(SOAK_CALLS)))
         elapsed = time.monotonic() - started
-        settings = client.pd_settings
-        in_flight = [e.in_flight for e in (*settings.prefill.endpoints, *settings.decode.endpoints)]
-        transport = client._client._transport  # type: ignore[attr-defined]
-        await asyncio.gather(*transport._releases)  # KV releases still in flight, if any
-        busy_connections = [c for c in transport._legs._pool.connections if "ACTIVE" in c.info()]
+        fleet = client.pd_fleet
+        in_flight = [e.in_flight for e in (*fleet.prefill.endpoints, *fleet.decode.endpoints)]
+        # httpcore's pool, read for the test only: every leg connection must be back in it.
+        pool = client._client._transport._legs._transport._pool  # type: ignore[attr-defined]
+        busy_connections = [c for c in pool.connections if "ACTIVE" in c.info()]
         await client.close()
 
     decodes = d1.legs("decode") + d2.legs("decode")

@@ -15,7 +15,7 @@ import openai
 import pytest
 import respx
 
-from pdclient import PDTrace
+from pdclient import Outcome, PDTrace
 from pdclient._endpoints import BreakerSettings
 from pdclient._retry import RetrySettings
 
@@ -45,8 +45,8 @@ async def eventually(condition: Any, seconds: float = 5.0) -> None:
 
 
 def in_flight(twin: Twin) -> list[int]:
-    settings = twin.client.pd_settings
-    return [e.in_flight for e in (*settings.prefill.endpoints, *settings.decode.endpoints)]
+    fleet = twin.client.pd_fleet
+    return [e.in_flight for e in (*fleet.prefill.endpoints, *fleet.decode.endpoints)]
 
 
 @pytest.mark.parametrize(
@@ -116,7 +116,8 @@ async def test_decode_connection_refused_is_retried_then_a_clean_error(mode: str
     assert pd_routes["decode"].call_count == 2 + 1, "two decode attempts, then one KV release attempt"
     release = decode_body(pd_routes, 2)
     assert release["max_tokens"] == 1 and release["stream"] is False
-    assert traces[0].fallback is not None and traces[0].fallback.startswith("decode leg not opened: ConnectError")
+    assert traces[0].outcome is Outcome.FAILED and traces[0].fallback is None
+    assert traces[0].error is not None and traces[0].error.startswith("ConnectError")
     assert in_flight(twin) == [0, 0]
 
 
@@ -150,7 +151,8 @@ async def test_decode_disconnect_mid_stream_is_a_clean_api_error(mode: str, pd_r
         await twin.stream_text(messages=MESSAGES)
     assert pd_routes["decode"].call_count == 1
     assert traces[0].decode_first_byte_ms is not None
-    assert traces[0].fallback is not None and traces[0].fallback.startswith("decode stream broke after")
+    assert traces[0].outcome is Outcome.FAILED
+    assert traces[0].error is not None and traces[0].error.startswith("decode stream broke after")
     assert in_flight(twin) == [0, 0]
 
 
@@ -171,7 +173,8 @@ async def test_per_call_failure_policy_in_extra_body(mode: str, pd_routes: respx
         await twin.chat(messages=MESSAGES, extra_body={"pdclient": {"on_prefill_failure": "fail"}})
     assert status_error(excinfo).status_code == 502
     assert pd_routes["decode"].call_count == 0
-    assert traces[0].fallback is not None and traces[0].fallback.startswith("prefill failed: ConnectError")
+    assert traces[0].outcome is Outcome.FAILED and traces[0].failed_leg == "prefill"
+    assert traces[0].error is not None and traces[0].error.startswith("prefill failed: ConnectError")
     with pytest.raises(openai.BadRequestError, match=r"pdclient.on_prefill_failure must be one of"):
         await twin.chat(messages=MESSAGES, extra_body={"pdclient": {"on_prefill_failure": "maybe"}})
 
@@ -228,13 +231,13 @@ async def test_breaker_opens_skips_and_recovers(mode: str) -> None:
             mode, prefill_base_url=[p1, p2], routing="round_robin", breaker=BreakerSettings(failures=2, cooldown=30)
         )
         clock = FakeClock()
-        for pool in (twin.client.pd_settings.prefill, twin.client.pd_settings.decode):
+        for pool in (twin.client.pd_fleet.prefill, twin.client.pd_fleet.decode):
             pool.clock = clock
             for endpoint in pool.endpoints:
                 endpoint._clock = clock
         for _ in range(6):
             await twin.chat(messages=MESSAGES)
-        p1_endpoint = twin.client.pd_settings.prefill.endpoints[0]
+        p1_endpoint = twin.client.pd_fleet.prefill.endpoints[0]
         assert p1_endpoint.state == "open"
         assert bad.call_count == 2, "opened after two failures, then skipped"
         assert all(t.prefill_url == p2 and t.fallback is None for t in traces), "the retry went to p2 each time"
@@ -257,7 +260,7 @@ async def test_every_endpoint_open_is_a_clear_error_naming_them(mode: str, pd_ro
         assert error.status_code == 503
         assert f"every decode endpoint has its circuit breaker open: {DECODE} (open)" in str(error)
     assert pd_routes["decode"].call_count == 1, "the first failure opened the breaker; no second connect"
-    assert traces[-1].fallback is not None and "every decode endpoint" in traces[-1].fallback
+    assert traces[-1].error is not None and "every decode endpoint" in traces[-1].error
 
 
 async def test_every_prefill_endpoint_open_follows_the_failure_policy(mode: str, pd_routes: respx.MockRouter) -> None:
@@ -343,7 +346,7 @@ async def test_cancel_between_legs_releases_prefill_kv_async(pd_routes: respx.Mo
     release = calls[1]
     assert release["max_tokens"] == 1 and release["stream"] is False and "stream_options" not in release
     assert release["kv_transfer_params"] == {**NIXL_PARAMS, "prompt_token_ids": ids_for("Is it up?")}
-    assert traces[0].fallback is not None and traces[0].fallback.startswith("decode leg not opened: CancelledError")
+    assert traces[0].outcome is Outcome.FAILED and traces[0].error == "CancelledError"
     assert in_flight(twin) == [0, 0]
 
 

@@ -161,7 +161,7 @@ async def test_with_options_keeps_pd_and_applies_the_option(mode: str, pd_routes
     twin = Twin(mode)
     copy = twin.client.with_options(timeout=7, max_retries=1)
     assert type(copy) is type(twin.client)
-    assert copy.pd_settings == twin.client.pd_settings
+    assert copy.pd_options is twin.client.pd_options and copy.pd_fleet is twin.client.pd_fleet
     assert copy.timeout == 7 and copy.max_retries == 1
     await twin.chat(copy, messages=MESSAGES)
     assert pd_routes["prefill"].call_count == 1 and pd_routes["decode"].call_count == 1

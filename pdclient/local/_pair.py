@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from .._errors import PDSetupError
-from .._handoff import PREFILL_KV_TRANSFER_PARAMS
+from .._wire import PREFILL_KV_TRANSFER_PARAMS
 from . import _prepare
 from ._server import SERVED_MODEL_NAME, VLLMServer, check_port_free, free_port
 

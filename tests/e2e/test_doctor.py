@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 from pdclient._doctor import run_doctor
+
 from pdclient.local import LocalPD
 from pdclient.local._server import free_port
 

@@ -261,7 +261,7 @@ def test_no_opentelemetry_import_unless_enabled() -> None:
     result = run_isolated(
         f"""
         import sys, respx, httpx
-        import pdclient, pdclient._otel
+        import pdclient, pdclient.otel
         from pdclient import PDChatClient
         with respx.mock:
             respx.post("{PREFILL}/chat/completions").mock(return_value=httpx.Response(

@@ -4,15 +4,15 @@
     pdclient bench --local --sizes 1000,4000,7500          # on a LocalPD pair started for it
 
 Both arms run the same PDChatClient handoff (prefill leg, then a streamed decode leg that
-pulls the KV); the only difference is that the "no ids" arm drops
-``kv_transfer_params.prompt_token_ids`` from the decode body, so the decode server renders
-and tokenizes the prompt itself. Calls alternate between the arms (ids first in even
+pulls the KV); the only difference is that the "no ids" arm sends the per-call option
+``forward_ids: false``, so the decode body carries no ``prompt_token_ids`` and the decode
+server renders and tokenizes the prompt itself. Calls alternate between the arms (ids first in even
 pairs, last in odd ones), and every call has its own prompt, so neither server's prefix
 cache hides work.
 
-Per call it records the decode time to first byte (from sending the decode request to the
-first byte of its stream, measured at the leg, after the body is built) and the client time
-to first token (from ``create()`` to the first content chunk). It prints medians, the
+Per call it records the decode time to first byte (``PDTrace.decode_first_byte_ms``: from
+sending the decode request, body built, to the first byte of its stream) and the client
+time to first token (from ``create()`` to the first content chunk). It prints medians, the
 10-90 % spread and a bootstrap 95 % interval of the paired saving, and writes a PNG plot.
 """
 
@@ -20,18 +20,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import random
 import statistics
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
-
-from ._cli_chat import CLIError, add_pair_arguments, first_model, one_line
-from ._trace import PDTrace
+from .._endpoints import DECODE_ENV, PREFILL_ENV
+from .._trace import PDTrace
+from . import CLIError, add_pair_arguments, first_model
 
 ARMS = ("ids", "no ids")
 # Common words, one or two tokens each; a random sequence of them defeats prefix caching.
@@ -66,60 +67,6 @@ def register(commands: Any) -> None:
 # -- measuring ---------------------------------------------------------------------------
 
 
-class _DecodeTimer(httpx.BaseTransport):
-    """Leg transport that times the decode leg and, in the "no ids" arm, drops the ids."""
-
-    def __init__(self, inner: httpx.BaseTransport, prefill_urls: Sequence[str]) -> None:
-        self.inner = inner
-        self.prefill_urls = tuple(prefill_urls)
-        self.strip_ids = False
-        self.sent_at: float | None = None
-        self.first_byte_at: float | None = None
-
-    def handle_request(self, request: httpx.Request) -> httpx.Response:
-        if request.method != "POST" or str(request.url).startswith(self.prefill_urls):
-            return self.inner.handle_request(request)
-        request.read()
-        body = json.loads(request.content)
-        kv = body.get("kv_transfer_params")
-        if self.strip_ids and isinstance(kv, dict):
-            kv.pop("prompt_token_ids", None)
-        # Both arms rebuild the body, so neither pays for it inside the timed span.
-        request = httpx.Request(
-            request.method,
-            request.url,
-            headers=[(k, v) for k, v in request.headers.multi_items() if k.lower() != "content-length"],
-            content=json.dumps(body).encode(),
-            extensions=request.extensions,
-        )
-        self.first_byte_at = None
-        self.sent_at = time.perf_counter()
-        response = self.inner.handle_request(request)
-        return httpx.Response(
-            response.status_code,
-            headers=response.headers,
-            stream=_FirstByte(response.stream, self),
-            extensions=response.extensions,
-        )
-
-    def close(self) -> None:
-        self.inner.close()
-
-
-class _FirstByte(httpx.SyncByteStream):
-    def __init__(self, inner: Any, timer: _DecodeTimer) -> None:
-        self._inner, self._timer = inner, timer
-
-    def __iter__(self) -> Iterator[bytes]:
-        for chunk in self._inner:
-            if self._timer.first_byte_at is None and chunk:
-                self._timer.first_byte_at = time.perf_counter()
-            yield chunk
-
-    def close(self) -> None:
-        self._inner.close()
-
-
 @dataclass
 class Sample:
     size: int
@@ -151,16 +98,8 @@ class Prompts:
 
 
 def one_call(
-    client: Any,
-    timer: _DecodeTimer,
-    traces: list[PDTrace],
-    model: str,
-    prompt: str,
-    arm: str,
-    size: int,
-    max_tokens: int,
+    client: Any, traces: list[PDTrace], model: str, prompt: str, arm: str, size: int, max_tokens: int
 ) -> Sample:
-    timer.strip_ids = arm == "no ids"
     traces.clear()
     started = time.perf_counter()
     first_token_at: float | None = None
@@ -170,41 +109,40 @@ def one_call(
         max_tokens=max_tokens,
         temperature=0,
         stream=True,
+        extra_body={"pdclient": {"forward_ids": arm == "ids"}},
     )
     with stream:
         for chunk in stream:
             if first_token_at is None and chunk.choices and chunk.choices[0].delta.content:
                 first_token_at = time.perf_counter()
-    if timer.sent_at is None or timer.first_byte_at is None:
-        raise CLIError("the decode leg returned no body; is the decode server healthy?")
     trace = traces[-1] if traces else None
+    if trace is None or trace.decode_first_byte_ms is None:
+        raise CLIError("the decode leg returned no body; is the decode server healthy?")
     return Sample(
         size=size,
         arm=arm,
-        tokens=trace.forwarded_tokens if trace else 0,
-        decode_ttft_ms=(timer.first_byte_at - timer.sent_at) * 1000,
+        tokens=trace.forwarded_tokens,
+        decode_ttft_ms=trace.decode_first_byte_ms,
         client_ttft_ms=((first_token_at or time.perf_counter()) - started) * 1000,
-        prefill_ms=trace.prefill_ms if trace else None,
-        fallback=trace.fallback if trace else None,
+        prefill_ms=trace.prefill_ms,
+        fallback=trace.fallback,
     )
 
 
-def measure(
-    client: Any, timer: _DecodeTimer, traces: list[PDTrace], model: str, args: argparse.Namespace, sizes: list[int]
-) -> list[Sample]:
+def measure(client: Any, traces: list[PDTrace], model: str, args: argparse.Namespace, sizes: list[int]) -> list[Sample]:
     prompts = Prompts(random.Random(args.seed))
     samples: list[Sample] = []
     for size in sizes:
         # Warm-up (not recorded): first-call costs, and the words-per-token ratio for this size.
         for _ in range(2):
-            warm = one_call(client, timer, traces, model, prompts.make(size), "ids", size, args.max_tokens)
-            if warm.fallback is not None:
+            warm = one_call(client, traces, model, prompts.make(size), "ids", size, args.max_tokens)
+            if warm.fallback is not None or warm.tokens == 0:
                 raise CLIError(f"the handoff degraded ({warm.fallback}); run `pdclient doctor` on this pair")
             prompts.calibrate(size, warm.tokens)
         for pair in range(args.pairs):
             order = ARMS if pair % 2 == 0 else ARMS[::-1]
             for arm in order:
-                samples.append(one_call(client, timer, traces, model, prompts.make(size), arm, size, args.max_tokens))
+                samples.append(one_call(client, traces, model, prompts.make(size), arm, size, args.max_tokens))
             _progress(f"~{size} tokens: pair {pair + 1}/{args.pairs}")
         _progress("", done=True)
     return samples
@@ -342,61 +280,36 @@ def _sizes(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        sizes = _sizes(args.sizes)
-        if args.pairs < 2:
-            raise CLIError("--pairs must be at least 2")
-        samples = _run_on_pair(args, sizes)
-        rows = summarize(samples)
-        print(table(rows))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump([s.__dict__ for s in samples], f, indent=1)
-            print(f"measurements: {args.json}")
-        if args.plot:
-            print(plot(samples, rows, args.plot))
-        return 0
-    except KeyboardInterrupt:
-        print("\npdclient bench: interrupted", file=sys.stderr)
-        return 130
-    except Exception as exc:  # one line, not a traceback: this is the command's edge
-        print(f"pdclient bench: error: {one_line(exc)}", file=sys.stderr)
-        return 1
+    sizes = _sizes(args.sizes)
+    if args.pairs < 2:
+        raise CLIError("--pairs must be at least 2")
+    samples = _run_on_pair(args, sizes)
+    rows = summarize(samples)
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([s.__dict__ for s in samples], f, indent=1)
+        print(f"measurements: {args.json}")
+    if args.plot:
+        print(plot(samples, rows, args.plot))
+    return 0
 
 
 def _run_on_pair(args: argparse.Namespace, sizes: list[int]) -> list[Sample]:
-    import os
+    from .. import PDChatClient
 
-    from ._endpoints import DECODE_ENV, PREFILL_ENV
-
+    traces: list[PDTrace] = []
+    client_args: dict[str, Any] = {"on_trace": traces.append, "max_retries": 0, "timeout": 600.0}
     if args.local:
-        import logging
-
-        from .local import LocalPD
+        from ..local import LocalPD
 
         logging.getLogger("pdclient.local").setLevel(logging.INFO)
         print("starting a local prefill+decode pair (~1 min)", file=sys.stderr)
-        with LocalPD(max_model_len=max(2048, max(sizes) + 512)) as pd:
-            return _bench(pd.prefill_url, pd.decode_url, args.model or pd.model, args, sizes)
+        with LocalPD(max_model_len=max(2048, max(sizes) + 512)) as pd, pd.client(**client_args) as client:
+            return measure(client, traces, args.model or pd.model, args, sizes)
     prefill = args.prefill or os.environ.get(PREFILL_ENV)
     decode = args.decode or os.environ.get(DECODE_ENV)
     if not (prefill and decode):
         raise CLIError(f"give --prefill and --decode (or ${PREFILL_ENV} / ${DECODE_ENV}), or --local")
-    return _bench(prefill, decode, args.model, args, sizes)
-
-
-def _bench(prefill: str, decode: str, model: str | None, args: argparse.Namespace, sizes: list[int]) -> list[Sample]:
-    import openai
-
-    from ._transport import PDTransport
-
-    traces: list[PDTrace] = []
-    # The public recipe: a plain openai client on an httpx client whose transport does P/D,
-    # here with a leg transport that times (and in one arm strips the ids of) the decode leg.
-    timer = _DecodeTimer(httpx.HTTPTransport(), [prefill.rstrip("/")])
-    transport = PDTransport(
-        prefill_base_url=prefill, decode_base_url=decode, on_trace=traces.append, leg_transport=timer
-    )
-    http = httpx.Client(transport=transport, timeout=httpx.Timeout(600.0, connect=10.0))
-    with openai.OpenAI(base_url=decode, api_key=args.api_key, http_client=http, max_retries=0) as client:  # type: ignore[arg-type]
-        return measure(client, timer, traces, model or first_model(client), args, sizes)
+    with PDChatClient(prefill_base_url=prefill, decode_base_url=decode, api_key=args.api_key, **client_args) as client:
+        return measure(client, traces, args.model or first_model(client), args, sizes)

@@ -1,6 +1,7 @@
 """`pdclient doctor`: can this prefill/decode pair do a token-reusing handoff?
 
-Every check talks to the servers the way PDChatClient does (DESIGN.md's wire contract),
+Every check talks to the servers the way PDChatClient does (the wire contract in
+docs/ARCHITECTURE.md),
 with plain httpx, so a failure points at the servers and not at the client:
 
 1. both endpoints answer ``GET /models`` and serve the same model;
@@ -17,7 +18,9 @@ The probe prompts carry a random tag so neither server's prefix cache has seen t
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import os
 import re
 import secrets
 import time
@@ -25,7 +28,7 @@ from typing import Any
 
 import httpx
 
-from ._handoff import PREFILL_KV_TRANSFER_PARAMS
+from .._wire import PREFILL_KV_TRANSFER_PARAMS
 
 _EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
 _ANSWER_TOKENS = 12
@@ -259,3 +262,31 @@ def _diagnose(doc: _Doctor, report: DoctorReport, model: str | None) -> None:
         report.add("decode honors forwarded ids", False, "answer followed the messages: decode re-tokenizes the prompt")
     else:
         report.add("decode honors forwarded ids", None, f"cannot tell: answer matches neither probe ({probe_text!r})")
+
+
+def register(commands: Any) -> None:
+    """Add the `doctor` subcommand to the `pdclient` parser's subparsers."""
+    doctor = commands.add_parser(
+        "doctor",
+        help="check that a prefill/decode pair can do a token-reusing handoff",
+        description="Probe a prefill and a decode server the way PDChatClient uses them and print one table. "
+        "Exit code 0 only when the pair can do a token-reusing P/D handoff.",
+    )
+    doctor.add_argument(
+        "--prefill", required=True, metavar="URL", help="prefill server base URL, e.g. http://host:8100/v1"
+    )
+    doctor.add_argument("--decode", required=True, metavar="URL", help="decode server base URL")
+    doctor.add_argument("--model", help="model name (default: the first model both servers serve)")
+    doctor.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY"),
+        help="bearer token for both servers (default: $OPENAI_API_KEY)",
+    )
+    doctor.add_argument("--timeout", type=float, default=120.0, help="seconds per HTTP request (default: 120)")
+    doctor.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    report = run_doctor(args.prefill, args.decode, args.model, api_key=args.api_key, timeout=args.timeout)
+    print(report.table())
+    return 0 if report.can_reuse_tokens else 1

@@ -1,0 +1,167 @@
+"""What the user gave: ``PDOptions`` per client, ``CallOptions`` per call.
+
+``PDOptions`` is frozen and validated when it is made: every bad argument is a
+``PDConfigError`` naming it, at construction, never at the first call. The clients, the
+transports, ``copy()`` and ``with_options()`` all take and derive from it
+(``options.replace(...)``), as httpx's ``Limits`` / ``Timeout`` are passed around.
+
+Per-call options travel in ``extra_body={"pdclient": {...}}``, are read and removed by
+pdclient and never reach a server; a misspelt key is a 400 naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ._endpoints import DECODE_ENV, PREFILL_ENV, BreakerSettings, URLArg, normalise_url, resolve_urls
+from ._errors import PDConfigError
+from ._observe import PDObserver
+from ._retry import RetrySettings
+from ._routing import POLICIES, RoutingPolicy
+from ._signing import SECRET_ENV
+
+if TYPE_CHECKING:
+    from ._trace import PDTrace
+
+PREFILL_FAILURE_POLICIES = ("decode", "fail")
+"""Besides these, ``on_prefill_failure`` may be the base URL of a fallback server."""
+
+CALL_OPTIONS_KEY = "pdclient"
+
+
+def check_failure_policy(value: object, source: str) -> str:
+    if value in PREFILL_FAILURE_POLICIES:
+        return str(value)
+    if isinstance(value, str) and value.startswith(("http://", "https://")):
+        return normalise_url(value, source)
+    raise PDConfigError(f"{source} must be one of {PREFILL_FAILURE_POLICIES} or a fallback base URL, got {value!r}")
+
+
+def _check_routing(value: object) -> str | RoutingPolicy:
+    if value is None:
+        return "least_outstanding"
+    if isinstance(value, str) and value in POLICIES:
+        return value
+    if not isinstance(value, str) and callable(getattr(value, "choose", None)):
+        return value  # type: ignore[return-value]
+    raise PDConfigError(f"routing must be one of {sorted(POLICIES)} or a RoutingPolicy, got {value!r}")
+
+
+def _check_type(name: str, value: object, expected: type) -> None:
+    if not isinstance(value, expected):
+        raise PDConfigError(f"{name} must be a {expected.__name__}, got {type(value).__name__}: {value!r}")
+
+
+@dataclass(frozen=True)
+class PDOptions:
+    """A P/D client's options, validated at construction (``PDConfigError`` names a bad one).
+
+    URLs left out come from ``$PDCLIENT_PREFILL_BASE_URL`` / ``$PDCLIENT_DECODE_BASE_URL``
+    (comma-separated) and ``reuse_secret`` from ``$PDCLIENT_REUSE_SECRET``, read once,
+    here. Derive a changed copy with ``options.replace(routing="affinity")``.
+    """
+
+    prefill_base_url: URLArg = None
+    """A URL or a list of URLs (a pool)."""
+    decode_base_url: URLArg = None
+    on_prefill_failure: str = "decode"
+    """``"decode"`` (send the call to decode without P/D), ``"fail"``, or a fallback base URL."""
+    routing: str | RoutingPolicy = "least_outstanding"
+    """``"least_outstanding"``, ``"round_robin"``, ``"power_of_two"``, ``"affinity"``, or a ``RoutingPolicy``."""
+    breaker: BreakerSettings = field(default_factory=BreakerSettings)
+    retries: RetrySettings = field(default_factory=RetrySettings)
+    reuse_secret: str | None = field(default=None, repr=False)
+    """Signs every leg for servers whose server patch guards ``kv_transfer_params``."""
+    on_trace: Callable[[PDTrace], None] | None = None
+    """Called with each chat or completions call's ``PDTrace`` once the call is over."""
+    observers: Sequence[PDObserver] = ()
+    """Watch every call (see ``PDObserver``); e.g. ``pdclient.metrics.PrometheusObserver``."""
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        set_(
+            self, "prefill_base_url", resolve_urls(self.prefill_base_url, argument="prefill_base_url", env=PREFILL_ENV)
+        )
+        set_(self, "decode_base_url", resolve_urls(self.decode_base_url, argument="decode_base_url", env=DECODE_ENV))
+        set_(self, "on_prefill_failure", check_failure_policy(self.on_prefill_failure, "on_prefill_failure"))
+        set_(self, "routing", _check_routing(self.routing))
+        _check_type("breaker", self.breaker, BreakerSettings)
+        _check_type("retries", self.retries, RetrySettings)
+        if self.reuse_secret is None:
+            set_(self, "reuse_secret", os.environ.get(SECRET_ENV) or None)
+        elif not isinstance(self.reuse_secret, str) or not self.reuse_secret:
+            raise PDConfigError("reuse_secret must be a non-empty string (or None for $PDCLIENT_REUSE_SECRET)")
+        if self.on_trace is not None and not callable(self.on_trace):
+            raise PDConfigError(f"on_trace must be callable, got {type(self.on_trace).__name__}")
+        if isinstance(self.observers, PDObserver) or not isinstance(self.observers, Sequence | set | frozenset):
+            raise PDConfigError(f"observers must be a list of PDObserver, got {type(self.observers).__name__}")
+        for observer in self.observers:
+            if not isinstance(observer, PDObserver):
+                raise PDConfigError(f"observers: {observer!r} is not a PDObserver (subclass pdclient.PDObserver)")
+        set_(self, "observers", tuple(self.observers))
+
+    @property
+    def prefill_urls(self) -> tuple[str, ...]:
+        return self.prefill_base_url  # type: ignore[return-value]
+
+    @property
+    def decode_urls(self) -> tuple[str, ...]:
+        return self.decode_base_url  # type: ignore[return-value]
+
+    def replace(self, **changes: Any) -> PDOptions:
+        """A copy with ``changes`` applied and validated; unknown names are a ``PDConfigError``."""
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise PDConfigError(f"unknown PDOptions field(s): {sorted(unknown)}")
+        return dataclasses.replace(self, **changes) if changes else self
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+
+@dataclass(frozen=True)
+class CallOptions:
+    """Per-call options from ``extra_body={"pdclient": {...}}``; None means "the client's"."""
+
+    on_prefill_failure: str | None = None
+    session: str | None = None
+    """An explicit affinity key (a user or conversation id) instead of the conversation's opening."""
+    forward_ids: bool = True
+    """False sends the decode leg no ids (it renders and tokenizes the prompt itself): for A/B checks."""
+
+
+_CALL_OPTION_TYPES: Mapping[str, tuple[type, ...]] = {
+    "on_prefill_failure": (str,),
+    "session": (str, int),
+    "forward_ids": (bool,),
+}
+
+
+def parse_call_options(value: object) -> CallOptions:
+    """The per-call options object, checked; ``PDConfigError`` names what is wrong."""
+    if value is None:
+        return CallOptions()
+    if not isinstance(value, dict):
+        raise PDConfigError(f"{CALL_OPTIONS_KEY} must be an object of per-call options, got {type(value).__name__}")
+    for name, item in value.items():
+        types = _CALL_OPTION_TYPES.get(name)
+        if types is None:
+            raise PDConfigError(
+                f"{CALL_OPTIONS_KEY}.{name} is not a per-call option; known: {', '.join(sorted(_CALL_OPTION_TYPES))}"
+            )
+        if not isinstance(item, types) or (bool not in types and isinstance(item, bool)):
+            names = " or ".join(t.__name__ for t in types)
+            raise PDConfigError(f"{CALL_OPTIONS_KEY}.{name} must be a {names}, got {item!r}")
+    options = dict(value)
+    if "on_prefill_failure" in options:
+        options["on_prefill_failure"] = check_failure_policy(
+            options["on_prefill_failure"], f"{CALL_OPTIONS_KEY}.on_prefill_failure"
+        )
+    if "session" in options:
+        options["session"] = str(options["session"])
+    return CallOptions(**options)

@@ -1,0 +1,98 @@
+"""The decode's body on its way to the caller, chunk by chunk, never buffered.
+
+The stream tells the call when its first byte arrives, turns a cut mid-way into the
+openai error callers already handle, and ends the call when the caller closes it. The
+sync and async twins differ only by ``await``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+
+import httpx
+
+from ._call import Call
+
+_SSE_DONE = b"data: [DONE]"
+_SSE_TAIL = 32  # [DONE] is the stream's last event: look for it at a chunk's end only
+_STREAM_ERRORS = (httpx.TransportError, httpx.DecodingError)
+
+
+class DecodeStream(httpx.SyncByteStream):
+    def __init__(self, response: httpx.Response, call: Call) -> None:
+        self._response = response
+        self._call = call
+        self._closed = False
+
+    def __iter__(self) -> Iterator[bytes]:
+        received = 0
+        chunks = iter(self._response.stream)  # type: ignore[arg-type]
+        try:
+            for chunk in chunks:
+                if not received and chunk:
+                    self._call.first_byte()
+                received += len(chunk)
+                if _SSE_DONE in chunk[-_SSE_TAIL:]:
+                    # openai stops reading at [DONE] and closes; the body's end is right behind
+                    # it, so read it now and the connection goes back to the pool for reuse.
+                    # The answer is whole: a connection dropped from here on costs nothing.
+                    for rest in _until_error(chunks):
+                        chunk += rest
+                yield chunk
+        except _STREAM_ERRORS as exc:
+            raise self._call.broken_stream(exc, received) from exc
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._response.close()
+        finally:
+            self._call.decode_closed()
+
+
+class AsyncDecodeStream(httpx.AsyncByteStream):
+    def __init__(self, response: httpx.Response, call: Call) -> None:
+        self._response = response
+        self._call = call
+        self._closed = False
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        received = 0
+        chunks = aiter(self._response.stream)  # type: ignore[arg-type]
+        try:
+            async for chunk in chunks:
+                if not received and chunk:
+                    self._call.first_byte()
+                received += len(chunk)
+                if _SSE_DONE in chunk[-_SSE_TAIL:]:
+                    async for rest in _until_error_async(chunks):
+                        chunk += rest
+                yield chunk
+        except _STREAM_ERRORS as exc:
+            raise self._call.broken_stream(exc, received) from exc
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._response.aclose()
+        finally:
+            self._call.decode_closed()
+
+
+def _until_error(chunks: Iterator[bytes]) -> Iterator[bytes]:
+    try:
+        yield from chunks
+    except _STREAM_ERRORS:
+        return
+
+
+async def _until_error_async(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except _STREAM_ERRORS:
+        return
