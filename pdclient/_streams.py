@@ -23,8 +23,11 @@ class DecodeStream(httpx.SyncByteStream):
         self._response = response
         self._call = call
         self._closed = False
+        self._drained = False
 
     def __iter__(self) -> Iterator[bytes]:
+        if self._drained:
+            return  # read to its end already (openai drains a stream again after [DONE])
         received = 0
         chunks = iter(self._response.stream)  # type: ignore[arg-type]
         try:
@@ -38,9 +41,11 @@ class DecodeStream(httpx.SyncByteStream):
                     # The answer is whole: a connection dropped from here on costs nothing.
                     for rest in _until_error(chunks):
                         chunk += rest
+                    self._drained = True
                 yield chunk
         except _STREAM_ERRORS as exc:
             raise self._call.broken_stream(exc, received) from exc
+        self._drained = True
 
     def close(self) -> None:
         if self._closed:
@@ -57,8 +62,11 @@ class AsyncDecodeStream(httpx.AsyncByteStream):
         self._response = response
         self._call = call
         self._closed = False
+        self._drained = False
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
+        if self._drained:
+            return
         received = 0
         chunks = aiter(self._response.stream)  # type: ignore[arg-type]
         try:
@@ -69,9 +77,11 @@ class AsyncDecodeStream(httpx.AsyncByteStream):
                 if _SSE_DONE in chunk[-_SSE_TAIL:]:
                     async for rest in _until_error_async(chunks):
                         chunk += rest
+                    self._drained = True
                 yield chunk
         except _STREAM_ERRORS as exc:
             raise self._call.broken_stream(exc, received) from exc
+        self._drained = True
 
     async def aclose(self) -> None:
         if self._closed:

@@ -81,6 +81,8 @@ class Fault:
     """Streamed decode: send this many SSE events, then close the connection mid-body."""
     event_delay: float = 0.0
     """Streamed decode: seconds between SSE events."""
+    drop_after_done: bool = False
+    """Streamed decode: send every event and ``[DONE]``, then close without the chunked terminator."""
 
 
 @dataclass(frozen=True)
@@ -411,8 +413,12 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             if i and fault is not None and fault.event_delay:
                 time.sleep(fault.event_delay)
-            end = b"0\r\n\r\n" if i == len(frames) - 1 else b""  # [DONE] and the end in one write
+            last = i == len(frames) - 1
+            end = b"0\r\n\r\n" if last and not (fault and fault.drop_after_done) else b""  # [DONE] and the end in one write
             self.wfile.write(b"%x\r\n%s\r\n%s" % (len(frame), frame, end))
+        if fault is not None and fault.drop_after_done:
+            self.wfile.flush()
+            self._drop()
 
     # -- routes ----------------------------------------------------------------------
 
