@@ -40,11 +40,11 @@ from typing import Any
 import httpx
 import openai
 
-from pdclient import PDTrace, PDTransport
-
 # The prompt generator, decode-leg timer and statistics of `pdclient bench`, shared so the
 # two report the same quantities the same way.
 from pdclient._cli_bench import Prompts, _DecodeTimer, bootstrap_ci, quantile
+
+from pdclient import PDTrace, PDTransport
 
 ARMS = ("pdclient ids", "pdclient no ids", "hand ids", "single")
 PREFILL_KV = {

@@ -413,8 +413,9 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             if i and fault is not None and fault.event_delay:
                 time.sleep(fault.event_delay)
-            last = i == len(frames) - 1
-            end = b"0\r\n\r\n" if last and not (fault and fault.drop_after_done) else b""  # [DONE] and the end in one write
+            # [DONE] and the body's end in one write (unless the fault is to leave the end out).
+            last = i == len(frames) - 1 and not (fault and fault.drop_after_done)
+            end = b"0\r\n\r\n" if last else b""
             self.wfile.write(b"%x\r\n%s\r\n%s" % (len(frame), frame, end))
         if fault is not None and fault.drop_after_done:
             self.wfile.flush()

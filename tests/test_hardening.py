@@ -73,7 +73,7 @@ async def test_6_non_ascii_failure_policy_is_a_clear_error(mode: str, pd_routes:
     with pytest.raises(PDConfigError, match="on_prefill_failure must be one of"):
         Twin(mode, on_prefill_failure="décode")
     twin, traces = traced(mode)
-    with pytest.raises(openai.BadRequestError, match="pdclient.on_prefill_failure must be one of"):
+    with pytest.raises(openai.BadRequestError, match=r"pdclient\.on_prefill_failure must be one of"):
         await twin.chat(messages=MESSAGES, extra_body={"pdclient": {"on_prefill_failure": "décode"}})
     assert traces[0].outcome is Outcome.REFUSED and pd_routes["prefill"].call_count == 0
     await twin.close()
@@ -329,7 +329,7 @@ async def test_14_misspelt_call_option_is_a_400_naming_it(mode: str, pd_routes: 
     pd_routes.post(f"{DECODE}/embeddings").mock(return_value=httpx.Response(200, json={}))
     twin = Twin(mode)
     options = {"extra_body": {"pdclient": {"on_prefil_failure": "fail"}}}
-    with pytest.raises(openai.BadRequestError, match="pdclient.on_prefil_failure is not a per-call option"):
+    with pytest.raises(openai.BadRequestError, match=r"pdclient\.on_prefil_failure is not a per-call option"):
         if route == "chat":
             await twin.chat(messages=MESSAGES, **options)
         else:
@@ -366,7 +366,7 @@ class _Proxy(BaseHTTPRequestHandler):
 
     seen: list[str]
 
-    def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+    def do_POST(self) -> None:
         self.server.seen.append(self.path)  # type: ignore[attr-defined]
         body = json.loads(self.rfile.read(int(self.headers["content-length"])))
         if (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
