@@ -215,7 +215,7 @@ class Call:
         base = self.prefill.pick(self._route("prefill"))
         if self._prefill_body is None:
             self._prefill_body = wire.prefill_body(self.plan)
-        request = self._leg_request(base, self._prefill_body, signed=True, deadline=self.deadline)
+        request = self._leg_request(base, self._prefill_body, self._sign(base, self._prefill_body), self.deadline)
         request.headers["accept"] = "application/json"
         return self.prefill.start(request)
 
@@ -273,15 +273,15 @@ class Call:
         else:
             base = self.decode.pick(self._route("decode"))
         if self.plan is None:
-            return self.decode.start(self._leg_request(base, self.pass_through_body, signed=False))
+            return self.decode.start(self._leg_request(base, self.pass_through_body, None))
+        cpu_start = time.thread_time()
+        first = self._decode_body is None
         if self._decode_body is None:
-            cpu_start = time.thread_time()
             self._decode_body = wire.decode_body(self.plan, self.prefill_result)
-            request = self._leg_request(base, self._decode_body, signed=True)
+        signed_with = self._sign(base, self._decode_body)  # a fresh nonce per attempt
+        if first:
             self.cpu_seconds += time.thread_time() - cpu_start
-        else:
-            request = self._leg_request(base, self._decode_body, signed=True)
-        return self.decode.start(request)
+        return self.decode.start(self._leg_request(base, self._decode_body, signed_with))
 
     def decode_attempt_failed(self, error: BaseException) -> None:
         """Opening the decode leg raised; a request that may have reached its server is never released.
@@ -363,7 +363,8 @@ class Call:
             base = leg.pick(self._route("decode"))
         except AllEndpointsOpen:
             return None  # the blocks expire with the connector's lease
-        request = self._leg_request(base, wire.release_body(self.plan, result), signed=True)
+        content = wire.release_body(self.plan, result)
+        request = self._leg_request(base, content, self._sign(base, content))
         request.extensions = {
             **request.extensions,
             "timeout": dict.fromkeys(("connect", "read", "write", "pool"), RELEASE_TIMEOUT),
@@ -456,8 +457,15 @@ class Call:
     def _elapsed_ms(self) -> float:
         return (time.perf_counter() - self.started) * 1000
 
+    def _sign(self, base: str, content: bytes) -> str | None:
+        """The leg's signature for servers whose server patch guards kv_transfer_params, if a secret is set."""
+        secret = self.context.options.reuse_secret
+        if not secret:
+            return None
+        return signature(secret, self.request.method, httpx.URL(base + self.relative_path).path, content)
+
     def _leg_request(
-        self, base: str, content: bytes | None, *, signed: bool, deadline: float | None = None
+        self, base: str, content: bytes | None, signed_with: str | None, deadline: float | None = None
     ) -> httpx.Request:
         """A leg's request: the caller's method, path, query and headers, on ``base``.
 
@@ -472,9 +480,8 @@ class Call:
         if self.relative_path:
             url = httpx.URL(base + self.relative_path, query=url.query or None)
         headers["host"] = url.netloc.decode("ascii")
-        secret = self.context.options.reuse_secret
-        if signed and secret and content is not None:
-            headers[SIGNATURE_HEADER] = signature(secret, self.request.method, url.path, content)
+        if signed_with is not None:
+            headers[SIGNATURE_HEADER] = signed_with
         extensions = _timeout_within(self.request.extensions, deadline)
         if content is None:
             return httpx.Request(

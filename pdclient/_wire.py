@@ -239,9 +239,14 @@ class PrefillResult:
         return self.kv_transfer_params is not None and self.kv_transfer_params.strip() != b"{}"
 
 
+class _Usage(msgspec.Struct):
+    prompt_tokens: int | None = None
+
+
 class _ChatIds(msgspec.Struct):
     prompt_token_ids: msgspec.Raw = msgspec.Raw(b"null")
     kv_transfer_params: msgspec.Raw = msgspec.Raw(b"null")
+    usage: _Usage | None = None
 
 
 class _Choice(msgspec.Struct):
@@ -251,6 +256,7 @@ class _Choice(msgspec.Struct):
 class _CompletionIds(msgspec.Struct):
     choices: list[_Choice] = []
     kv_transfer_params: msgspec.Raw = msgspec.Raw(b"null")
+    usage: _Usage | None = None
 
 
 _DECODERS: dict[Kind, msgspec.json.Decoder[Any]] = {
@@ -271,9 +277,10 @@ def read_prefill(kind: Kind, content: bytes) -> PrefillResult:
 def _read_compact(kind: Kind, content: bytes) -> PrefillResult | None:
     """The fast path, for the compact JSON vLLM writes; None when it cannot vouch for the result.
 
-    The id array is cut out of the body, the rest (a few KB) is decoded to check that the
-    array cut out is the very field the contract names, and the array is checked on its
-    bytes: digits and single commas only. No id becomes a Python object.
+    The id array is cut out of the body and the rest (a few KB) is decoded, which checks
+    that the array cut out is the very field the contract names. The array itself is
+    checked on its bytes: digits and commas only, and as many ids as the prefill's own
+    ``usage.prompt_tokens`` (which also rules out an empty item). No id becomes a Python object.
     """
     at = content.rfind(_IDS_KEY)
     start = at + len(_IDS_KEY)
@@ -281,9 +288,6 @@ def _read_compact(kind: Kind, content: bytes) -> PrefillResult | None:
     if at < 0 or content[start : start + 1] != b"[" or end < 0:
         return None
     ids = content[start : end + 1]
-    count = _count_token_ids(ids)
-    if count == 0:
-        return None
     try:
         decoded = _DECODERS[kind].decode(content[:start] + _PLACEHOLDER + content[end + 1 :])
     except (msgspec.DecodeError, msgspec.ValidationError):
@@ -293,6 +297,9 @@ def _read_compact(kind: Kind, content: bytes) -> PrefillResult | None:
     else:
         field = decoded.choices[0].prompt_token_ids if decoded.choices else msgspec.Raw(b"null")
     if bytes(field) != _PLACEHOLDER:
+        return None
+    count = _count_token_ids(ids, decoded.usage.prompt_tokens if decoded.usage else None)
+    if count == 0:
         return None
     return PrefillResult(ids, count, _kv_object(bytes(decoded.kv_transfer_params)))
 
@@ -325,32 +332,24 @@ def _read_parsed(kind: Kind, content: bytes) -> PrefillResult:
     return PrefillResult(orjson.dumps(ids), len(ids), kv_params)
 
 
-def _count_token_ids(array: bytes) -> int:
+def _count_token_ids(array: bytes, expected: int | None) -> int:
     """How many ids a JSON array of non-negative integers holds; 0 if it is anything else.
 
     A float, sign, string, bool, null, nested array or whitespace leaves a byte that is
-    neither a digit nor a comma; an empty item shows as a doubled or edge comma; a leading
-    zero (not JSON) as a comma followed by "0" and a digit. vLLM writes ids compactly;
-    anything else is refused rather than parsed.
+    neither a digit nor a comma. An empty item (``1,,2``) shows as one comma too many
+    against the server's own count, or, without one, is looked for. vLLM writes ids
+    compactly; anything else goes to the exact, parsing path.
     """
     inner = array[1:-1]
-    if not inner or inner[:1] == b"," or inner[-1:] == b"," or b",," in inner:
+    if not inner or inner[:1] == b"," or inner[-1:] == b",":
         return 0
     commas = inner.translate(None, _DIGITS)
     if commas.translate(None, b","):
         return 0
-    if (inner[:1] == b"0" and inner[1:2].isdigit()) or _has_leading_zero(inner):
-        return 0
-    return len(commas) + 1
-
-
-def _has_leading_zero(inner: bytes) -> bool:
-    at = inner.find(b",0")
-    while at >= 0:
-        if inner[at + 2 : at + 3].isdigit():
-            return True
-        at = inner.find(b",0", at + 2)
-    return False
+    count = len(commas) + 1
+    if expected is None:
+        return 0 if b",," in inner else count
+    return count if count == expected else 0
 
 
 def _with_ids(kv_params: bytes | None, ids: bytes) -> bytes:

@@ -253,7 +253,7 @@ def test_read_prefill_rejects_what_is_not_ids(ids: object, problem: str) -> None
 
 @pytest.mark.parametrize(
     "content",
-    [b"[1,2]", b"null", b"{not json", b'{"prompt_token_ids":[01,2]}', b'{"prompt_token_ids":[1,,2]}', b"\xff"],
+    [b"[1,2]", b"null", b"{not json", b'{"prompt_token_ids":[1,,2]}', b"\xff"],
 )
 def test_read_prefill_rejects_what_is_not_a_response(content: bytes) -> None:
     parsed = read_prefill(Kind.CHAT, content)
@@ -333,3 +333,12 @@ def test_holds_remote_kv() -> None:
     assert result([1]).holds_remote_kv
     assert not result([1], kv=None).holds_remote_kv
     assert not result([1], kv={}).holds_remote_kv
+
+
+def test_read_prefill_checks_the_count_against_the_servers_usage() -> None:
+    """An empty item is one comma too many against usage.prompt_tokens; any doubt goes to the exact path."""
+    assert read_prefill(Kind.CHAT, chat_response([1, 2], usage={"prompt_tokens": 2})).count == 2
+    doubled = b'{"prompt_token_ids":[1,,2],"usage":{"prompt_tokens":2}}'
+    assert read_prefill(Kind.CHAT, doubled).ids is None
+    miscounted = read_prefill(Kind.CHAT, chat_response([1, 2, 3], usage={"prompt_tokens": 2}))
+    assert miscounted.ids == b"[1,2,3]" and miscounted.count == 3
