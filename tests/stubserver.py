@@ -1,7 +1,7 @@
-"""A real loopback HTTP stub of a vLLM prefill/decode pair, for tests and benchmarks.
+"""The fake vLLM (tests/fake_vllm.py) on a real loopback socket, for tests and benchmarks.
 
-It speaks the wire contract of DESIGN.md over real sockets (HTTP/1.1, keep-alive), so
-the code under test runs its true connection path, unlike a respx mock:
+It answers as ``fake_vllm.VLLMAnswers`` does, over real sockets (HTTP/1.1, keep-alive),
+so the code under test runs its true connection path, unlike a respx mock:
 
 - POST ``/v1/chat/completions`` or ``/v1/completions`` whose body has
   ``kv_transfer_params.do_remote_decode`` is answered as a prefill: non-streamed JSON
@@ -36,11 +36,16 @@ import socket
 import sys
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
+
+if __package__ in (None, ""):  # run as a script: python tests/stubserver.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.fake_vllm import NIXL_BLOCK_SIZE, VOCAB, VLLMAnswers, forwarded_ids, is_prefill, seed_of
 
 try:  # the stub should cost the client as little time as possible; orjson is a pdclient dependency
     import orjson
@@ -61,9 +66,6 @@ except ImportError:  # pragma: no cover - stdlib fallback
         return json.dumps(value, separators=(",", ":")).encode()
 
 
-MODEL = "stub-model"
-VOCAB = 151_000  # ids in the range of a real tokenizer, so the JSON has realistic widths
-NIXL_BLOCK_SIZE = 16
 DECODE_WORDS = ("Hello", " from", " the", " decode", " stub")
 
 
@@ -115,25 +117,8 @@ class _Injected:
     times: int
 
 
-def _seed(body: dict[str, Any]) -> int:
-    """A request's signature: the first prompt id a prefill of it returns."""
-    shape = body.get("messages") if "messages" in body else body.get("prompt")
-    return zlib.crc32(_dumps(shape)) % VOCAB
-
-
 def _leg(body: Any) -> str:
-    kv = body.get("kv_transfer_params") if isinstance(body, dict) else None
-    return "prefill" if isinstance(kv, dict) and kv.get("do_remote_decode") else "decode"
-
-
-def _forwarded(path: str, body: dict[str, Any]) -> list[Any] | None:
-    if path.endswith("/chat/completions"):
-        kv = body.get("kv_transfer_params")
-        ids = kv.get("prompt_token_ids") if isinstance(kv, dict) else None
-    else:
-        prompt = body.get("prompt")
-        ids = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) else None
-    return ids if isinstance(ids, list) else None
+    return "prefill" if is_prefill(body) else "decode"
 
 
 class StubServer:
@@ -219,12 +204,11 @@ class StubServer:
         tail = self._tails.get(n)
         if tail is None:
             tail = self._tails[n] = [(i * 2_654_435_761) % VOCAB for i in range(1, n)]
-        return [_seed(body), *tail]
+        return [seed_of(body), *tail]
 
-    def prefill_answer(self, path: str, body: dict[str, Any], request_id: str) -> dict[str, Any]:
-        ids = self.prompt_ids(body)
-        blocks = (len(ids) + NIXL_BLOCK_SIZE - 1) // NIXL_BLOCK_SIZE
-        kv_params = {
+    def _kv_params(self, request_id: str, n_ids: int) -> dict[str, Any]:
+        blocks = (n_ids + NIXL_BLOCK_SIZE - 1) // NIXL_BLOCK_SIZE
+        return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_block_ids": list(range(1000, 1000 + blocks)),
@@ -234,91 +218,15 @@ class StubServer:
             "remote_port": 5600,
             "tp_size": 1,
         }
-        usage = {"prompt_tokens": len(ids), "completion_tokens": 1, "total_tokens": len(ids) + 1}
-        if path.endswith("/chat/completions"):
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": "Hello"},
-                "finish_reason": "length",
-                "token_ids": [9707],
-            }
-            return {
-                "id": f"chatcmpl-{request_id}",
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": body.get("model", MODEL),
-                "choices": [choice],
-                "usage": usage,
-                "prompt_token_ids": ids,
-                "kv_transfer_params": kv_params,
-            }
-        choice = {"index": 0, "text": "Hello", "finish_reason": "length", "prompt_token_ids": ids, "token_ids": [9707]}
-        return {
-            "id": f"cmpl-{request_id}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": body.get("model", MODEL),
-            "choices": [choice],
-            "usage": usage,
-            "kv_transfer_params": kv_params,
-        }
 
-    def decode_events(self, path: str, body: dict[str, Any], prompt_tokens: int) -> list[dict[str, Any]]:
-        """The SSE events of a streamed decode (without the final ``[DONE]``)."""
-        chat = path.endswith("/chat/completions")
-        base = {
-            "id": "chatcmpl-stub" if chat else "cmpl-stub",
-            "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": int(time.time()),
-            "model": body.get("model", MODEL),
-        }
-        events = []
-        words = [*DECODE_WORDS, ""]
-        for i, word in enumerate(words):
-            last = i == len(words) - 1
-            finish = "stop" if last else None
-            if chat:
-                delta: dict[str, Any] = {"content": word} if not last else {}
-                if i == 0:
-                    delta["role"] = "assistant"
-                choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
-            else:
-                choice = {"index": 0, "text": word, "finish_reason": finish}
-            events.append({**base, "choices": [choice]})
-        options = body.get("stream_options")
-        if isinstance(options, dict) and options.get("include_usage"):
-            events.append({**base, "choices": [], "usage": self._usage(prompt_tokens)})
-        return events
-
-    def decode_answer(self, path: str, body: dict[str, Any], prompt_tokens: int) -> dict[str, Any]:
-        text = "".join(DECODE_WORDS)
-        if path.endswith("/chat/completions"):
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": "stop",
-            }
-            kind = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": "stop"}
-            kind = "text_completion"
-        return {
-            "id": "chatcmpl-stub",
-            "object": kind,
-            "created": int(time.time()),
-            "model": body.get("model", MODEL),
-            "choices": [choice],
-            "usage": self._usage(prompt_tokens),
-        }
-
-    @staticmethod
-    def _usage(prompt_tokens: int) -> dict[str, int]:
-        completion = len(DECODE_WORDS)
-        return {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion,
-        }
+    @property
+    def answers(self) -> VLLMAnswers:
+        return VLLMAnswers(
+            ids=self.prompt_ids,
+            text=lambda body: "".join(DECODE_WORDS),
+            pieces=lambda text: list(DECODE_WORDS),
+            kv_params=self._kv_params,
+        )
 
 
 class _Server(ThreadingHTTPServer):
@@ -361,11 +269,11 @@ class _Handler(BaseHTTPRequestHandler):
     def _received(self, leg: str, body: Any, path: str) -> Received:
         forwarded = ids_match = None
         if leg == "decode" and isinstance(body, dict):
-            ids = _forwarded(path, body)
+            ids = forwarded_ids(path, body)
             if ids is not None:
                 forwarded = len(ids)
                 if path.endswith("/chat/completions"):  # a completions decode no longer has its text prompt
-                    ids_match = bool(ids) and ids[0] == _seed(body)
+                    ids_match = bool(ids) and ids[0] == seed_of(body)
         return Received(
             leg=leg,
             method=self.command,
@@ -429,8 +337,7 @@ class _Handler(BaseHTTPRequestHandler):
         if self._faulted(fault):
             return
         if path == "/v1/models":
-            model = {"id": MODEL, "object": "model", "created": 0, "owned_by": "pdclient-stub"}
-            self._send(200, {"object": "list", "data": [model]})
+            self._send(200, VLLMAnswers.models())
         else:
             self._error(404, f"no route GET {path}")
 
@@ -454,14 +361,13 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(400, "body is not a JSON object")
             return
         request_id = self.headers.get("x-request-id")
+        answers = self.stub.answers
         if leg == "prefill":
-            self._send(200, self.stub.prefill_answer(path, body, request_id or "stub"), request_id)
-            return
-        prompt_tokens = received.forwarded_ids or 16
-        if body.get("stream"):
-            self._stream(self.stub.decode_events(path, body, prompt_tokens), fault, request_id)
+            self._send(200, answers.prefill(path, body, request_id or "stub"), request_id)
+        elif body.get("stream"):
+            self._stream(answers.decode_events(path, body), fault, request_id)
         else:
-            self._send(200, self.stub.decode_answer(path, body, prompt_tokens), request_id)
+            self._send(200, answers.decode(path, body), request_id)
 
     def _faulted(self, fault: Fault | None) -> bool:
         """Apply the parts of a fault that happen before an answer; True if it ends here."""

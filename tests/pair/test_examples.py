@@ -17,11 +17,9 @@ from pathlib import Path
 import pytest
 
 from pdclient.local import LocalPD
-from tests.frameworks._pair import Pair
+from tests.pair._pair import Pair
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-# Bound the test bodies, not the pair's start (minutes when the 2 cores are contended).
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300, func_only=True)]
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 # script -> (packages it needs, text its output must contain)
 SCRIPTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {

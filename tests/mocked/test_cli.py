@@ -1,10 +1,11 @@
-"""`pdclient chat` and `pdclient bench` against a respx fake pair (the real pair: tests/test_examples.py)."""
+"""`pdclient chat` and `pdclient bench` against a respx fake pair (the real pair: tests/pair/test_examples.py)."""
 
 from __future__ import annotations
 
 import io
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,62 +13,34 @@ import httpx
 import pytest
 
 from pdclient.cli import bench, main
-
-PREFILL = "http://prefill.test:8100/v1"
-DECODE = "http://decode.test:8200/v1"
+from tests.fake_vllm import DECODE, MODEL, PREFILL, FakeVLLM, VLLMAnswers
 
 
-def sse(*pieces: str) -> bytes:
-    chunks = [
-        {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [choice]}
-        for choice in [{"index": 0, "delta": {"content": p}, "finish_reason": None} for p in pieces]
-        + [{"index": 0, "delta": {}, "finish_reason": "stop"}]
-    ]
-    return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
-
-
-class Fake:
-    def __init__(self) -> None:
-        self.decode_bodies: list[dict[str, Any]] = []
-        self.router: Any = None
-
-    def prefill(self, request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content)
-        ids = list(range(len(json.dumps(body["messages"])) // 4))  # ~4 characters a token
-        return httpx.Response(200, json={"choices": [], "prompt_token_ids": ids, "kv_transfer_params": {"a": 1}})
-
-    def decode(self, request: httpx.Request) -> httpx.Response:
-        self.decode_bodies.append(json.loads(request.content))
-        return httpx.Response(200, content=sse("Par", "is."), headers={"content-type": "text/event-stream"})
+def quarter_ids(body: dict[str, Any]) -> list[int]:
+    return list(range(len(json.dumps(body["messages"])) // 4))  # ~4 characters a token
 
 
 @pytest.fixture
-def fake(monkeypatch: pytest.MonkeyPatch) -> Any:
-    import respx
-
+def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeVLLM]:
     monkeypatch.delenv("PDCLIENT_PREFILL_BASE_URL", raising=False)
     monkeypatch.delenv("PDCLIENT_DECODE_BASE_URL", raising=False)
-    pair = Fake()
-    with respx.mock(assert_all_called=False) as router:
-        pair.router = router
-        router.post(f"{PREFILL}/chat/completions").mock(side_effect=pair.prefill)
-        router.post(f"{DECODE}/chat/completions", name="decode").mock(side_effect=pair.decode)
-        router.get(f"{DECODE}/models").mock(return_value=httpx.Response(200, json={"data": [{"id": "served"}]}))
-        yield pair
+    vllm = FakeVLLM(VLLMAnswers(ids=quarter_ids, text=lambda body: "Paris.", pieces=lambda text: ["Par", "is."]))
+    with vllm.routes(PREFILL, DECODE):
+        yield vllm
 
 
-def test_chat_streams_the_answer_and_trace(fake: Fake, capsys: pytest.CaptureFixture[str]) -> None:
+def test_chat_streams_the_answer_and_trace(fake: FakeVLLM, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["chat", "--prefill", PREFILL, "--decode", DECODE, "--trace", "Capital", "of", "France?"]) == 0
     out, err = capsys.readouterr()
     assert out == "Paris.\n"
     assert "route=chat" in err and "forwarded_tokens=" in err and "fallback=None" in err
-    assert fake.decode_bodies[0]["model"] == "served"  # the decode server's first model
+    assert fake.decode_bodies[0]["model"] == MODEL  # the decode server's first model
     assert fake.decode_bodies[0]["messages"] == [{"role": "user", "content": "Capital of France?"}]
     assert fake.decode_bodies[0]["kv_transfer_params"]["prompt_token_ids"]
 
 
 def test_chat_reads_stdin_and_env(
-    fake: Fake, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    fake: FakeVLLM, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("PDCLIENT_PREFILL_BASE_URL", PREFILL)
     monkeypatch.setenv("PDCLIENT_DECODE_BASE_URL", DECODE)
@@ -78,7 +51,7 @@ def test_chat_reads_stdin_and_env(
     assert fake.decode_bodies[0]["model"] == "m"
 
 
-def test_chat_errors_are_one_line(fake: Fake, capsys: pytest.CaptureFixture[str]) -> None:
+def test_chat_errors_are_one_line(fake: FakeVLLM, capsys: pytest.CaptureFixture[str]) -> None:
     fake.router.routes["decode"].mock(
         return_value=httpx.Response(404, json={"error": {"message": "The model `x` does not exist."}})
     )
@@ -101,7 +74,7 @@ def test_chat_needs_both_urls(capsys: pytest.CaptureFixture[str], monkeypatch: p
     assert "give both --prefill and --decode" in capsys.readouterr().err
 
 
-def test_bench_table_json_and_plot(fake: Fake, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_table_json_and_plot(fake: FakeVLLM, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     plot, raw = tmp_path / "bench.png", tmp_path / "bench.json"
     argv = ["bench", "--prefill", PREFILL, "--decode", DECODE, "--sizes", "64,256", "--pairs", "3"]
     assert main([*argv, "--plot", str(plot), "--json", str(raw)]) == 0

@@ -18,9 +18,8 @@ import respx
 from pdclient import Outcome, PDTrace
 from pdclient._endpoints import BreakerSettings
 from pdclient._retry import RetrySettings
-
-from .conftest import DECODE, NIXL_PARAMS, chat_json, decode_answer, ids_for, prefill_json
-from .twins import Twin, status_error
+from tests.fake_vllm import DECODE, NIXL_PARAMS, FakeVLLM, chat_json, ids_for, prefill_json
+from tests.twins import Twin, status_error
 
 MESSAGES = [{"role": "user", "content": "Is it up?"}]
 ANSWER = "echo:Is it up?"
@@ -132,7 +131,7 @@ async def test_decode_500_before_stream_is_not_retried(mode: str, pd_routes: res
 
 
 async def test_decode_disconnect_mid_stream_is_a_clean_api_error(mode: str, pd_routes: respx.MockRouter) -> None:
-    from .conftest import chat_chunk
+    from tests.fake_vllm import chat_chunk
 
     def broken() -> Any:
         yield chat_chunk("half")
@@ -226,7 +225,7 @@ async def test_breaker_opens_skips_and_recovers(mode: str) -> None:
         good = router.post(f"{p2}/chat/completions", name="p2").mock(
             side_effect=lambda r: httpx.Response(200, json=prefill_json(json.loads(r.content)))
         )
-        router.post(f"{DECODE}/chat/completions", name="decode").mock(side_effect=decode_answer)
+        router.post(f"{DECODE}/chat/completions", name="decode").mock(side_effect=FakeVLLM().respond)
         twin, traces = twin_with_traces(
             mode, prefill_base_url=[p1, p2], routing="round_robin", breaker=BreakerSettings(failures=2, cooldown=30)
         )
@@ -294,7 +293,7 @@ async def test_affinity_keeps_a_conversation_on_the_same_servers(mode: str) -> N
                 side_effect=lambda r: httpx.Response(200, json=prefill_json(json.loads(r.content)))
             )
         for url in decodes:
-            router.post(f"{url}/chat/completions").mock(side_effect=decode_answer)
+            router.post(f"{url}/chat/completions").mock(side_effect=FakeVLLM().respond)
         twin, traces = twin_with_traces(mode, prefill_base_url=prefills, decode_base_url=decodes, routing="affinity")
         for conversation in range(8):
             history = [{"role": "system", "content": "s"}, {"role": "user", "content": f"topic {conversation}"}]

@@ -12,9 +12,8 @@ import pytest
 import respx
 
 from pdclient import AsyncPDChatClient, PDChatClient, PDTrace
-
-from .conftest import DECODE, NIXL_PARAMS, PREFILL, chat_chunk, chat_json, ids_for, prefill_json
-from .twins import Twin, status_error
+from tests.fake_vllm import DECODE, NIXL_PARAMS, PREFILL, chat_chunk, chat_json, ids_for, prefill_json
+from tests.twins import Twin, status_error
 
 MESSAGES = [{"role": "user", "content": "What is P/D?"}]
 

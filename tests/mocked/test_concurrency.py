@@ -9,8 +9,7 @@ import httpx
 import respx
 
 from pdclient import AsyncPDChatClient, PDTrace
-
-from .conftest import DECODE, PREFILL, chat_json, ids_for, prefill_json
+from tests.fake_vllm import DECODE, PREFILL, chat_json, ids_for, prefill_json
 
 CALLS = 256
 

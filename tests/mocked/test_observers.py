@@ -10,9 +10,8 @@ import pytest
 import respx
 
 from pdclient import CallView, LegView, Outcome, PDObserver, PDTrace, RetrySettings
-
-from .conftest import DECODE, PREFILL
-from .twins import Twin
+from tests.fake_vllm import DECODE, PREFILL
+from tests.twins import Twin
 
 MESSAGES = [{"role": "user", "content": "Is it up?"}]
 FAST = RetrySettings(prefill_attempts=2, backoff_initial=0.001, backoff_max=0.01)

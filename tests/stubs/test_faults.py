@@ -14,9 +14,8 @@ import pytest
 
 from pdclient import AsyncPDChatClient, PDTrace
 from pdclient._retry import RetrySettings
-
-from .stubserver import Fault, Received, StubServer
-from .twins import Twin
+from tests.stubserver import Fault, Received, StubServer
+from tests.twins import Twin
 
 MESSAGES: Any = [{"role": "user", "content": "Say hello."}]
 STUB_ANSWER = "Hello from the decode stub"

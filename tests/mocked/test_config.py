@@ -7,8 +7,7 @@ import pytest
 
 import pdclient
 from pdclient import AsyncPDChatClient, AsyncPDTransport, PDChatClient, PDConfigError, PDOptions, PDTransport
-
-from .conftest import DECODE, PREFILL
+from tests.fake_vllm import DECODE, PREFILL
 
 CLIENTS = [PDChatClient, AsyncPDChatClient]
 

@@ -10,9 +10,8 @@ import pytest
 import respx
 
 from pdclient._signing import SIGNATURE_KEY, sign_kv_transfer_params
-
-from .conftest import NIXL_PARAMS
-from .twins import Twin
+from tests.fake_vllm import NIXL_PARAMS
+from tests.twins import Twin
 
 SERVER_SIGNING = Path(__file__).parents[1] / "server_patch" / "pdclient_server_patch" / "_signing.py"
 

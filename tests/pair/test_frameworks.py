@@ -24,8 +24,6 @@ from pdclient.otel import instrument
 
 from ._pair import WEATHER_TOOL, Pair
 
-# Bound the test bodies, not the pair's start (minutes when the 2 cores are contended).
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300, func_only=True)]
 QUESTION = "What is the capital of France?"
 MAX_TOKENS = 16
 
