@@ -44,10 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.set_defaults(func=_doctor)
 
     # Each other subcommand lives in its own module and adds itself here.
-    from . import _cli_bench, _cli_chat
+    from . import _cli_bench, _cli_chat, _cli_serve
 
     _cli_chat.register(commands)
     _cli_bench.register(commands)
+    _cli_serve.register(commands)
     return parser
 
 
