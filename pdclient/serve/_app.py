@@ -51,6 +51,8 @@ _DROPPED_RESPONSE_HEADERS = frozenset(
     {"transfer-encoding", "connection", "keep-alive", "te", "upgrade", "trailer", "proxy-connection", "server", "date"}
 )
 _TRACE_HEADER_PREFIX = "x-pd-"
+_SSE_DONE = b"data: [DONE]"
+_SSE_TAIL = 32  # [DONE] is an SSE stream's last event: looked for at a chunk's end only
 _FAILED_LEG_HEADER = "x-pd-failed-leg"
 
 
@@ -272,16 +274,27 @@ class _ProxiedResponse(Response):
         headers = self._proxy.response_headers(response, self._request_id)
         await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
 
+        length = response.headers.get("content-length")
+        expected = int(length) if length is not None and length.isdigit() else None
+
         async def pump() -> bool:
+            received = 0
+            last = b""
             try:
                 async for chunk in response.stream:  # type: ignore[union-attr]
+                    received += len(chunk)
+                    if (expected is not None and received >= expected) or _SSE_DONE in chunk[-_SSE_TAIL:]:
+                        last += chunk  # the body's end: sent once the upstream stream is over, below
+                        continue
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             except Exception as exc:  # the decode stream broke: the caller sees it cut off too
                 logger.warning("request %s: upstream stream broke: %s", self._request_id, exc)
                 return False
-            # Closed before the caller sees the end, so the call is recorded (metrics, log) by then.
+            # Closed before the caller can see the end, so the call is recorded (metrics, log) by
+            # then: a caller that reads a body's last byte, or an SSE stream's [DONE], and then
+            # asks /metrics finds its call there.
             await response.aclose()
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await send({"type": "http.response.body", "body": last, "more_body": False})
             return True
 
         await _unless_disconnected(receive, pump)
