@@ -68,6 +68,7 @@ class JSONFormatter(logging.Formatter):
             "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}",
             "level": record.levelname,
             "logger": record.name,
+            "pid": record.process,
         }
         fields = getattr(record, CALL_FIELDS, None)
         if fields is not None:
@@ -85,7 +86,7 @@ def logging_config(log_format: str, level: str) -> dict[str, Any]:
     formatter: dict[str, Any] = (
         {"()": f"{__name__}.JSONFormatter"}
         if log_format == "json"
-        else {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}
+        else {"format": "%(asctime)s %(levelname)s %(name)s [%(process)d]: %(message)s"}
     )
     level = level.upper()
     handler = {"class": "logging.StreamHandler", "formatter": "default", "stream": "ext://sys.stderr"}
