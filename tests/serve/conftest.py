@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,6 +28,8 @@ from pdclient.serve import ServeConfig, create_app
 from pdclient.serve._app import Proxy
 from tests.stubserver import StubServer
 
+REPO = Path(__file__).resolve().parents[2]
+STARTED = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
 PROMPT_TOKENS = 96
 MESSAGES: Any = [{"role": "user", "content": "Say hello."}]
 ANSWER = "Hello from the decode stub"
@@ -58,6 +65,47 @@ def running_proxy(config: ServeConfig) -> Iterator[RunningProxy]:
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+class ServeProcess:
+    """`python -m pdclient serve ... --port 0`, its stderr collected, its port read from it."""
+
+    def __init__(self, *args: str, workers: int = 1) -> None:
+        env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+        command = [sys.executable, "-m", "pdclient", "serve", "--port", "0", "--workers", str(workers), *args]
+        self.proc = subprocess.Popen(command, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=env)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        deadline = time.monotonic() + 60
+        self.port = 0
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            found = [m for line in list(self.lines) if (m := STARTED.search(line))]
+            started = sum("Application startup complete" in line for line in list(self.lines))
+            if found and started >= workers:
+                self.port = int(found[0].group(1))
+                break
+            time.sleep(0.05)
+        assert self.port, f"pdclient serve did not start: {self.stderr()}"
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.append(line.rstrip("\n"))
+
+    def stderr(self) -> str:
+        return "\n".join(self.lines)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._reader.join(5)
 
 
 def config_for(prefill: str, decode: str | None = None, **settings: Any) -> ServeConfig:
