@@ -9,7 +9,7 @@ the code under test runs its true connection path, unlike a respx mock:
   ``choices[0]`` for completions) and a NIXL-like ``kv_transfer_params`` dict;
 - any other POST there is answered as a decode: an SSE stream of a few chunks when
   ``stream`` is true (chunked transfer encoding, one event per chunk), JSON otherwise;
-- GET ``/v1/models`` lists one model.
+- GET ``/v1/models`` lists one model; GET ``/health`` answers 200 with no body, as vLLM's does.
 
 The first id of a prefill's ``prompt_token_ids`` is derived from the request's messages
 (or prompt), so a decode can tell whether the ids it was given belong to its request:
@@ -491,7 +491,11 @@ class _Handler(BaseHTTPRequestHandler):
         fault = self.stub._fault_for(self._received("other", None, path))
         if self._faulted(fault):
             return
-        if path == "/v1/models":
+        if path == "/health":  # as vLLM's: 200, empty body (routers poll it before routing)
+            self.send_response(200)
+            self.send_header("content-length", "0")
+            self.end_headers()
+        elif path == "/v1/models":
             model = {"id": MODEL, "object": "model", "created": 0, "owned_by": "pdclient-stub"}
             self._send(200, {"object": "list", "data": [model]})
         else:
