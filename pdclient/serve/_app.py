@@ -35,6 +35,7 @@ from .. import _handoff as plan
 from ..metrics import PrometheusObserver
 from ._config import CONFIG_ENV, ServeConfig
 from ._logging import CallLog
+from ._run import MULTIPROC_ENV
 
 logger = logging.getLogger("pdclient.serve")
 
@@ -77,7 +78,7 @@ class Proxy:
         registry: CollectorRegistry | None = None,
     ) -> None:
         self.config = config
-        self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR")) and registry is None
+        self.multiprocess = bool(os.environ.get(MULTIPROC_ENV)) and registry is None
         # The observer's metrics live in their own registry; under multiprocess mode a scrape
         # reads every worker's files instead (MultiProcessCollector), plus this worker's endpoints.
         self.metrics = PrometheusObserver(CollectorRegistry() if registry is None else registry)
@@ -107,11 +108,9 @@ class Proxy:
 
     async def ready(self, request: Request) -> Response:
         """200 when at least one prefill and one decode endpoint are admitted by their breakers."""
-        states = _bridge.endpoint_states(self.transport)
         body: dict[str, Any] = {"ready": False, "prefill": [], "decode": []}
-        for endpoint in states:
-            entry = {"url": endpoint.url, "state": endpoint.state, "admitted": endpoint.admitted}
-            body[endpoint.leg].append({**entry, "in_flight": endpoint.in_flight})
+        for e in _bridge.endpoint_states(self.transport):
+            body[e.leg].append({"url": e.url, "state": e.state, "admitted": e.admitted, "in_flight": e.in_flight})
         body["ready"] = all(any(e["admitted"] for e in body[leg]) for leg in ("prefill", "decode"))
         return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
@@ -249,7 +248,6 @@ class _ProxiedResponse(Response):
         self._proxy = proxy
         self._upstream = upstream
         self._request_id = request_id
-        self.background = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         transport = self._proxy.transport
