@@ -45,7 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             kwargs["action"] = "store_true"
         else:
             kwargs["type"] = _parser_for(f)
-            kwargs["metavar"] = meta["metavar"] or (None if meta["choices"] else f.name.upper())
+            kind = {"_int": "N", "_float": "SECONDS", "_optional_float": "SECONDS"}.get(meta["parse"].__name__)
+            kwargs["metavar"] = meta["metavar"] or (None if meta["choices"] else kind or f.name.upper())
             if meta["choices"]:
                 kwargs["choices"] = meta["choices"]
             if f.name in ("prefill", "decode"):

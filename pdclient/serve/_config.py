@@ -152,7 +152,7 @@ class ServeConfig:
     )
     reuse_secret: str | None = _opt(
         None, "HMAC secret signing kv_transfer_params (servers with the guard)", _optional_str, env=SECRET_ENV,
-        group="client",
+        metavar="SECRET", group="client",
     )  # fmt: skip
     timeout: float = _opt(600.0, "read/write timeout of each leg request, seconds", _float, group="client")
     connect_timeout: float = _opt(5.0, "connect timeout of each leg request, seconds", _float, group="client")
@@ -160,12 +160,12 @@ class ServeConfig:
 
     # -- the proxy --
     host: str = _opt("127.0.0.1", "address to listen on", _str)
-    port: int = _opt(8000, "port to listen on (0: any free port)", _int)
+    port: int = _opt(8000, "port to listen on (0: any free port)", _int, metavar="PORT")
     workers: int = _opt(1, "worker processes (metrics aggregated across them)", _int)
     grace_period: float = _opt(
         30.0, "on SIGTERM, seconds in-flight requests get to finish before they are closed", _float
     )
-    max_body_size: int = _opt(32 * 1024 * 1024, "largest request body accepted, bytes (413 above)", _int)
+    max_body_size: int = _opt(32 * 1024 * 1024, "largest request body accepted (413 above)", _int, metavar="BYTES")
     api_keys: tuple[str, ...] = _opt(
         (),
         f"a key callers must send as 'Authorization: Bearer KEY' on /v1 (repeatable; ${API_KEYS_ENV}: comma-separated)",
