@@ -128,7 +128,9 @@ class Proxy:
             return error_response(413, f"request body is larger than this proxy's limit of {limit} bytes")
         except ValueError as exc:
             return error_response(400, str(exc))
-        path = request.url.path[len(API_PREFIX) :]
+        # The path as the caller encoded it (raw_path): "org%2Fmodel" stays one segment.
+        raw_path: bytes = request.scope.get("raw_path") or request.url.path.encode()
+        path = raw_path.decode("latin-1")[len(API_PREFIX) :]
         if request.method == "POST" and plan.route_kind(path) is not None:
             refusal = _caller_option_refusal(body)
             if refusal is not None:

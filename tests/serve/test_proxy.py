@@ -81,8 +81,10 @@ async def test_other_routes_pass_through_to_decode_unchanged(proxy: RunningProxy
         assert response.json()["error"]["message"] == "no route POST /v1/embeddings"
         (seen,) = stub.received
         assert seen.leg == "other" and seen.body == {"model": "m", "input": "hi"}
+        encoded = await http.get(proxy.base_url + "/models/org%2Fname")
+        assert encoded.status_code == 404 and stub.received[-1].path == "/v1/models/org%2Fname"
         missing = await http.get(proxy.url + "/nothing-here")
-        assert missing.status_code == 404 and len(stub.received) == 1  # outside /v1: not proxied
+        assert missing.status_code == 404 and len(stub.received) == 2  # outside /v1: not proxied
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
