@@ -139,6 +139,14 @@ class _Injected:
     times: int
 
 
+def closed_port_url() -> str:
+    """A loopback base URL nothing listens on: connections are refused at once (a server down)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"http://127.0.0.1:{port}/v1"
+
+
 def _seed(body: dict[str, Any]) -> int:
     """A request's signature: the first prompt id a prefill of it returns."""
     shape = body.get("messages") if "messages" in body else body.get("prompt")

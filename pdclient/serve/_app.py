@@ -32,6 +32,7 @@ from starlette.types import Receive, Scope, Send
 
 from .. import _bridge
 from .. import _handoff as plan
+from .._transport import _SSE_DONE, _SSE_TAIL
 from ..metrics import PrometheusObserver
 from ._config import CONFIG_ENV, ServeConfig
 from ._logging import CallLog
@@ -52,8 +53,6 @@ _DROPPED_RESPONSE_HEADERS = frozenset(
     {"transfer-encoding", "connection", "keep-alive", "te", "upgrade", "trailer", "proxy-connection", "server", "date"}
 )
 _TRACE_HEADER_PREFIX = "x-pd-"
-_SSE_DONE = b"data: [DONE]"
-_SSE_TAIL = 32  # [DONE] is an SSE stream's last event: looked for at a chunk's end only
 _FAILED_LEG_HEADER = "x-pd-failed-leg"
 
 

@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -110,14 +109,6 @@ class ServeProcess:
 
 def config_for(prefill: str, decode: str | None = None, **settings: Any) -> ServeConfig:
     return ServeConfig(prefill=(prefill,), decode=(decode or prefill,), **settings)
-
-
-def dead_url() -> str:
-    """A loopback URL nothing listens on (connections are refused at once)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return f"http://127.0.0.1:{port}/v1"
 
 
 def metric_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

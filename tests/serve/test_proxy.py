@@ -11,9 +11,9 @@ import openai
 import orjson
 import pytest
 
-from tests.stubserver import Fault, StubServer
+from tests.stubserver import Fault, StubServer, closed_port_url
 
-from .conftest import ANSWER, MESSAGES, PROMPT_TOKENS, RunningProxy, config_for, dead_url, running_proxy, wait_for
+from .conftest import ANSWER, MESSAGES, PROMPT_TOKENS, RunningProxy, config_for, running_proxy, wait_for
 
 CHAT = {"model": "m", "messages": MESSAGES}
 
@@ -174,7 +174,7 @@ async def test_caller_leaving_between_the_legs_frees_the_prefill_kv(stub: StubSe
 
 
 async def test_prefill_down_goes_decode_only_by_default(stub: StubServer) -> None:
-    with running_proxy(config_for(dead_url(), stub.url)) as proxy:
+    with running_proxy(config_for(closed_port_url(), stub.url)) as proxy:
         async with openai.AsyncOpenAI(base_url=proxy.base_url, api_key="-") as client:
             chat = await client.chat.completions.create(model="m", messages=MESSAGES)
         assert chat.choices[0].message.content == ANSWER
@@ -185,7 +185,7 @@ async def test_prefill_down_goes_decode_only_by_default(stub: StubServer) -> Non
 
 
 async def test_prefill_down_with_fail_policy_is_an_error(stub: StubServer) -> None:
-    with running_proxy(config_for(dead_url(), stub.url, on_prefill_failure="fail")) as proxy:
+    with running_proxy(config_for(closed_port_url(), stub.url, on_prefill_failure="fail")) as proxy:
         async with httpx.AsyncClient() as http:
             response = await http.post(proxy.base_url + "/chat/completions", json=CHAT)
         assert response.status_code == 502 and response.headers["x-pd-failed-leg"] == "prefill"
@@ -194,7 +194,7 @@ async def test_prefill_down_with_fail_policy_is_an_error(stub: StubServer) -> No
 
 
 async def test_decode_unreachable_is_502(stub: StubServer) -> None:
-    with running_proxy(config_for(stub.url, dead_url())) as proxy:
+    with running_proxy(config_for(stub.url, closed_port_url())) as proxy:
         async with httpx.AsyncClient() as http:
             response = await http.post(proxy.base_url + "/chat/completions", json=CHAT)
     assert response.status_code == 502
@@ -223,7 +223,7 @@ async def test_health_and_ready(stub: StubServer) -> None:
             ready = await http.get("/ready")
             assert ready.status_code == 200
             assert ready.json()["prefill"] == [{"url": stub.url, "state": "closed", "admitted": True, "in_flight": 0}]
-    prefill = dead_url()
+    prefill = closed_port_url()
     with running_proxy(config_for(prefill, stub.url, breaker_failures=2)) as proxy:
         async with httpx.AsyncClient(base_url=proxy.url) as http:
             assert (await http.get("/ready")).status_code == 200  # nothing has failed yet
