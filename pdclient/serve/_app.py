@@ -16,7 +16,7 @@ import hmac
 import logging
 import os
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import anyio
@@ -32,6 +32,7 @@ from starlette.types import Receive, Scope, Send
 
 from .. import _bridge
 from .. import _handoff as plan
+from .._observe import PDObserver
 from .._transport import _SSE_DONE, _SSE_TAIL
 from ..metrics import PrometheusObserver
 from ._config import CONFIG_ENV, ServeConfig
@@ -75,6 +76,7 @@ class Proxy:
         *,
         leg_transport: httpx.AsyncBaseTransport | None = None,
         registry: CollectorRegistry | None = None,
+        observers: Sequence[PDObserver] = (),
     ) -> None:
         self.config = config
         self.multiprocess = bool(os.environ.get(MULTIPROC_ENV)) and registry is None
@@ -92,7 +94,7 @@ class Proxy:
             limits=httpx.Limits(max_connections=config.max_connections, max_keepalive_connections=100)
         )
         self.transport = _bridge.make_transport(
-            config.prefill, config.decode, config.transport_options(), [self.metrics, CallLog()], legs
+            config.prefill, config.decode, config.transport_options(), [self.metrics, CallLog(), *observers], legs
         )
         self.metrics.watch(self.transport, registry=self.scrape_registry)
         self.api_base = config.decode[0]
@@ -308,14 +310,16 @@ def create_app(
     *,
     leg_transport: httpx.AsyncBaseTransport | None = None,
     registry: CollectorRegistry | None = None,
+    observers: Sequence[PDObserver] = (),
 ) -> Starlette:
     """The proxy app for ``config``.
 
     ``leg_transport`` sends the legs (default: a pooled ``httpx.AsyncHTTPTransport``);
-    ``registry`` receives the metrics (default: one of the app's own). The app's state is
-    ``app.state.proxy`` (a ``Proxy``: its ``transport``, ``metrics``, ``config``).
+    ``registry`` receives the metrics (default: one of the app's own); ``observers`` watch
+    each call besides the metrics and the log line. The app's state is ``app.state.proxy``
+    (a ``Proxy``: its ``transport``, ``metrics``, ``config``).
     """
-    proxy = Proxy(config, leg_transport=leg_transport, registry=registry)
+    proxy = Proxy(config, leg_transport=leg_transport, registry=registry, observers=observers)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -46,9 +46,9 @@ class RunningProxy:
 
 
 @contextlib.contextmanager
-def running_proxy(config: ServeConfig) -> Iterator[RunningProxy]:
+def running_proxy(config: ServeConfig, **app_options: Any) -> Iterator[RunningProxy]:
     """``create_app(config)`` served by uvicorn on an ephemeral loopback port, in a thread."""
-    app = create_app(config)
+    app = create_app(config, **app_options)
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, access_log=False, timeout_graceful_shutdown=2)
     )
