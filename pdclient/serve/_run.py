@@ -32,15 +32,29 @@ def run(config: ServeConfig) -> None:
 
         uvicorn.run(create_app(config), **common)  # type: ignore[arg-type]
         return
+    from uvicorn.supervisors import Multiprocess
+
+    class Supervisor(Multiprocess):
+        """uvicorn's worker supervisor, closing its copy of the listening socket when it stops
+        the workers: else the socket stays open until the supervisor exits, and connections
+        made during the workers' grace period wait in its backlog instead of being refused."""
+
+        def terminate_all(self) -> None:
+            for sock in self.sockets:
+                sock.close()
+            super().terminate_all()
+
     with _multiprocess_metrics():
         # Worker processes are spawned: they inherit the environment, not our objects.
         os.environ[CONFIG_ENV] = config.to_json()
-        uvicorn.run(
+        server_config = uvicorn.Config(
             "pdclient.serve._app:app_from_environment",
             factory=True,
             workers=config.workers,
             **common,  # type: ignore[arg-type]
         )
+        # What uvicorn.run does for workers > 1, with the supervisor above.
+        Supervisor(server_config, sockets=[server_config.bind_socket()]).run()
 
 
 @contextlib.contextmanager

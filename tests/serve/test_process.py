@@ -97,8 +97,8 @@ def test_sigterm_closes_streams_still_running_after_the_grace_period(stub: StubS
         serve.stop()
 
 
-def test_workers_share_their_metrics(stub: StubServer) -> None:
-    serve = ServeProcess("--prefill", stub.url, "--decode", stub.url, workers=2)
+def test_workers_share_their_metrics_and_shut_down_gracefully(stub: StubServer) -> None:
+    serve = ServeProcess("--prefill", stub.url, "--decode", stub.url, "--grace-period", "20", workers=2)
     try:
         calls = 8
         for _ in range(calls):  # a new connection each time: the kernel spreads them over the workers
@@ -110,6 +110,21 @@ def test_workers_share_their_metrics(stub: StubServer) -> None:
             key = ("pdclient_calls_total", (("outcome", "disaggregated"), ("route", "chat")))
             assert samples[key] == calls  # whichever worker answers, it counts every worker's calls
             assert samples[("pdclient_calls_in_flight", (("route", "chat"),))] == 0
+        stub.inject(Fault(event_delay=0.4), leg="decode")  # 7 events: ~2.4 s
+        with (
+            httpx.Client(timeout=10) as http,
+            http.stream("POST", serve.url + "/v1/chat/completions", json={**CHAT, "stream": True}) as response,
+        ):
+            lines = response.iter_lines()
+            events = [next(line for line in lines if line.startswith("data: "))]
+            serve.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 3  # the supervisor looks at its signals twice a second
+            while not refused(serve.url):
+                assert time.monotonic() < deadline, "still accepting connections after SIGTERM"
+                time.sleep(0.05)
+            events += [line for line in lines if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and len(events) == 7
+        serve.proc.wait(15)
     finally:
         serve.stop()
     assert exited_gracefully(serve.proc.returncode), serve.stderr()
