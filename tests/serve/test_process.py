@@ -85,7 +85,7 @@ def test_sigterm_closes_streams_still_running_after_the_grace_period(stub: StubS
                     pass
         serve.proc.wait(10)
         took = time.monotonic() - signalled
-        assert 0.9 < took < 5, took
+        assert 0.9 < took < 10, took  # the grace period (1 s), then shutdown
         assert exited_gracefully(serve.proc.returncode), serve.stderr()
         # The proxy closed its upstream decode connection too.
         deadline = time.monotonic() + 3

@@ -1,6 +1,6 @@
 // Stream one chat through `pdclient serve` with the npm openai package.
 // Usage: node stream_chat.cjs <node_modules dir>   (env: PROXY_BASE_URL, PROXY_API_KEY)
-// Prints one JSON line per content delta, then one line {"done": true, "text": ...}.
+// Prints one JSON line per chunk as it arrives, then one line {"done": true, "text": ...}.
 "use strict";
 const path = require("node:path");
 const { createRequire } = require("node:module");
@@ -18,10 +18,8 @@ async function main() {
   let text = "";
   for await (const chunk of stream) {
     const delta = chunk.choices[0]?.delta?.content ?? "";
-    if (delta) {
-      text += delta;
-      console.log(JSON.stringify({ delta, at: Date.now() }));
-    }
+    text += delta;
+    console.log(JSON.stringify({ delta })); // one line per chunk, as it arrives
   }
   console.log(JSON.stringify({ done: true, text }));
 }
