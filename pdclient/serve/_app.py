@@ -278,7 +278,7 @@ class _ProxiedResponse(Response):
         length = response.headers.get("content-length")
         expected = int(length) if length is not None and length.isdigit() else None
 
-        async def pump() -> bool:
+        async def pump() -> None:
             received = 0
             last = b""
             try:
@@ -290,13 +290,12 @@ class _ProxiedResponse(Response):
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             except Exception as exc:  # the decode stream broke: the caller sees it cut off too
                 logger.warning("request %s: upstream stream broke: %s", self._request_id, exc)
-                return False
+                return
             # Closed before the caller can see the end, so the call is recorded (metrics, log) by
             # then: a caller that reads a body's last byte, or an SSE stream's [DONE], and then
             # asks /metrics finds its call there.
             await response.aclose()
             await send({"type": "http.response.body", "body": last, "more_body": False})
-            return True
 
         await _unless_disconnected(receive, pump)
 

@@ -243,3 +243,17 @@ async def test_trace_headers_when_asked(stub: StubServer) -> None:
 
     trace = PDTrace.from_headers(raw.headers)
     assert trace.forwarded_tokens == PROMPT_TOKENS and trace.prefill_url == stub.url
+
+
+async def test_a_decode_stream_cut_upstream_is_cut_for_the_caller(proxy: RunningProxy, stub: StubServer) -> None:
+    stub.inject(Fault(drop_after_events=2), leg="decode")
+    events = []
+    async with httpx.AsyncClient(timeout=5) as http:
+        body = {**CHAT, "stream": True}
+        async with http.stream("POST", proxy.base_url + "/chat/completions", json=body) as response:
+            with pytest.raises(httpx.RemoteProtocolError):  # not a clean end: the caller can tell
+                async for line in response.aiter_lines():
+                    if line.startswith("data: "):
+                        events.append(line)
+    assert len(events) == 2
+    assert 'pdclient_calls_total{outcome="failed",route="chat"} 1.0' in await scrape(proxy)
