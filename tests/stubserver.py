@@ -9,13 +9,15 @@ so the code under test runs its true connection path, unlike a respx mock:
   ``choices[0]`` for completions) and a NIXL-like ``kv_transfer_params`` dict;
 - any other POST there is answered as a decode: an SSE stream of a few chunks when
   ``stream`` is true (chunked transfer encoding, one event per chunk), JSON otherwise;
-- GET ``/v1/models`` lists one model.
+- GET ``/v1/models`` lists one model; GET ``/health`` answers 200 with no body, as vLLM's does.
 
 The first id of a prefill's ``prompt_token_ids`` is derived from the request's messages
 (or prompt), so a decode can tell whether the ids it was given belong to its request:
 ``Received.ids_match``. Every request is recorded (``StubServer.received``) unless
-``record=False``; faults (delay, status, dropped connection, stream cut short) are
-injected with ``StubServer.inject`` or a ``fault_hook``.
+``record=False``, and how each streamed answer ended (``StubServer.streams``: completed,
+or the client closed its connection, seen at once while the stub waits between events);
+faults (delay, status, dropped connection, stream cut short, events held back until a
+test lets them go) are injected with ``StubServer.inject`` or a ``fault_hook``.
 
 One server plays both roles (the body says which), so a "pair" may be one server or two.
 In-process use::
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import select
 import socket
 import sys
 import threading
@@ -85,6 +88,27 @@ class Fault:
     """Streamed decode: seconds between SSE events."""
     drop_after_done: bool = False
     """Streamed decode: send every event and ``[DONE]``, then close without the chunked terminator."""
+    event_gate: threading.Semaphore | None = None
+    """Streamed decode: before each event after the first, wait (up to ``GATE_TIMEOUT``)
+    until the test releases this once; so an event cannot leave before the test has seen
+    the one before it."""
+
+
+GATE_TIMEOUT = 10.0
+
+
+@dataclass(frozen=True)
+class StreamEnd:
+    """How one streamed answer ended."""
+
+    request_id: str | None
+    events_sent: int
+    """SSE events written, ``[DONE]`` included."""
+    how: str
+    """``completed``, ``client closed`` (the client went away mid-stream), ``dropped``
+    (a ``drop_after_events`` fault) or ``gate timeout``."""
+    at: float
+    """``time.monotonic()`` when it ended."""
 
 
 @dataclass(frozen=True)
@@ -105,6 +129,8 @@ class Received:
     """Decode: how many ``prompt_token_ids`` it was given (chat) or prompt ids (completions)."""
     ids_match: bool | None = None
     """Chat decode with ids: whether they are the ones a prefill of this request returns."""
+    query: str = ""
+    """The request's query string, without the ``?``."""
 
 
 FaultHook = Callable[[Received], Fault | None]
@@ -115,6 +141,14 @@ class _Injected:
     fault: Fault
     leg: str | None
     times: int
+
+
+def closed_port_url() -> str:
+    """A loopback base URL nothing listens on: connections are refused at once (a server down)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"http://127.0.0.1:{port}/v1"
 
 
 def _leg(body: Any) -> str:
@@ -129,6 +163,7 @@ class StubServer:
         self.record = record
         self.fault_hook: FaultHook | None = None
         self._received: list[Received] = []
+        self._streams: list[StreamEnd] = []
         self._injected: list[_Injected] = []
         self._lock = threading.Lock()
         self._tails: dict[int, list[int]] = {}
@@ -174,9 +209,19 @@ class StubServer:
     def legs(self, leg: str) -> list[Received]:
         return [r for r in self.received if r.leg == leg]
 
+    @property
+    def streams(self) -> list[StreamEnd]:
+        with self._lock:
+            return list(self._streams)
+
+    def _stream_ended(self, request_id: str | None, events_sent: int, how: str) -> None:
+        with self._lock:
+            self._streams.append(StreamEnd(request_id, events_sent, how, time.monotonic()))
+
     def clear(self) -> None:
         with self._lock:
             self._received.clear()
+            self._streams.clear()
             self._injected.clear()
 
     def inject(self, fault: Fault, *, leg: str | None = None, times: int = 1) -> None:
@@ -283,6 +328,7 @@ class _Handler(BaseHTTPRequestHandler):
             client_port=int(self.client_address[1]),
             forwarded_ids=forwarded,
             ids_match=ids_match,
+            query=self.path.partition("?")[2],
         )
 
     # -- writing ---------------------------------------------------------------------
@@ -318,16 +364,48 @@ class _Handler(BaseHTTPRequestHandler):
         for i, frame in enumerate(frames):
             if fault is not None and fault.drop_after_events is not None and i >= fault.drop_after_events:
                 self._drop()
+                self.stub._stream_ended(request_id, i, "dropped")
                 return
-            if i and fault is not None and fault.event_delay:
-                time.sleep(fault.event_delay)
+            stopped = self._wait_before_event(fault) if i and fault is not None else None
             # [DONE] and the body's end in one write (unless the fault is to leave the end out).
             last = i == len(frames) - 1 and not (fault and fault.drop_after_done)
             end = b"0\r\n\r\n" if last else b""
-            self.wfile.write(b"%x\r\n%s\r\n%s" % (len(frame), frame, end))
+            if stopped is None:
+                try:
+                    self.wfile.write(b"%x\r\n%s\r\n%s" % (len(frame), frame, end))
+                except OSError:
+                    stopped = "client closed"
+            if stopped is not None:
+                self.close_connection = True
+                self.stub._stream_ended(request_id, i, stopped)
+                return
         if fault is not None and fault.drop_after_done:
             self.wfile.flush()
             self._drop()
+        self.stub._stream_ended(request_id, len(frames), "completed")
+
+    def _wait_before_event(self, fault: Fault) -> str | None:
+        """Wait as the fault says; why the stream must stop (the client left), or None."""
+        deadline = time.monotonic() + fault.event_delay
+        while (left := deadline - time.monotonic()) > 0:
+            if self._client_gone(min(left, 0.05)):
+                return "client closed"
+        if fault.event_gate is not None:
+            give_up = time.monotonic() + GATE_TIMEOUT
+            while not fault.event_gate.acquire(timeout=0.02):
+                if self._client_gone(0):
+                    return "client closed"
+                if time.monotonic() > give_up:
+                    return "gate timeout"
+        return None
+
+    def _client_gone(self, timeout: float) -> bool:
+        """Whether the client closed its end (waiting up to ``timeout`` for a sign of it)."""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], timeout)
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True
 
     # -- routes ----------------------------------------------------------------------
 
@@ -336,7 +414,11 @@ class _Handler(BaseHTTPRequestHandler):
         fault = self.stub._fault_for(self._received("other", None, path))
         if self._faulted(fault):
             return
-        if path == "/v1/models":
+        if path == "/health":  # as vLLM's: 200, empty body (routers poll it before routing)
+            self.send_response(200)
+            self.send_header("content-length", "0")
+            self.end_headers()
+        elif path == "/v1/models":
             self._send(200, VLLMAnswers.models())
         else:
             self._error(404, f"no route GET {path}")

@@ -3,6 +3,7 @@
     pdclient chat     stream an answer through a P/D pair (a local one when none is given)
     pdclient bench    decode and client TTFT with and without forwarded ids, on a pair
     pdclient doctor   can this pair do a token-reusing handoff?
+    pdclient serve    the handoff as an OpenAI-compatible P/D proxy, for clients in any language
 
 Each subcommand module has ``register(subparsers)`` and a ``run(args) -> int``; every
 failure is reported by ``main`` as one line on stderr with exit code 1, never a traceback.
@@ -97,14 +98,14 @@ def one_line(error: BaseException) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import bench, chat, doctor
+    from . import bench, chat, doctor, serve
 
     parser = argparse.ArgumentParser(
         prog="pdclient", description="Tools for prefill/decode disaggregated vLLM serving."
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log HTTP requests and details")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (chat, bench, doctor):
+    for module in (chat, bench, doctor, serve):
         module.register(commands)
     return parser
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -14,7 +13,7 @@ import pytest
 
 from pdclient import AsyncPDChatClient, PDTrace
 from pdclient._retry import RetrySettings
-from tests.stubserver import Fault, Received, StubServer
+from tests.stubserver import Fault, Received, StubServer, closed_port_url
 from tests.twins import Twin
 
 MESSAGES: Any = [{"role": "user", "content": "Say hello."}]
@@ -33,14 +32,6 @@ def pair(servers: tuple[StubServer, StubServer]) -> tuple[StubServer, StubServer
     for server in servers:
         server.clear()
     return servers
-
-
-def closed_port_url() -> str:
-    """A loopback URL nothing listens on: connections are refused at once."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return f"http://127.0.0.1:{port}/v1"
 
 
 async def test_prefill_connection_refused_falls_back(mode: str, pair: tuple[StubServer, StubServer]) -> None:

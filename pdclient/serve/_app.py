@@ -1,0 +1,356 @@
+"""The proxy as an ASGI app (Starlette), built on the async P/D transport.
+
+Every ``/v1`` request becomes one ``httpx.Request`` for the transport: chat and
+completions take the handoff, everything else goes to a decode endpoint unchanged. The
+transport's response is passed back as it arrives, one ASGI body message per chunk of
+its stream, while a second task listens for the caller's disconnect: when the caller
+goes away, the work in progress is cancelled (before the decode answers, that is the
+transport's cancel-safe path, which frees the prefill's KV) and the upstream response is
+closed, which closes its connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import os
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import anyio
+import httpx
+import orjson
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from .. import _bridge
+from .. import _handoff as plan
+from .._observe import PDObserver
+from .._transport import _SSE_DONE, _SSE_TAIL
+from ..metrics import PrometheusObserver
+from ._config import CONFIG_ENV, ServeConfig
+from ._logging import CallLog
+from ._run import MULTIPROC_ENV
+
+logger = logging.getLogger("pdclient.serve")
+
+API_PREFIX = "/v1"
+_T = TypeVar("_T")
+
+# Not copied from the caller to the servers: hop-by-hop, recomputed, or the caller's key.
+_DROPPED_REQUEST_HEADERS = frozenset(
+    {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "te", "upgrade", "trailer",
+     "proxy-authorization", "proxy-connection", "authorization"}
+)  # fmt: skip
+# Not copied from the servers to the caller: hop-by-hop, or set by our own HTTP server.
+_DROPPED_RESPONSE_HEADERS = frozenset(
+    {"transfer-encoding", "connection", "keep-alive", "te", "upgrade", "trailer", "proxy-connection", "server", "date"}
+)
+_TRACE_HEADER_PREFIX = "x-pd-"
+_FAILED_LEG_HEADER = "x-pd-failed-leg"
+
+
+def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    """An OpenAI-style error body, as the openai SDKs read it."""
+    body = {"error": {"message": f"pdclient serve: {message}", "type": "pdclient_error", "code": status}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class Proxy:
+    """The app's state and handlers: one transport, its observers, the caller keys."""
+
+    def __init__(
+        self,
+        config: ServeConfig,
+        *,
+        leg_transport: httpx.AsyncBaseTransport | None = None,
+        registry: CollectorRegistry | None = None,
+        observers: Sequence[PDObserver] = (),
+    ) -> None:
+        self.config = config
+        self.multiprocess = bool(os.environ.get(MULTIPROC_ENV)) and registry is None
+        # The observer's metrics live in their own registry; under multiprocess mode a scrape
+        # reads every worker's files instead (MultiProcessCollector), plus this worker's endpoints.
+        self.metrics = PrometheusObserver(CollectorRegistry() if registry is None else registry)
+        if self.multiprocess:
+            from prometheus_client import multiprocess
+
+            self.scrape_registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(self.scrape_registry)  # type: ignore[no-untyped-call]
+        else:
+            self.scrape_registry = self.metrics.registry
+        legs = leg_transport or httpx.AsyncHTTPTransport(
+            limits=httpx.Limits(max_connections=config.max_connections, max_keepalive_connections=100)
+        )
+        self.transport = _bridge.make_transport(
+            config.prefill, config.decode, config.transport_options(), [self.metrics, CallLog(), *observers], legs
+        )
+        self.metrics.watch(self.transport, registry=self.scrape_registry)
+        self.api_base = config.decode[0]
+        self._keys = [key.encode() for key in config.api_keys]
+        t = config.timeout
+        self._timeouts = {"connect": config.connect_timeout, "read": t, "write": t, "pool": t}
+
+    # -- routes ----------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def ready(self, request: Request) -> Response:
+        """200 when at least one prefill and one decode endpoint are admitted by their breakers."""
+        body: dict[str, Any] = {"ready": False, "prefill": [], "decode": []}
+        for e in _bridge.endpoint_states(self.transport):
+            body[e.leg].append({"url": e.url, "state": e.state, "admitted": e.admitted, "in_flight": e.in_flight})
+        body["ready"] = all(any(e["admitted"] for e in body[leg]) for leg in ("prefill", "decode"))
+        return JSONResponse(body, status_code=200 if body["ready"] else 503)
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        encoder, content_type = choose_encoder(request.headers.get("accept", ""))
+        return Response(encoder(self.scrape_registry), media_type=content_type)
+
+    async def proxy(self, request: Request) -> Response:
+        if self._keys and not self._authorized(request):
+            return error_response(401, "missing or invalid API key", {"www-authenticate": "Bearer"})
+        try:
+            body = await self._read_body(request)
+        except _BodyTooLarge:
+            limit = self.config.max_body_size
+            return error_response(413, f"request body is larger than this proxy's limit of {limit} bytes")
+        except ValueError as exc:
+            return error_response(400, str(exc))
+        # The path as the caller encoded it (raw_path): "org%2Fmodel" stays one segment.
+        raw_path: bytes = request.scope.get("raw_path") or request.url.path.encode()
+        path = raw_path.decode("latin-1")[len(API_PREFIX) :]
+        if request.method == "POST" and plan.route_kind(path) is not None:
+            refusal = _caller_option_refusal(body)
+            if refusal is not None:
+                return error_response(400, refusal)
+        request_id = request.headers.get("x-request-id") or f"pd-{uuid.uuid4().hex}"
+        upstream = httpx.Request(
+            request.method,
+            httpx.URL(self.api_base + path, query=request.url.query.encode()),
+            headers=self._upstream_headers(request, request_id),
+            content=body,
+            extensions={"timeout": self._timeouts},
+        )
+        return _ProxiedResponse(self, upstream, request_id)
+
+    # -- helpers ---------------------------------------------------------------------
+
+    def _authorized(self, request: Request) -> bool:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        given = token.strip().encode() if scheme.lower() == "bearer" else b""
+        # Every key is compared (no early exit), each in constant time.
+        return sum(hmac.compare_digest(given, key) for key in self._keys) > 0
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self.config.max_body_size
+        declared = request.headers.get("content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                raise ValueError(f"invalid content-length {declared!r}")
+            if int(declared) > limit:
+                raise _BodyTooLarge
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _BodyTooLarge
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _upstream_headers(self, request: Request, request_id: str) -> list[tuple[str, str]]:
+        headers = [(k, v) for k, v in request.headers.items() if k not in _DROPPED_REQUEST_HEADERS]
+        if self.config.forward_api_key and "authorization" in request.headers:
+            headers.append(("authorization", request.headers["authorization"]))
+        elif self.config.upstream_api_key:
+            headers.append(("authorization", f"Bearer {self.config.upstream_api_key}"))
+        return [*(h for h in headers if h[0] != "x-request-id"), ("x-request-id", request_id)]
+
+    def response_headers(self, upstream: httpx.Response, request_id: str) -> list[tuple[bytes, bytes]]:
+        headers = []
+        for name, value in upstream.headers.multi_items():
+            name = name.lower()
+            if name in _DROPPED_RESPONSE_HEADERS or name == "x-request-id":
+                continue
+            if name.startswith(_TRACE_HEADER_PREFIX) and name != _FAILED_LEG_HEADER and not self.config.trace_headers:
+                continue
+            headers.append((name.encode("latin-1"), value.encode("latin-1")))
+        headers.append((b"x-request-id", request_id.encode("latin-1")))
+        return headers
+
+
+def _caller_option_refusal(body: bytes) -> str | None:
+    """Why the proxy refuses a caller's per-call options, or None.
+
+    A per-call ``on_prefill_failure`` may name a fallback URL, and the library follows it:
+    through a proxy that would let any caller send requests to any address. Cheap check
+    first: the key, plainly or with escapes, must be in the bytes.
+    """
+    if b'"' + plan.CALL_OPTIONS_KEY.encode() not in body and b"\\u" not in body:
+        return None
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None  # the transport answers it with its own 400
+    options = parsed.get(plan.CALL_OPTIONS_KEY) if isinstance(parsed, dict) else None
+    policy = options.get("on_prefill_failure") if isinstance(options, dict) else None
+    if policy is None or policy in ("decode", "fail"):
+        return None
+    return (
+        f"{plan.CALL_OPTIONS_KEY}.on_prefill_failure may be 'decode' or 'fail' through this proxy, "
+        "not a fallback URL (the proxy's --on-prefill-failure sets one)"
+    )
+
+
+async def _unless_disconnected(receive: Receive, work: Callable[[], Awaitable[_T]]) -> tuple[_T | None, bool]:
+    """Run ``work`` until it ends or the caller disconnects (then it is cancelled).
+
+    Returns its result (None if cancelled) and whether the caller went away. Only called
+    once the request body has been read: the next ASGI message can only be the disconnect.
+    """
+    result: _T | None = None
+    error: Exception | None = None
+    gone = False
+    async with anyio.create_task_group() as group:
+
+        async def watch() -> None:
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            group.cancel_scope.cancel()
+
+        group.start_soon(watch)
+        try:
+            result = await work()
+        except Exception as exc:  # raised as itself, not in the task group's ExceptionGroup
+            error = exc
+        group.cancel_scope.cancel()
+    if error is not None:
+        raise error
+    return result, gone
+
+
+class _ProxiedResponse(Response):
+    """Sends the upstream request, then streams its response back chunk by chunk."""
+
+    def __init__(self, proxy: Proxy, upstream: httpx.Request, request_id: str) -> None:
+        self._proxy = proxy
+        self._upstream = upstream
+        self._request_id = request_id
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        transport = self._proxy.transport
+        try:
+            response, gone = await _unless_disconnected(receive, lambda: transport.handle_async_request(self._upstream))
+        except httpx.TimeoutException as exc:
+            await self._fail(scope, receive, send, 504, f"upstream timed out: {type(exc).__name__}: {exc}")
+            return
+        except httpx.TransportError as exc:
+            await self._fail(scope, receive, send, 502, f"upstream unreachable: {type(exc).__name__}: {exc}")
+            return
+        if response is None:
+            return  # the caller left before an answer; the transport freed what it held
+        try:
+            if not gone:
+                await self._stream(response, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await response.aclose()
+
+    async def _stream(self, response: httpx.Response, receive: Receive, send: Send) -> None:
+        headers = self._proxy.response_headers(response, self._request_id)
+        await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
+
+        length = response.headers.get("content-length")
+        expected = int(length) if length is not None and length.isdigit() else None
+
+        async def pump() -> None:
+            received = 0
+            last = b""
+            try:
+                async for chunk in response.stream:  # type: ignore[union-attr]
+                    received += len(chunk)
+                    if (expected is not None and received >= expected) or _SSE_DONE in chunk[-_SSE_TAIL:]:
+                        last += chunk  # the body's end: sent once the upstream stream is over, below
+                        continue
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except Exception as exc:  # the decode stream broke: the caller sees it cut off too
+                logger.warning("request %s: upstream stream broke: %s", self._request_id, exc)
+                return
+            # Closed before the caller can see the end, so the call is recorded (metrics, log) by
+            # then: a caller that reads a body's last byte, or an SSE stream's [DONE], and then
+            # asks /metrics finds its call there.
+            await response.aclose()
+            await send({"type": "http.response.body", "body": last, "more_body": False})
+
+        await _unless_disconnected(receive, pump)
+
+    async def _fail(self, scope: Scope, receive: Receive, send: Send, status: int, message: str) -> None:
+        logger.warning("request %s: %s", self._request_id, message)
+        await error_response(status, message, {"x-request-id": self._request_id})(scope, receive, send)
+
+
+def create_app(
+    config: ServeConfig,
+    *,
+    leg_transport: httpx.AsyncBaseTransport | None = None,
+    registry: CollectorRegistry | None = None,
+    observers: Sequence[PDObserver] = (),
+) -> Starlette:
+    """The proxy app for ``config``.
+
+    ``leg_transport`` sends the legs (default: a pooled ``httpx.AsyncHTTPTransport``);
+    ``registry`` receives the metrics (default: one of the app's own); ``observers`` watch
+    each call besides the metrics and the log line. The app's state is ``app.state.proxy``
+    (a ``Proxy``: its ``transport``, ``metrics``, ``config``).
+    """
+    proxy = Proxy(config, leg_transport=leg_transport, registry=registry, observers=observers)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            await proxy.transport.aclose()
+            if proxy.multiprocess:
+                from prometheus_client import multiprocess
+
+                multiprocess.mark_process_dead(os.getpid())  # type: ignore[no-untyped-call]
+
+    methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+    app = Starlette(
+        routes=[
+            Route("/health", proxy.health, methods=["GET"]),
+            Route("/ready", proxy.ready, methods=["GET"]),
+            Route("/metrics", proxy.metrics_endpoint, methods=["GET"]),
+            Route(API_PREFIX + "/{path:path}", proxy.proxy, methods=methods),
+        ],
+        lifespan=lifespan,
+    )
+    app.state.proxy = proxy
+    return app
+
+
+def app_from_environment() -> Starlette:
+    """The app factory of ``--workers N``: each worker process reads the config the CLI resolved."""
+    text = os.environ.get(CONFIG_ENV)
+    if not text:
+        raise RuntimeError(f"${CONFIG_ENV} is not set: start workers with `pdclient serve --workers N`")
+    return create_app(ServeConfig.from_json(text))
+
+
+__all__ = ["Proxy", "app_from_environment", "create_app"]
