@@ -123,6 +123,34 @@ class RoutingPolicy(Protocol):
     def choose(self, endpoints: Sequence[Endpoint], affinity_key: str | None) -> Endpoint: ...
 
 
+@dataclass(frozen=True)
+class RouteRequest:
+    """What a routing policy may know of the call it routes (issue 10's richer policy interface)."""
+
+    leg: str
+    """``prefill`` or ``decode``."""
+    affinity_key: str | None = None
+    """The conversation's key (its opening messages, or the caller's session)."""
+    prompt_text: str | None = None
+    """The chat messages' text, role-tagged, in order; computed only for a policy whose
+    ``wants_prompt_text`` is true (``_prefix_index.prompt_text`` renders it)."""
+
+
+class RequestPolicy(Protocol):
+    """A routing policy on the richer interface: ``choose(endpoints, RouteRequest)``.
+
+    It may also have ``on_routed(endpoint, request)``, called once the choice is made,
+    and ``wants_prompt_text = True`` to be given ``RouteRequest.prompt_text``.
+    """
+
+    def choose(self, endpoints: Sequence[Endpoint], request: RouteRequest) -> Endpoint: ...
+
+
+def rendezvous(endpoints: Sequence[Endpoint], key: str) -> Endpoint:
+    """The endpoint that ranks first for ``key`` (rendezvous hashing): a key moves only when its endpoint goes."""
+    return max(endpoints, key=lambda e: hashlib.blake2b(f"{key}|{e.url}".encode(), digest_size=8).digest())
+
+
 class RoundRobin:
     def __init__(self) -> None:
         self._turn = itertools.count()
@@ -165,7 +193,7 @@ class Affinity:
     def choose(self, endpoints: Sequence[Endpoint], affinity_key: str | None) -> Endpoint:
         if affinity_key is None:
             return self._fallback.choose(endpoints, None)
-        return max(endpoints, key=lambda e: hashlib.blake2b(f"{affinity_key}|{e.url}".encode(), digest_size=8).digest())
+        return rendezvous(endpoints, affinity_key)
 
 
 POLICIES: dict[str, Callable[[], RoutingPolicy]] = {
@@ -204,12 +232,17 @@ class EndpointPool:
 
     def pick(self, affinity_key: str | None = None, avoid: Sequence[Endpoint] = ()) -> Endpoint:
         """An admitted endpoint, preferring ones not in ``avoid`` (those already tried by this call)."""
-        admitted = [e for e in self.endpoints if e.admits()]
+        return self.policy.choose(self.candidates(avoid), affinity_key)
+
+    def candidates(self, avoid: Sequence[Endpoint] = ()) -> list[Endpoint]:
+        """The admitted endpoints not in ``avoid`` (all admitted ones if that leaves none)."""
+        members = self.endpoints  # read once: discovery may swap the tuple meanwhile
+        admitted = [e for e in members if e.admits()]
         if not admitted:
-            states = ", ".join(f"{e.url} ({e.state})" for e in self.endpoints)
+            states = ", ".join(f"{e.url} ({e.state})" for e in members)
             raise AllEndpointsOpen(f"every {self.leg} endpoint has its circuit breaker open: {states}")
         fresh = [e for e in admitted if e not in avoid]
-        return self.policy.choose(fresh or admitted, affinity_key)
+        return fresh or admitted
 
     def base_of(self, url: str) -> str | None:
         """The pool URL that ``url`` lies under, if any."""
@@ -217,3 +250,12 @@ class EndpointPool:
             if url == base or url.startswith(base + "/"):
                 return base
         return None
+
+
+def route(pool: EndpointPool, policy: RequestPolicy, request: RouteRequest, avoid: Sequence[Endpoint] = ()) -> Endpoint:
+    """``pool.pick`` on the richer interface: choose with ``request``, then tell the policy (``on_routed``)."""
+    endpoint = policy.choose(pool.candidates(avoid), request)
+    on_routed = getattr(policy, "on_routed", None)
+    if on_routed is not None:
+        on_routed(endpoint, request)
+    return endpoint
