@@ -16,11 +16,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import httpx
 
 from ._errors import PDConfigError, PDHandoffError
+
+if TYPE_CHECKING:
+    from ._load import LoadSample
 
 PREFILL_ENV = "PDCLIENT_PREFILL_BASE_URL"
 DECODE_ENV = "PDCLIENT_DECODE_BASE_URL"
@@ -76,6 +79,8 @@ class Endpoint:
     def __init__(self, url: str, breaker: BreakerSettings, clock: Callable[[], float]) -> None:
         self.url = url
         self.in_flight = 0
+        self.load: LoadSample | None = None
+        """The server's own load as its last /metrics scrape said (``_load.LoadScraper`` writes it)."""
         self._breaker = breaker
         self._clock = clock
         self._failures = 0
