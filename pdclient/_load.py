@@ -26,9 +26,19 @@ fresh for 2 s as in llm-d (four missed scrapes), and a scrape gives up after 1 s
 
 from __future__ import annotations
 
+import logging
 import math
+import random
 import re
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from ._background import Fetch, Fetched, Job, Outcome
+from ._endpoints import Endpoint, RouteRequest
+from ._errors import PDConfigError
+
+logger = logging.getLogger("pdclient")
 
 WAITING = "vllm:num_requests_waiting"
 RUNNING = "vllm:num_requests_running"
@@ -122,3 +132,164 @@ def server_url(base_url: str, path: str) -> str:
     """``path`` at the server root of an OpenAI base URL: vLLM serves /metrics and /health beside /v1."""
     root = base_url[: -len("/v1")] if base_url.endswith("/v1") else base_url
     return root + path
+
+
+@dataclass(frozen=True)
+class ScrapeSettings:
+    """How a pool's scraper reads its servers' /metrics (defaults: see the module docstring)."""
+
+    interval: float = 0.5
+    """Seconds between two scrapes of one server."""
+    staleness: float = 2.0
+    """Seconds a sample counts; after that, as if there were none."""
+    timeout: float = 1.0
+    """Seconds one scrape may take."""
+    model: str | None = None
+    """Count only this model's label sets (None: the server's whole load)."""
+    path: str = "/metrics"
+    """Where the server publishes its metrics, from its root (beside /v1, not under it)."""
+
+    def __post_init__(self) -> None:
+        if not (self.interval > 0 and self.timeout > 0 and self.staleness > self.interval):
+            raise PDConfigError(f"ScrapeSettings: need interval > 0, timeout > 0 and staleness > interval, got {self}")
+
+
+class LoadScraper:
+    """Sans-I/O core: scrapes every member of a pool every ``interval`` and leaves ``Endpoint.load``.
+
+    ``members`` is called each time, so endpoints that discovery adds are scraped at once
+    and removed ones are forgotten. A failed scrape leaves the last sample to go stale.
+    """
+
+    def __init__(
+        self, members: Callable[[], Sequence[Endpoint]], settings: ScrapeSettings | None = None, *, leg: str = "pool"
+    ) -> None:
+        self.settings = settings or ScrapeSettings()
+        self._members = members
+        self._leg = leg
+        self._next: dict[Endpoint, float] = {}
+        self._pending: set[Endpoint] = set()
+        self._failing: set[Endpoint] = set()
+
+    def __repr__(self) -> str:
+        return f"LoadScraper({self._leg}, {self.settings})"
+
+    def due(self, now: float) -> list[Job]:
+        members = self._members()
+        for gone in self._next.keys() - set(members):
+            del self._next[gone]
+            self._failing.discard(gone)
+        jobs = []
+        for endpoint in members:
+            if endpoint not in self._pending and self._next.get(endpoint, 0.0) <= now:
+                self._pending.add(endpoint)
+                self._next[endpoint] = now + self.settings.interval
+                url = server_url(endpoint.url, self.settings.path)
+                jobs.append(Job(endpoint, Fetch(url, self.settings.timeout, host=endpoint.host_name)))
+        return jobs
+
+    def next_due(self) -> float:
+        waiting = (self._next.get(e, 0.0) for e in self._members() if e not in self._pending)
+        return min(waiting, default=float("inf"))
+
+    def apply(self, job: Job, outcome: Outcome, now: float) -> None:
+        endpoint = job.key
+        assert isinstance(endpoint, Endpoint)
+        self._pending.discard(endpoint)
+        load = None
+        if isinstance(outcome, Fetched) and outcome.ok:
+            load = parse_metrics(outcome.text, self.settings.model)
+            problem = "its answer has no vLLM request counts"
+        else:
+            problem = getattr(outcome, "error", None) or f"HTTP {getattr(outcome, 'status', '?')}"
+        if load is None:
+            if endpoint not in self._failing:
+                self._failing.add(endpoint)
+                logger.warning(
+                    "pdclient: no load signal from %s %s (%s); load-aware routing uses this process's "
+                    "in-flight counts while a sample is stale",
+                    self._leg,
+                    server_url(endpoint.url, self.settings.path),
+                    problem,
+                )
+            return
+        if endpoint in self._failing:
+            self._failing.discard(endpoint)
+            logger.info("pdclient: load signal from %s %s is back", self._leg, endpoint.url)
+        endpoint.load = LoadSample(
+            waiting=load.waiting,
+            running=load.running,
+            kv_usage=load.kv_usage,
+            taken_at=now,
+            fresh_until=now + self.settings.staleness,
+            local_in_flight=endpoint.in_flight,
+        )
+
+
+class LoadAware:
+    """The least loaded endpoint by the servers' own counts, plus this process's calls since.
+
+    score = ``waiting_weight`` x waiting + ``running_weight`` x running + (this process's
+    in-flight calls now - those when the sample was taken). Endpoints whose KV cache is
+    fuller than ``kv_threshold`` are avoided unless all are. When any candidate has no
+    fresh sample, the scores are not comparable and it routes as ``LeastOutstanding``
+    (this process's own view). Exact ties go to a random one of the tied, so processes
+    that read the same scrape do not all pick the same server.
+
+    Defaults: a server's load is its outstanding requests, queued or running, as the
+    SGLang / vllm-router ``cache_aware`` balancer counts a worker's load; the two weights
+    let a deployment whose queueing hurts most weigh ``waiting`` up, as llm-d's queue
+    scorer does (it scores waiting only). ``kv_threshold`` 0.8 is llm-d's
+    ``DefaultKVCacheUtilThreshold``, the KV usage above which its saturation detector
+    counts a server as full.
+    """
+
+    wants_prompt_text = False
+
+    def __init__(
+        self,
+        *,
+        waiting_weight: float = 1.0,
+        running_weight: float = 1.0,
+        kv_threshold: float = 0.8,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        if waiting_weight < 0 or running_weight < 0 or not 0 < kv_threshold <= 1:
+            raise PDConfigError("LoadAware: weights must be >= 0 and kv_threshold in (0, 1]")
+        self.waiting_weight = waiting_weight
+        self.running_weight = running_weight
+        self.kv_threshold = kv_threshold
+        self._clock = clock
+        self._rng = rng or random.Random()
+
+    def scores(self, endpoints: Sequence[Endpoint]) -> list[float] | None:
+        """Each endpoint's score, or None when any of them has no fresh sample."""
+        now = self._clock()
+        scores = []
+        for endpoint in endpoints:
+            sample = endpoint.load
+            if sample is None or not sample.fresh(now):
+                return None
+            since = endpoint.in_flight - sample.local_in_flight
+            server = self.waiting_weight * sample.waiting + self.running_weight * sample.running
+            scores.append(max(0.0, server + since))
+        return scores
+
+    def loads(self, endpoints: Sequence[Endpoint]) -> list[float]:
+        """The scores, or this process's in-flight counts when they are not all fresh."""
+        scores = self.scores(endpoints)
+        return scores if scores is not None else [float(e.in_flight) for e in endpoints]
+
+    def choose(self, endpoints: Sequence[Endpoint], request: RouteRequest) -> Endpoint:
+        scores = self.scores(endpoints)
+        if scores is None:
+            return min(endpoints, key=lambda e: e.in_flight)
+        roomy = [i for i, e in enumerate(endpoints) if not self._full(e)] or range(len(endpoints))
+        best = min(scores[i] for i in roomy)
+        tied = [i for i in roomy if scores[i] == best]
+        return endpoints[tied[0] if len(tied) == 1 else self._rng.choice(tied)]
+
+    def _full(self, endpoint: Endpoint) -> bool:
+        sample = endpoint.load
+        return sample is not None and sample.kv_usage is not None and sample.kv_usage > self.kv_threshold

@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from pdclient._load import ServerLoad, parse_metrics, server_url
+from pdclient._background import Fetch, Fetched
+from pdclient._endpoints import BreakerSettings, EndpointPool, LeastOutstanding, RouteRequest
+from pdclient._errors import PDConfigError
+from pdclient._load import (
+    LoadAware,
+    LoadSample,
+    LoadScraper,
+    ScrapeSettings,
+    ServerLoad,
+    parse_metrics,
+    server_url,
+)
 
 # The shape of vLLM 0.32's answer (vllm/v1/metrics/loggers.py): HELP and TYPE lines,
 # labels model_name and engine, histograms and counters around the three gauges.
@@ -124,3 +137,170 @@ def test_a_bad_line_among_good_ones_is_skipped() -> None:
 )
 def test_metrics_live_beside_v1(base: str, expected: str) -> None:
     assert server_url(base, "/metrics") == expected
+
+
+# -- the scraper core -------------------------------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def metrics(waiting: float, running: float, kv: float | None = None) -> str:
+    text = f"vllm:num_requests_waiting {waiting}\nvllm:num_requests_running {running}\n"
+    return text + (f"vllm:kv_cache_usage_perc {kv}\n" if kv is not None else "")
+
+
+def make_pool(n: int = 3, clock: Clock | None = None) -> EndpointPool:
+    urls = tuple(f"http://10.0.0.{i + 1}:8000/v1" for i in range(n))
+    return EndpointPool("decode", urls, LeastOutstanding(), BreakerSettings(), clock or Clock())
+
+
+def test_scraper_schedules_each_member_once_per_interval() -> None:
+    pool = make_pool(2)
+    scraper = LoadScraper(lambda: pool.endpoints, ScrapeSettings(interval=0.5, staleness=2.0, timeout=0.3))
+    jobs = scraper.due(0.0)
+    assert [(j.action.url, j.action.timeout) for j in jobs] == [  # type: ignore[union-attr]
+        ("http://10.0.0.1:8000/metrics", 0.3),
+        ("http://10.0.0.2:8000/metrics", 0.3),
+    ]
+    assert scraper.due(0.1) == [] and scraper.next_due() == float("inf"), "both in flight"
+    scraper.apply(jobs[0], Fetched(200, metrics(1, 2)), 0.05)
+    assert scraper.next_due() == 0.5
+    assert scraper.due(0.6) == [jobs[0]], "the other is still pending"
+    scraper.apply(jobs[1], Fetched(None, error="ConnectTimeout"), 0.6)
+    assert [j.key for j in scraper.due(0.6)] == [pool.endpoints[1]]
+
+
+def test_scraper_leaves_a_sample_with_this_process_in_flight_then() -> None:
+    pool = make_pool(1)
+    endpoint = pool.endpoints[0]
+    endpoint.acquire()
+    endpoint.acquire()
+    scraper = LoadScraper(lambda: pool.endpoints, ScrapeSettings(staleness=2.0))
+    (job,) = scraper.due(10.0)
+    scraper.apply(job, Fetched(200, metrics(3, 4, 0.5)), 10.2)
+    assert endpoint.load == LoadSample(3, 4, 0.5, taken_at=10.2, fresh_until=12.2, local_in_flight=2)
+    assert endpoint.load.fresh(12.1) and not endpoint.load.fresh(12.2)
+
+
+def test_failed_scrapes_keep_the_old_sample_to_go_stale_and_warn_once(caplog: pytest.LogCaptureFixture) -> None:
+    pool = make_pool(1)
+    endpoint = pool.endpoints[0]
+    scraper = LoadScraper(lambda: pool.endpoints, ScrapeSettings(interval=0.5, staleness=2.0), leg="decode")
+    (job,) = scraper.due(0.0)
+    scraper.apply(job, Fetched(200, metrics(0, 1)), 0.0)
+    before = endpoint.load
+    for t, outcome in [(0.5, Fetched(503, "down")), (1.0, Fetched(200, "<html>")), (1.5, Fetched(None, error="x"))]:
+        (job,) = scraper.due(t)
+        scraper.apply(job, outcome, t)
+    assert endpoint.load is before and not before.fresh(2.0)
+    warnings = [r for r in caplog.records if "no load signal" in r.getMessage()]
+    assert len(warnings) == 1 and "HTTP 503" in warnings[0].getMessage()
+
+
+def test_scraper_follows_membership_changes() -> None:
+    pool = make_pool(2)
+    scraper = LoadScraper(lambda: pool.endpoints)
+    for job in scraper.due(0.0):
+        scraper.apply(job, Fetched(200, metrics(0, 0)), 0.0)
+    pool.set_members([("http://10.0.0.2:8000/v1", None), ("http://10.0.0.9:8000/v1", "vllm.test")])
+    jobs = scraper.due(0.1)
+    assert [j.action for j in jobs] == [Fetch("http://10.0.0.9:8000/metrics", 1.0, host="vllm.test")], (
+        "a new member is scraped at once, with its DNS name"
+    )
+    assert len(scraper._next) == 2, "the removed member is forgotten"
+
+
+# -- load-aware scoring -------------------------------------------------------------------
+
+
+def sample(clock: Clock, waiting: float, running: float, kv: float | None = None, local: int = 0) -> LoadSample:
+    return LoadSample(waiting, running, kv, taken_at=clock.now, fresh_until=clock.now + 2, local_in_flight=local)
+
+
+REQUEST = RouteRequest("decode")
+
+
+def test_load_aware_takes_the_servers_view_over_this_process() -> None:
+    clock = Clock()
+    a, b, c = make_pool(3, clock).endpoints
+    a.load, b.load, c.load = sample(clock, 0, 9), sample(clock, 0, 2), sample(clock, 0, 5)
+    for _ in range(2):
+        b.acquire()  # this process's own calls on b since the scrape count too: 2 + 2 = 4
+    policy = LoadAware(clock=clock)
+    assert policy.scores([a, b, c]) == [9, 4, 5]
+    assert policy.choose([a, b, c], REQUEST) is b
+    b.acquire()
+    b.acquire()
+    assert policy.choose([a, b, c], REQUEST) is c, "6 > 5"
+    assert LeastOutstanding().choose([a, b, c], None) is a, "least-outstanding sees only this process"
+
+
+def test_calls_finished_since_the_scrape_lower_the_score() -> None:
+    clock = Clock()
+    (a,) = make_pool(1, clock).endpoints
+    for _ in range(3):
+        a.acquire()
+    a.load = sample(clock, 1, 3, local=3)
+    for _ in range(3):
+        a.release(ok=True)
+    assert LoadAware(clock=clock).scores([a]) == [1.0], "our 3 ended: the server holds 1 waiting"
+    a.load = sample(clock, 0, 1, local=3)
+    assert LoadAware(clock=clock).scores([a]) == [0.0], "never below zero"
+
+
+def test_weights() -> None:
+    clock = Clock()
+    a, b = make_pool(2, clock).endpoints
+    a.load, b.load = sample(clock, 3, 0), sample(clock, 0, 5)
+    assert LoadAware(clock=clock).choose([a, b], REQUEST) is a
+    assert LoadAware(waiting_weight=2.0, clock=clock).choose([a, b], REQUEST) is b
+
+
+def test_full_kv_caches_are_avoided_unless_all_are_full() -> None:
+    clock = Clock()
+    a, b, c = make_pool(3, clock).endpoints
+    a.load, b.load, c.load = sample(clock, 0, 0, kv=0.95), sample(clock, 0, 7, kv=0.5), sample(clock, 0, 3, kv=None)
+    policy = LoadAware(clock=clock)
+    assert policy.choose([a, b, c], REQUEST) is c, "unknown KV usage is not full"
+    c.load = sample(clock, 0, 3, kv=0.81)
+    assert policy.choose([a, b, c], REQUEST) is b
+    b.load = sample(clock, 0, 7, kv=0.99)
+    assert policy.choose([a, b, c], REQUEST) is a, "all full: the least loaded of all"
+
+
+def test_stale_or_missing_samples_mean_least_outstanding() -> None:
+    clock = Clock()
+    a, b = make_pool(2, clock).endpoints
+    a.acquire()
+    policy = LoadAware(clock=clock)
+    assert policy.choose([a, b], REQUEST) is b and policy.scores([a, b]) is None, "no samples yet"
+    a.load, b.load = sample(clock, 0, 0), sample(clock, 0, 50)
+    assert policy.choose([a, b], REQUEST) is a
+    clock.now += 1.9
+    b.load = sample(clock, 0, 50)
+    clock.now += 0.2
+    assert policy.scores([a, b]) is None, "a's sample is 2.1 s old: stale"
+    assert policy.choose([a, b], REQUEST) is b, "least outstanding: a has 1 of ours"
+    assert policy.loads([a, b]) == [1.0, 0.0]
+
+
+def test_ties_are_spread() -> None:
+    clock = Clock()
+    endpoints = make_pool(3, clock).endpoints
+    for e in endpoints:
+        e.load = sample(clock, 0, 2)
+    policy = LoadAware(clock=clock, rng=random.Random(1))
+    assert {policy.choose(endpoints, REQUEST).url for _ in range(50)} == {e.url for e in endpoints}
+
+
+def test_bad_settings_are_config_errors() -> None:
+    with pytest.raises(PDConfigError):
+        ScrapeSettings(interval=2.0, staleness=1.0)
+    with pytest.raises(PDConfigError):
+        LoadAware(kv_threshold=0)
