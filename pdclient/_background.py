@@ -28,9 +28,10 @@ import logging
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 import httpx
 
@@ -92,6 +93,37 @@ class Core(Protocol):
     def due(self, now: float) -> list[Job]: ...
     def next_due(self) -> float: ...
     def apply(self, job: Job, outcome: Outcome, now: float) -> None: ...
+
+
+M = TypeVar("M")
+
+
+class EveryMember(Generic[M]):
+    """A schedule for cores that visit every member of a pool every ``interval`` seconds.
+
+    ``members`` is read each time, so a member that discovery adds is due at once and a
+    removed one is no longer visited (its entry goes with the object: weak references).
+    A member is not due again while its last job is out.
+    """
+
+    def __init__(self, members: Callable[[], Sequence[M]], interval: float) -> None:
+        self.members = members
+        self.interval = interval
+        self._next: weakref.WeakKeyDictionary[M, float] = weakref.WeakKeyDictionary()
+        self._out: weakref.WeakSet[M] = weakref.WeakSet()
+
+    def due(self, now: float) -> list[M]:
+        due = [m for m in self.members() if m not in self._out and self._next.get(m, 0.0) <= now]
+        for member in due:
+            self._out.add(member)
+            self._next[member] = now + self.interval
+        return due
+
+    def done(self, member: M) -> None:
+        self._out.discard(member)
+
+    def next_due(self) -> float:
+        return min((self._next.get(m, 0.0) for m in self.members() if m not in self._out), default=float("inf"))
 
 
 def system_resolver(host: str, port: int) -> list[str]:

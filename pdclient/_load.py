@@ -31,10 +31,11 @@ import math
 import random
 import re
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ._background import Fetch, Fetched, Job, Outcome
+from ._background import EveryMember, Fetch, Fetched, Job, Outcome
 from ._endpoints import Endpoint, RouteRequest
 from ._errors import PDConfigError
 
@@ -165,37 +166,26 @@ class LoadScraper:
         self, members: Callable[[], Sequence[Endpoint]], settings: ScrapeSettings | None = None, *, leg: str = "pool"
     ) -> None:
         self.settings = settings or ScrapeSettings()
-        self._members = members
+        self._schedule = EveryMember(members, self.settings.interval)
         self._leg = leg
-        self._next: dict[Endpoint, float] = {}
-        self._pending: set[Endpoint] = set()
-        self._failing: set[Endpoint] = set()
+        self._failing: weakref.WeakSet[Endpoint] = weakref.WeakSet()
 
     def __repr__(self) -> str:
         return f"LoadScraper({self._leg}, {self.settings})"
 
     def due(self, now: float) -> list[Job]:
-        members = self._members()
-        for gone in self._next.keys() - set(members):
-            del self._next[gone]
-            self._failing.discard(gone)
-        jobs = []
-        for endpoint in members:
-            if endpoint not in self._pending and self._next.get(endpoint, 0.0) <= now:
-                self._pending.add(endpoint)
-                self._next[endpoint] = now + self.settings.interval
-                url = server_url(endpoint.url, self.settings.path)
-                jobs.append(Job(endpoint, Fetch(url, self.settings.timeout, host=endpoint.host_name)))
-        return jobs
+        return [
+            Job(e, Fetch(server_url(e.url, self.settings.path), self.settings.timeout, host=e.host_name))
+            for e in self._schedule.due(now)
+        ]
 
     def next_due(self) -> float:
-        waiting = (self._next.get(e, 0.0) for e in self._members() if e not in self._pending)
-        return min(waiting, default=float("inf"))
+        return self._schedule.next_due()
 
     def apply(self, job: Job, outcome: Outcome, now: float) -> None:
         endpoint = job.key
         assert isinstance(endpoint, Endpoint)
-        self._pending.discard(endpoint)
+        self._schedule.done(endpoint)
         load = None
         if isinstance(outcome, Fetched) and outcome.ok:
             load = parse_metrics(outcome.text, self.settings.model)

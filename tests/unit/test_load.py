@@ -213,7 +213,9 @@ def test_scraper_follows_membership_changes() -> None:
     assert [j.action for j in jobs] == [Fetch("http://10.0.0.9:8000/metrics", 1.0, host="vllm.test")], (
         "a new member is scraped at once, with its DNS name"
     )
-    assert len(scraper._next) == 2, "the removed member is forgotten"
+    for job in jobs + scraper.due(0.7):
+        scraper.apply(job, Fetched(200, metrics(0, 0)), 0.7)
+    assert {j.key for j in scraper.due(10.0)} == set(pool.endpoints), "the removed one is not visited"
 
 
 # -- load-aware scoring -------------------------------------------------------------------
