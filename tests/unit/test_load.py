@@ -234,7 +234,7 @@ def test_load_aware_takes_the_servers_view_over_this_process() -> None:
     a.load, b.load, c.load = sample(clock, 0, 9), sample(clock, 0, 2), sample(clock, 0, 5)
     for _ in range(2):
         b.acquire()  # this process's own calls on b since the scrape count too: 2 + 2 = 4
-    policy = LoadAware(clock=clock)
+    policy = LoadAware(clock=clock, extrapolate=False)
     assert policy.scores([a, b, c]) == [9, 4, 5]
     assert policy.choose([a, b, c], REQUEST) is b
     b.acquire()
@@ -251,9 +251,34 @@ def test_calls_finished_since_the_scrape_lower_the_score() -> None:
     a.load = sample(clock, 1, 3, local=3)
     for _ in range(3):
         a.release(ok=True)
-    assert LoadAware(clock=clock).scores([a]) == [1.0], "our 3 ended: the server holds 1 waiting"
+    policy = LoadAware(clock=clock, extrapolate=False)
+    assert policy.scores([a]) == [1.0], "our 3 ended: the server holds 1 waiting"
     a.load = sample(clock, 0, 1, local=3)
-    assert LoadAware(clock=clock).scores([a]) == [0.0], "never below zero"
+    assert policy.scores([a]) == [0.0], "never below zero"
+
+
+def test_calls_since_the_scrape_count_for_the_pools_other_clients_too() -> None:
+    clock = Clock()
+    a, b, c = make_pool(3, clock).endpoints
+    # at the scrape the servers held 12 requests, 3 of them ours: each of ours stands for 4
+    a.load, b.load, c.load = sample(clock, 0, 2, local=1), sample(clock, 1, 4, local=1), sample(clock, 0, 5, local=1)
+    for e in (a, b, c):
+        e.acquire()
+    policy = LoadAware(clock=clock)
+    assert policy.scores([a, b, c]) == [2, 5, 5]
+    first = policy.choose([a, b, c], REQUEST)
+    first.acquire()
+    assert first is a and policy.scores([a, b, c]) == [6, 5, 5], "one more of ours: four more in all"
+    assert policy.choose([a, b, c], REQUEST) in (b, c), "without extrapolation a (3) would win again: herding"
+    assert LoadAware(clock=clock, extrapolate=False).choose([a, b, c], REQUEST) is a
+
+
+def test_extrapolation_is_bounded() -> None:
+    clock = Clock()
+    a, b = make_pool(2, clock).endpoints
+    a.load, b.load = sample(clock, 500, 500), sample(clock, 500, 500)  # none of it ours
+    a.acquire()
+    assert LoadAware(clock=clock).scores([a, b]) == [1064, 1000]
 
 
 def test_weights() -> None:
@@ -262,6 +287,7 @@ def test_weights() -> None:
     a.load, b.load = sample(clock, 3, 0), sample(clock, 0, 5)
     assert LoadAware(clock=clock).choose([a, b], REQUEST) is a
     assert LoadAware(waiting_weight=2.0, clock=clock).choose([a, b], REQUEST) is b
+    assert LoadAware(running_weight=0.5, clock=clock).choose([a, b], REQUEST) is b
 
 
 def test_full_kv_caches_are_avoided_unless_all_are_full() -> None:
@@ -280,7 +306,7 @@ def test_stale_or_missing_samples_mean_least_outstanding() -> None:
     clock = Clock()
     a, b = make_pool(2, clock).endpoints
     a.acquire()
-    policy = LoadAware(clock=clock)
+    policy = LoadAware(clock=clock, extrapolate=False)
     assert policy.choose([a, b], REQUEST) is b and policy.scores([a, b]) is None, "no samples yet"
     a.load, b.load = sample(clock, 0, 0), sample(clock, 0, 50)
     assert policy.choose([a, b], REQUEST) is a
@@ -290,6 +316,18 @@ def test_stale_or_missing_samples_mean_least_outstanding() -> None:
     assert policy.scores([a, b]) is None, "a's sample is 2.1 s old: stale"
     assert policy.choose([a, b], REQUEST) is b, "least outstanding: a has 1 of ours"
     assert policy.loads([a, b]) == [1.0, 0.0]
+
+
+def test_ties_go_to_fewer_of_ours_first() -> None:
+    clock = Clock()
+    a, b, c = make_pool(3, clock).endpoints
+    for e in (a, b, c):
+        e.load = sample(clock, 0, 2, local=1)
+        e.acquire()
+    a.acquire()
+    a.load = sample(clock, 0, 2, local=2)  # the same score as b and c, two of ours on it
+    policy = LoadAware(clock=clock, rng=random.Random(3))
+    assert {policy.choose([a, b, c], REQUEST).url for _ in range(30)} == {b.url, c.url}
 
 
 def test_ties_are_spread() -> None:
