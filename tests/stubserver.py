@@ -12,14 +12,17 @@ the code under test runs its true connection path, unlike a respx mock:
 - GET ``/v1/models`` lists one model;
 - GET ``/metrics`` answers vLLM-shaped Prometheus text: its own
   ``vllm:num_requests_running`` / ``vllm:num_requests_waiting`` (generation requests
-  being answered / queued for a slot when ``max_running`` is set), a settable
-  ``vllm:kv_cache_usage_perc`` (``StubServer.kv_usage``) and prefix-cache counters;
+  being answered / queued for a slot when ``max_running`` is set), a
+  ``vllm:kv_cache_usage_perc`` (``StubServer.kv_usage``; by default running / max_running)
+  and prefix-cache counters;
 - GET ``/health`` answers 200, or 503 while ``StubServer.healthy`` is False;
-- POST ``/stub/control`` sets ``healthy`` and ``kv_usage`` of a stub in another process.
+- POST ``/stub/control`` sets ``healthy`` and ``kv_usage`` of a stub in another process
+  (and empties its prefix cache with ``reset_prefix_cache``).
 
 Load and cache models, for routing benchmarks (all off by default):
 
 - ``max_running``: at most that many generation requests run at once, the rest wait;
+- ``background``: slots held by someone else's requests (counted as running);
 - ``step_seconds`` + ``step_per_running`` x running: the time of each streamed decode
   event (a batch step that slows as the batch grows);
 - ``prefix_cache`` (``PrefixCacheModel``): the server renders each prefill's messages,
@@ -240,12 +243,16 @@ class StubServer:
         self.fault_hook: FaultHook | None = None
         self.healthy = True
         """False: /health answers 503 (vLLM's answer once its engine is dead)."""
-        self.kv_usage = 0.0
-        """What /metrics says of KV-cache usage (0..1)."""
+        self.kv_usage: float | None = None
+        """What /metrics says of KV-cache usage (0..1); None: running / max_running (0 without
+        slots), as a server whose cache holds ``max_running`` requests would."""
         self.max_running = max_running
         self.step_seconds = step_seconds
         self.step_per_running = step_per_running
         self.prefix_cache = prefix_cache
+        self.background = 0
+        """Slots held by someone else's long requests (another tenant, a client that is not
+        ours): counted as running, they slow every step and leave fewer slots."""
         self._running = 0
         self._waiting = 0
         self._slots = threading.Condition()
@@ -325,7 +332,7 @@ class StubServer:
 
     @property
     def running(self) -> int:
-        return self._running
+        return self._running + self.background
 
     @property
     def waiting(self) -> int:
@@ -337,7 +344,7 @@ class StubServer:
         with self._slots:
             self._waiting += 1
             try:
-                while self.max_running is not None and self._running >= self.max_running:
+                while self.max_running is not None and self.running >= self.max_running:
                     self._slots.wait()
             finally:
                 self._waiting -= 1
@@ -349,9 +356,14 @@ class StubServer:
                 self._running -= 1
                 self._slots.notify()
 
+    def kv_usage_now(self) -> float:
+        if self.kv_usage is not None:
+            return float(self.kv_usage)
+        return min(1.0, self.running / self.max_running) if self.max_running else 0.0
+
     def step_delay(self) -> float:
         """Seconds one decode step (one streamed event) takes with the current batch."""
-        return self.step_seconds + self.step_per_running * self._running
+        return self.step_seconds + self.step_per_running * self.running
 
     def metrics_text(self) -> str:
         """A vLLM 0.32-shaped /metrics answer (vllm/v1/metrics/loggers.py names and labels)."""
@@ -364,13 +376,13 @@ class StubServer:
             'python_gc_objects_collected_total{generation="0"} 1234.0\n'
             "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
             "# TYPE vllm:num_requests_running gauge\n"
-            f"vllm:num_requests_running{labels} {float(self._running)}\n"
+            f"vllm:num_requests_running{labels} {float(self.running)}\n"
             "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
             "# TYPE vllm:num_requests_waiting gauge\n"
             f"vllm:num_requests_waiting{labels} {float(self._waiting)}\n"
             "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"
             "# TYPE vllm:kv_cache_usage_perc gauge\n"
-            f"vllm:kv_cache_usage_perc{labels} {float(self.kv_usage)}\n"
+            f"vllm:kv_cache_usage_perc{labels} {self.kv_usage_now()}\n"
             "# HELP vllm:prefix_cache_queries_total Prefix cache queries (the stub counts characters).\n"
             "# TYPE vllm:prefix_cache_queries_total counter\n"
             f"vllm:prefix_cache_queries_total{labels} {float(queried)}\n"
@@ -632,7 +644,14 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if path == "/stub/control" and isinstance(body, dict):
             self.stub.healthy = bool(body.get("healthy", self.stub.healthy))
-            self.stub.kv_usage = float(body.get("kv_usage", self.stub.kv_usage))
+            if "kv_usage" in body:
+                self.stub.kv_usage = None if body["kv_usage"] is None else float(body["kv_usage"])
+            cache = self.stub.prefix_cache
+            if body.get("reset_prefix_cache") and cache is not None:
+                capacity = cache.capacity_blocks * cache.block_chars
+                self.stub.prefix_cache = PrefixCacheModel(
+                    capacity_chars=capacity, block_chars=cache.block_chars, seconds_per_char=cache.seconds_per_char
+                )
             self._send(200, {"healthy": self.stub.healthy, "kv_usage": self.stub.kv_usage})
             return
         if not routed:
@@ -683,6 +702,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-running", type=int, default=None, help="generation slots; more requests wait")
     parser.add_argument("--step-seconds", type=float, default=0.0, help="base time of a decode step (SSE event)")
     parser.add_argument("--step-per-running", type=float, default=0.0, help="added per running request")
+    parser.add_argument("--background", type=int, default=0, help="slots held by another tenant's requests")
     parser.add_argument("--prefix-cache-chars", type=int, default=0, help="model a prefix cache of this size")
     parser.add_argument("--prefix-block-chars", type=int, default=64)
     parser.add_argument("--prefill-seconds-per-char", type=float, default=0.0, help="cost of an uncached character")
@@ -703,7 +723,9 @@ def main(argv: list[str] | None = None) -> None:
         step_seconds=args.step_seconds,
         step_per_running=args.step_per_running,
         prefix_cache=cache,
-    ).start()
+    )
+    server.background = args.background
+    server.start()
     print(f"READY {server.url}", flush=True)
     with contextlib.suppress(KeyboardInterrupt):
         sys.stdin.read()  # the parent closing our stdin (or dying) ends the stub

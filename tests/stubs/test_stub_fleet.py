@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
@@ -25,20 +25,37 @@ def root(stub: StubServer) -> str:
     return stub.url.removesuffix("/v1")
 
 
-def test_metrics_count_running_and_waiting_requests(stub: StubServer) -> None:
-    assert parse_metrics(httpx.get(root(stub) + "/metrics").text, model=MODEL) == ServerLoad(0, 0, 0.0)
-
+def hold_streams(stub: StubServer, n: int) -> list[threading.Thread]:
     def stream() -> None:
         with httpx.Client() as client:
             client.post(stub.url + "/chat/completions", json=CHAT).read()
 
-    threads = [threading.Thread(target=stream) for _ in range(5)]
+    threads = [threading.Thread(target=stream) for _ in range(n)]
     for t in threads:
         t.start()
-    stub.kv_usage = 0.42
-    deadline = time.monotonic() + 10
-    while stub.running + stub.waiting < 5 and time.monotonic() < deadline:
+    return threads
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
         time.sleep(0.01)
+
+
+def test_metrics_count_running_and_waiting_requests(stub: StubServer) -> None:
+    stub.kv_usage = 0.0
+    assert parse_metrics(httpx.get(root(stub) + "/metrics").text, model=MODEL) == ServerLoad(0, 0, 0.0)
+    stub.kv_usage = None
+    threads = hold_streams(stub, 1)
+    wait_for(lambda: stub.running == 1)
+    assert parse_metrics(httpx.get(root(stub) + "/metrics").text) == ServerLoad(0, 1, 0.5), "1 of 2 slots"
+    for t in threads:
+        t.join()
+
+    threads = hold_streams(stub, 5)
+    stub.kv_usage = 0.42
+    wait_for(lambda: stub.running + stub.waiting == 5)
     load = parse_metrics(httpx.get(root(stub) + "/metrics").text, model=MODEL)
     assert load == ServerLoad(waiting=3, running=2, kv_usage=0.42), "5 streams (1 s each), 2 slots"
     for t in threads:
@@ -60,6 +77,8 @@ def test_health_follows_the_switch_and_the_control_endpoint(stub: StubServer) ->
     assert httpx.get(root(stub) + "/health").status_code == 503
     answer = httpx.post(root(stub) + "/stub/control", json={"healthy": True, "kv_usage": 0.9}).json()
     assert answer == {"healthy": True, "kv_usage": 0.9} and stub.healthy and stub.kv_usage == 0.9
+    httpx.post(root(stub) + "/stub/control", json={"kv_usage": None})
+    assert stub.kv_usage is None
 
 
 def test_prefix_cache_model_hits_the_prefixes_it_has_seen() -> None:
@@ -95,3 +114,14 @@ def test_stubs_listen_on_other_loopback_addresses() -> None:
     with StubServer(host="127.0.0.3") as stub:
         assert stub.url.startswith("http://127.0.0.3:")
         assert httpx.get(root(stub) + "/health").status_code == 200
+
+
+def test_background_requests_hold_slots_and_count_as_running() -> None:
+    with StubServer(max_running=4, step_seconds=0.2) as stub:
+        stub.background = 3
+        assert parse_metrics(httpx.get(root(stub) + "/metrics").text) == ServerLoad(0, 3, 0.75)
+        threads = hold_streams(stub, 2)
+        wait_for(lambda: stub.waiting == 1)
+        assert parse_metrics(httpx.get(root(stub) + "/metrics").text) == ServerLoad(1, 4, 1.0)
+        for t in threads:
+            t.join()
