@@ -205,6 +205,12 @@ class _Driver:
         except Exception:
             logger.exception("pdclient background: %r failed to apply %r", core, outcome)
 
+    @staticmethod
+    def _failed(action: Fetch | Lookup, exc: BaseException) -> Outcome:
+        logger.debug("pdclient background: %r raised", action, exc_info=exc)
+        error = f"{type(exc).__name__}: {exc}"
+        return LookedUp(error=error) if isinstance(action, Lookup) else Fetched(None, error=error)
+
     def _sleep_seconds(self) -> float:
         wake = min((core.next_due() for core in self.cores), default=float("inf"))
         return min(self._max_sleep, max(0.0, wake - self._clock()))
@@ -259,9 +265,12 @@ class BackgroundThread(_Driver):
                 self._stop.wait(self._sleep_seconds())
 
     def _perform(self, http: httpx.Client, action: Fetch | Lookup) -> Outcome:
-        if isinstance(action, Lookup):
-            return lookup_sync(self._resolver, action)
-        return fetch_sync(http, action)
+        try:
+            if isinstance(action, Lookup):
+                return lookup_sync(self._resolver, action)
+            return fetch_sync(http, action)
+        except Exception as exc:  # whatever a job raises is its outcome, never the loop's end
+            return self._failed(action, exc)
 
 
 class BackgroundTask(_Driver):
@@ -319,6 +328,9 @@ class BackgroundTask(_Driver):
                     await asyncio.wait_for(stop.wait(), self._sleep_seconds())
 
     async def _perform(self, http: httpx.AsyncClient, action: Fetch | Lookup) -> Outcome:
-        if isinstance(action, Lookup):
-            return await lookup_async(self._resolver, action)
-        return await fetch_async(http, action)
+        try:
+            if isinstance(action, Lookup):
+                return await lookup_async(self._resolver, action)
+            return await fetch_async(http, action)
+        except Exception as exc:  # whatever a job raises is its outcome, never the loop's end
+            return self._failed(action, exc)

@@ -58,6 +58,8 @@ def answer(request: httpx.Request) -> httpx.Response:
 def resolver(host: str, port: int) -> list[str]:
     if host == "missing.test":
         raise OSError("no such host")
+    if host == "buggy.test":
+        raise RuntimeError("a resolver hook with a bug")
     return ["127.0.0.2", "127.0.0.3"]
 
 
@@ -68,6 +70,7 @@ JOBS = [
     Job("named", Fetch("https://10.0.0.1:8443/ok", 1.0, host="vllm.svc.test")),
     Job("dns", Lookup("vllm.svc.test", 8000)),
     Job("nodns", Lookup("missing.test", 8000)),
+    Job("bug", Lookup("buggy.test", 8000)),
 ]
 
 
@@ -80,6 +83,7 @@ def check(outcomes: dict[object, Outcome]) -> None:
     assert outcomes["dns"] == LookedUp(("127.0.0.2", "127.0.0.3"))
     nodns = outcomes["nodns"]
     assert isinstance(nodns, LookedUp) and nodns.addresses == () and "no such host" in (nodns.error or "")
+    assert outcomes["bug"] == LookedUp(error="RuntimeError: a resolver hook with a bug"), "a job's bug is its outcome"
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = 5.0) -> None:
