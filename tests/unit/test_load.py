@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
@@ -19,8 +20,9 @@ from pdclient._load import (
     server_url,
 )
 
-# The shape of vLLM 0.32's answer (vllm/v1/metrics/loggers.py): HELP and TYPE lines,
-# labels model_name and engine, histograms and counters around the three gauges.
+# The shape of vLLM 0.32's answer (vllm/v1/metrics/loggers.py; a real one is in
+# data/vllm_0_32_metrics.txt): HELP and TYPE lines, labels model_name and engine,
+# histograms and counters around the three gauges.
 VLLM_0_32 = """\
 # HELP python_gc_objects_collected_total Objects collected during gc
 # TYPE python_gc_objects_collected_total counter
@@ -47,6 +49,14 @@ vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="smol"}
 vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="smol"} 7.0
 vllm:time_to_first_token_seconds_count{engine="0",model_name="smol"} 7.0
 """
+
+
+def test_reads_a_real_vllm_0_32_answer() -> None:
+    text = (Path(__file__).parent / "data" / "vllm_0_32_metrics.txt").read_text()
+    load = parse_metrics(text, model="smollm2")
+    assert load is not None and (load.waiting, load.running) == (0.0, 1.0)
+    assert load.kv_usage == pytest.approx(0.0055096418732781816)
+    assert parse_metrics(text, model="other") is None
 
 
 def test_reads_vllm_0_32() -> None:
