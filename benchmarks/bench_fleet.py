@@ -25,7 +25,8 @@ Until issue 10's core lands the policies are not wired into the clients, so the 
 through a thin harness: the issue-12 pools and policies (``route()``, the background
 drivers) and one ``httpx.AsyncClient``; (a) sends decode legs only, (b) prefill legs only.
 
-Run: PYTHONPATH=. python benchmarks/bench_fleet.py [--rounds 5] [--png benchmarks/results/fleet.png]
+Run: PYTHONPATH=. python benchmarks/bench_fleet.py [--rounds 7] [--json run1.json] [--png benchmarks/results/fleet.png]
+     PYTHONPATH=. python benchmarks/bench_fleet.py --report run1.json run2.json   # several runs' rounds together
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -440,6 +441,18 @@ def plot(
     print(f"\nplot: {path}")
 
 
+def merge(runs: Iterable[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Several saved runs as one: their rounds side by side."""
+    load: dict[str, dict[str, list[Any]]] = {}
+    cache: dict[str, dict[str, list[Any]]] = {}
+    for run in runs:
+        for merged, part in ((load, run["load"]), (cache, run["cache"])):
+            for group, arms in part.items():
+                for arm, rows in arms.items():
+                    merged.setdefault(group, {}).setdefault(arm, []).extend(rows)
+    return load, cache
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
@@ -451,6 +464,7 @@ def main() -> None:
     parser.add_argument("--only", choices=("load", "cache"), default=None)
     parser.add_argument("--png", type=Path, default=ROOT / "benchmarks" / "results" / "fleet.png")
     parser.add_argument("--json", type=Path, default=None, help="write the samples here")
+    parser.add_argument("--report", type=Path, nargs="+", default=None, help="report and plot saved runs, merged")
     parser.add_argument("--client-a", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--urls", default="", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -458,6 +472,11 @@ def main() -> None:
     if args.client_a:
         result = asyncio.run(client_a(args.client_a, args.urls.split(","), args.calls, args.concurrency, args.seed))
         print(json.dumps(result), flush=True)
+        return
+    if args.report:
+        load, cache = merge(json.loads(path.read_text()) for path in args.report)
+        report(load, cache)
+        plot(load, cache, args.png)
         return
     load = bench_load(args) if args.only != "cache" else {}
     cache = bench_cache(args) if args.only != "load" else {}
