@@ -22,6 +22,9 @@ from ._routing import LeastOutstanding, RouteRequest
 if TYPE_CHECKING:
     from ._routing import RoutingPolicy
 
+if TYPE_CHECKING:
+    from ._load import LoadSample
+
 PREFILL_ENV = "PDCLIENT_PREFILL_BASE_URL"
 DECODE_ENV = "PDCLIENT_DECODE_BASE_URL"
 
@@ -79,9 +82,15 @@ class BreakerSettings:
 class Endpoint:
     """One server of a pool: its URL, its in-flight count and its circuit breaker."""
 
-    def __init__(self, url: str, breaker: BreakerSettings, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, url: str, breaker: BreakerSettings, clock: Callable[[], float], *, host_name: str | None = None
+    ) -> None:
         self.url = url
+        self.host_name = host_name
+        """When ``url`` holds one address of a DNS name (discovery): the name, for the Host header and TLS SNI."""
         self.in_flight = 0
+        self.load: LoadSample | None = None
+        """The server's own load as its last /metrics scrape said (``_load.LoadScraper`` writes it)."""
         self._breaker = breaker
         self._clock = clock
         self._failures = 0
@@ -118,9 +127,28 @@ class Endpoint:
                 self._failures = 0
                 self._opened_at = None
             elif ok is False:
-                self._failures += 1
-                if self._failures >= self._breaker.failures or self._opened_at is not None:
-                    self._opened_at = self._clock()
+                self._count_failure()
+
+    def note_failure(self) -> None:
+        """A failure seen outside a request (a health probe): it counts as a failed request does."""
+        with self._lock:
+            self._count_failure()
+
+    def trip(self) -> None:
+        """Open the breaker now, or restart its cool-down: the server is known to be down."""
+        with self._lock:
+            self._opened_at = self._clock()
+
+    def reset_breaker(self) -> None:
+        """Close the breaker: the server is known to be back."""
+        with self._lock:
+            self._failures = 0
+            self._opened_at = None
+
+    def _count_failure(self) -> None:
+        self._failures += 1
+        if self._failures >= self._breaker.failures or self._opened_at is not None:
+            self._opened_at = self._clock()
 
 
 @dataclass(eq=False)
@@ -133,18 +161,45 @@ class EndpointPool:
     breaker: BreakerSettings = field(default_factory=BreakerSettings)
     clock: Callable[[], float] = time.monotonic
     endpoints: tuple[Endpoint, ...] = field(init=False)
+    _membership: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.endpoints = tuple(Endpoint(url, self.breaker, self.clock) for url in self.urls)
 
+    def set_members(self, members: Sequence[tuple[str, str | None]]) -> tuple[list[Endpoint], list[Endpoint]]:
+        """Make the pool's members these ``(url, host_name)``; returns (added, removed).
+
+        A member that stays keeps its Endpoint (breaker, in-flight count, load). A removed
+        one leaves the pool, not the calls that hold it: they finish on it and release it
+        as usual. ``urls`` (what the caller configured) does not change.
+        """
+        wanted = dict(members)
+        if not wanted:
+            raise ValueError(f"a {self.leg} pool needs at least one member")
+        with self._membership:
+            current = {e.url: e for e in self.endpoints}
+            endpoints = tuple(
+                current.get(url) or Endpoint(url, self.breaker, self.clock, host_name=name)
+                for url, name in wanted.items()
+            )
+            added = [e for e in endpoints if e.url not in current]
+            removed = [e for e in self.endpoints if e.url not in wanted]
+            self.endpoints = endpoints  # one assignment: pick() sees the old or the new tuple
+        return added, removed
+
     def pick(self, request: RouteRequest, avoid: Sequence[Endpoint] = ()) -> Endpoint:
-        """An admitted endpoint, preferring ones not in ``avoid`` (those already tried by this call)."""
-        admitted = [e for e in self.endpoints if e.admits()]
+        """An admitted endpoint chosen by the pool's policy, preferring ones not in ``avoid`` (tried by this call)."""
+        return route(self, self.policy, request, avoid)
+
+    def candidates(self, avoid: Sequence[Endpoint] = ()) -> list[Endpoint]:
+        """The admitted endpoints not in ``avoid`` (all admitted ones if that leaves none)."""
+        members = self.endpoints  # read once: discovery may swap the tuple meanwhile
+        admitted = [e for e in members if e.admits()]
         if not admitted:
-            states = ", ".join(f"{e.url} ({e.state})" for e in self.endpoints)
+            states = ", ".join(f"{e.url} ({e.state})" for e in members)
             raise AllEndpointsOpen(f"every {self.leg} endpoint has its circuit breaker open: {states}")
         fresh = [e for e in admitted if e not in avoid]
-        return self.policy.choose(fresh or admitted, request)
+        return fresh or admitted
 
     def base_of(self, url: str) -> str | None:
         """The pool URL that ``url`` lies under, if any."""
@@ -152,3 +207,12 @@ class EndpointPool:
             if url == base or url.startswith(base + "/"):
                 return base
         return None
+
+
+def route(pool: EndpointPool, policy: RoutingPolicy, request: RouteRequest, avoid: Sequence[Endpoint] = ()) -> Endpoint:
+    """Choose among the pool's candidates with ``policy``, then tell the policy (its optional ``on_routed``)."""
+    endpoint = policy.choose(pool.candidates(avoid), request)
+    on_routed = getattr(policy, "on_routed", None)
+    if on_routed is not None:
+        on_routed(endpoint, request)
+    return endpoint

@@ -26,12 +26,25 @@ class RouteRequest:
     """``prefill`` or ``decode``."""
     affinity_key: str | None = None
     """The conversation's key (its opening messages, or the caller's session key)."""
+    prompt_text: str | None = None
+    """The chat messages' text, role-tagged, in order; computed only for a policy whose
+    ``wants_prompt_text`` is true (``_prefix_index.prompt_text`` renders it)."""
 
 
 class RoutingPolicy(Protocol):
-    """Chooses one of the admitted endpoints (never empty) for a leg."""
+    """Chooses one of the admitted endpoints (never empty) for a leg.
+
+    A policy may also have ``on_routed(endpoint, request)``, called once the choice is
+    made (e.g. to remember where a prompt went), and ``wants_prompt_text = True`` to be
+    given ``RouteRequest.prompt_text``.
+    """
 
     def choose(self, endpoints: Sequence[Endpoint], request: RouteRequest) -> Endpoint: ...
+
+
+def rendezvous(endpoints: Sequence[Endpoint], key: str) -> Endpoint:
+    """The endpoint that ranks first for ``key`` (rendezvous hashing): a key moves only when its endpoint goes."""
+    return max(endpoints, key=lambda e: hashlib.blake2b(f"{key}|{e.url}".encode(), digest_size=8).digest())
 
 
 class RoundRobin:
@@ -74,10 +87,9 @@ class Affinity:
         self._fallback = fallback or LeastOutstanding()
 
     def choose(self, endpoints: Sequence[Endpoint], request: RouteRequest) -> Endpoint:
-        key = request.affinity_key
-        if key is None:
+        if request.affinity_key is None:
             return self._fallback.choose(endpoints, request)
-        return max(endpoints, key=lambda e: hashlib.blake2b(f"{key}|{e.url}".encode(), digest_size=8).digest())
+        return rendezvous(endpoints, request.affinity_key)
 
 
 POLICIES: dict[str, Callable[[], RoutingPolicy]] = {

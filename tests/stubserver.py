@@ -9,7 +9,25 @@ so the code under test runs its true connection path, unlike a respx mock:
   ``choices[0]`` for completions) and a NIXL-like ``kv_transfer_params`` dict;
 - any other POST there is answered as a decode: an SSE stream of a few chunks when
   ``stream`` is true (chunked transfer encoding, one event per chunk), JSON otherwise;
-- GET ``/v1/models`` lists one model; GET ``/health`` answers 200 with no body, as vLLM's does.
+- GET ``/v1/models`` lists one model;
+- GET ``/metrics`` answers vLLM-shaped Prometheus text: its own
+  ``vllm:num_requests_running`` / ``vllm:num_requests_waiting`` (generation requests
+  being answered / queued for a slot when ``max_running`` is set), a
+  ``vllm:kv_cache_usage_perc`` (``StubServer.kv_usage``; by default running / max_running)
+  and prefix-cache counters;
+- GET ``/health`` answers 200 with no body, as vLLM's does, or 503 while ``StubServer.healthy`` is False;
+- POST ``/stub/control`` sets ``healthy`` and ``kv_usage`` of a stub in another process
+  (and empties its prefix cache with ``reset_prefix_cache``).
+
+Load and cache models, for routing benchmarks (all off by default):
+
+- ``max_running``: at most that many generation requests run at once, the rest wait;
+- ``background``: slots held by someone else's requests (counted as running);
+- ``step_seconds`` + ``step_per_running`` x running: the time of each streamed decode
+  event (a batch step that slows as the batch grows);
+- ``prefix_cache`` (``PrefixCacheModel``): the server renders each prefill's messages,
+  finds the leading blocks it has cached (LRU, bounded), and spends
+  ``seconds_per_char`` on every uncached character, one prefill at a time.
 
 The first id of a prefill's ``prompt_token_ids`` is derived from the request's messages
 (or prompt), so a decode can tell whether the ids it was given belong to its request:
@@ -39,7 +57,9 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -48,7 +68,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: python tests/stubserver.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.fake_vllm import NIXL_BLOCK_SIZE, VOCAB, VLLMAnswers, forwarded_ids, is_prefill, seed_of
+from tests.fake_vllm import MODEL, NIXL_BLOCK_SIZE, VOCAB, VLLMAnswers, forwarded_ids, is_prefill, seed_of
 
 try:  # the stub should cost the client as little time as possible; orjson is a pdclient dependency
     import orjson
@@ -136,6 +156,76 @@ class Received:
 FaultHook = Callable[[Received], Fault | None]
 
 
+def render(body: dict[str, Any]) -> str:
+    """The stub's own chat template (ChatML-like): what its prefix cache sees of a request."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        prompt = body.get("prompt")
+        return prompt if isinstance(prompt, str) else ""
+    parts = []
+    for message in messages:
+        if not isinstance(message, dict):
+            continue
+        content = message.get("content")
+        if isinstance(content, list):
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        parts.append(f"<|im_start|>{message.get('role', '')}\n{content or ''}<|im_end|>\n")
+    return "".join(parts) + "<|im_start|>assistant\n"
+
+
+class PrefixCacheModel:
+    """A server's prefix cache: chained block hashes in LRU order, ``capacity_chars`` at most.
+
+    As vLLM frees a request's blocks tail first, a request's blocks are refreshed tail
+    first, so eviction takes the ends of prompts before the prefixes they extend.
+    """
+
+    def __init__(self, *, capacity_chars: int = 400_000, block_chars: int = 64, seconds_per_char: float = 0.0) -> None:
+        self.block_chars = block_chars
+        self.capacity_blocks = max(1, capacity_chars // block_chars)
+        self.seconds_per_char = seconds_per_char
+        self.queried_chars = 0
+        self.hit_chars = 0
+        self.compute_seconds = 0.0
+        """Time spent on uncached characters, all prefills together."""
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+        self._lock = threading.Lock()
+        self._compute = threading.Lock()
+
+    def lookup_and_fill(self, text: str) -> tuple[int, int]:
+        """(cached, total) characters of ``text``; it is cached afterwards."""
+        size = self.block_chars
+        data = text.encode()
+        crc, hashes = 0, []
+        for start in range(0, len(data) - size + 1, size):
+            crc = zlib.crc32(data[start : start + size], crc)  # CRC of the whole prefix so far
+            hashes.append(crc | (start << 32))  # and its length: a 64-bit name for the prefix
+        with self._lock:
+            hit = 0
+            for h in hashes:
+                if h not in self._blocks:
+                    break
+                hit += 1
+            for h in reversed(hashes):
+                self._blocks[h] = None
+                self._blocks.move_to_end(h)
+            while len(self._blocks) > self.capacity_blocks:
+                self._blocks.popitem(last=False)
+            cached = hit * size
+            self.queried_chars += len(text)
+            self.hit_chars += cached
+        return cached, len(text)
+
+    def prefill(self, text: str) -> None:
+        """Look ``text`` up and spend the time its uncached part costs, one prefill at a time."""
+        cached, total = self.lookup_and_fill(text)
+        if self.seconds_per_char and total > cached:
+            seconds = (total - cached) * self.seconds_per_char
+            with self._compute:
+                self.compute_seconds += seconds
+                time.sleep(seconds)
+
+
 @dataclass
 class _Injected:
     fault: Fault
@@ -158,10 +248,36 @@ def _leg(body: Any) -> str:
 class StubServer:
     """The stub, on 127.0.0.1 with an ephemeral port, served from a background thread."""
 
-    def __init__(self, *, prompt_tokens: int = 64, host: str = "127.0.0.1", port: int = 0, record: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        prompt_tokens: int = 64,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        record: bool = True,
+        max_running: int | None = None,
+        step_seconds: float = 0.0,
+        step_per_running: float = 0.0,
+        prefix_cache: PrefixCacheModel | None = None,
+    ) -> None:
         self.prompt_tokens = prompt_tokens
         self.record = record
         self.fault_hook: FaultHook | None = None
+        self.healthy = True
+        """False: /health answers 503 (vLLM's answer once its engine is dead)."""
+        self.kv_usage: float | None = None
+        """What /metrics says of KV-cache usage (0..1); None: running / max_running (0 without
+        slots), as a server whose cache holds ``max_running`` requests would."""
+        self.max_running = max_running
+        self.step_seconds = step_seconds
+        self.step_per_running = step_per_running
+        self.prefix_cache = prefix_cache
+        self.background = 0
+        """Slots held by someone else's long requests (another tenant, a client that is not
+        ours): counted as running, they slow every step and leave fewer slots."""
+        self._running = 0
+        self._waiting = 0
+        self._slots = threading.Condition()
         self._received: list[Received] = []
         self._streams: list[StreamEnd] = []
         self._injected: list[_Injected] = []
@@ -178,9 +294,13 @@ class StubServer:
         return int(self._httpd.server_address[1])
 
     @property
+    def host(self) -> str:
+        return str(self._httpd.server_address[0])
+
+    @property
     def url(self) -> str:
-        """The OpenAI base URL, ``http://127.0.0.1:PORT/v1``."""
-        return f"http://127.0.0.1:{self.port}/v1"
+        """The OpenAI base URL, ``http://HOST:PORT/v1``."""
+        return f"http://{self.host}:{self.port}/v1"
 
     def start(self) -> StubServer:
         self._thread = threading.Thread(target=self._httpd.serve_forever, args=(0.05,), name="stubserver", daemon=True)
@@ -240,6 +360,72 @@ class StubServer:
                         self._injected.remove(injected)
                     return injected.fault
         return self.fault_hook(received) if self.fault_hook is not None else None
+
+    # -- load model --------------------------------------------------------------------
+
+    @property
+    def running(self) -> int:
+        return self._running + self.background
+
+    @property
+    def waiting(self) -> int:
+        return self._waiting
+
+    @contextlib.contextmanager
+    def slot(self) -> Iterator[None]:
+        """One generation request: it waits for a slot when ``max_running`` are taken."""
+        with self._slots:
+            self._waiting += 1
+            try:
+                while self.max_running is not None and self.running >= self.max_running:
+                    self._slots.wait()
+            finally:
+                self._waiting -= 1
+            self._running += 1
+        try:
+            yield
+        finally:
+            with self._slots:
+                self._running -= 1
+                self._slots.notify()
+
+    def kv_usage_now(self) -> float:
+        if self.kv_usage is not None:
+            return float(self.kv_usage)
+        return min(1.0, self.running / self.max_running) if self.max_running else 0.0
+
+    def step_delay(self) -> float:
+        """Seconds one decode step (one streamed event) takes with the current batch."""
+        return self.step_seconds + self.step_per_running * self.running
+
+    def metrics_text(self) -> str:
+        """A vLLM 0.32-shaped /metrics answer (vllm/v1/metrics/loggers.py names and labels)."""
+        labels = f'{{engine="0",model_name="{MODEL}"}}'
+        cache = self.prefix_cache
+        queried, hits = (cache.queried_chars, cache.hit_chars) if cache is not None else (0, 0)
+        return (
+            "# HELP python_gc_objects_collected_total Objects collected during gc\n"
+            "# TYPE python_gc_objects_collected_total counter\n"
+            'python_gc_objects_collected_total{generation="0"} 1234.0\n'
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+            "# TYPE vllm:num_requests_running gauge\n"
+            f"vllm:num_requests_running{labels} {float(self.running)}\n"
+            "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
+            "# TYPE vllm:num_requests_waiting gauge\n"
+            f"vllm:num_requests_waiting{labels} {float(self._waiting)}\n"
+            "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"
+            "# TYPE vllm:kv_cache_usage_perc gauge\n"
+            f"vllm:kv_cache_usage_perc{labels} {self.kv_usage_now()}\n"
+            "# HELP vllm:prefix_cache_queries_total Prefix cache queries (the stub counts characters).\n"
+            "# TYPE vllm:prefix_cache_queries_total counter\n"
+            f"vllm:prefix_cache_queries_total{labels} {float(queried)}\n"
+            "# HELP vllm:prefix_cache_hits_total Prefix cache hits (the stub counts characters).\n"
+            "# TYPE vllm:prefix_cache_hits_total counter\n"
+            f"vllm:prefix_cache_hits_total{labels} {float(hits)}\n"
+            "# HELP vllm:e2e_request_latency_seconds Histogram of e2e request latency in seconds.\n"
+            "# TYPE vllm:e2e_request_latency_seconds histogram\n"
+            f'vllm:e2e_request_latency_seconds_bucket{{engine="0",le="+Inf",model_name="{MODEL}"}} 0.0\n'
+        )
 
     # -- answers ---------------------------------------------------------------------
 
@@ -343,6 +529,14 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def _send_text(self, status: int, text: str, content_type: str = "text/plain") -> None:
+        data = text.encode()
+        self.send_response(status)
+        self.send_header("content-type", content_type)
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
     def _error(self, status: int, message: str) -> None:
         self._send(status, {"error": {"message": message, "type": "stub_error", "code": status}})
 
@@ -366,6 +560,8 @@ class _Handler(BaseHTTPRequestHandler):
                 self._drop()
                 self.stub._stream_ended(request_id, i, "dropped")
                 return
+            if i and self.stub.step_delay():
+                time.sleep(self.stub.step_delay())
             stopped = self._wait_before_event(fault) if i and fault is not None else None
             # [DONE] and the body's end in one write (unless the fault is to leave the end out).
             last = i == len(frames) - 1 and not (fault and fault.drop_after_done)
@@ -414,12 +610,15 @@ class _Handler(BaseHTTPRequestHandler):
         fault = self.stub._fault_for(self._received("other", None, path))
         if self._faulted(fault):
             return
-        if path == "/health":  # as vLLM's: 200, empty body (routers poll it before routing)
-            self.send_response(200)
-            self.send_header("content-length", "0")
-            self.end_headers()
-        elif path == "/v1/models":
+        if path == "/v1/models":
             self._send(200, VLLMAnswers.models())
+        elif path == "/health":  # as vLLM's: 200, empty body (routers poll it before routing)
+            if self.stub.healthy:
+                self._send_text(200, "")
+            else:
+                self._error(503, "engine dead (stub)")
+        elif path == "/metrics":
+            self._send_text(200, self.stub.metrics_text(), "text/plain; version=0.0.4; charset=utf-8")
         else:
             self._error(404, f"no route GET {path}")
 
@@ -436,19 +635,40 @@ class _Handler(BaseHTTPRequestHandler):
         fault = self.stub._fault_for(received)
         if self._faulted(fault):
             return
+        if path == "/stub/control" and isinstance(body, dict):
+            self.stub.healthy = bool(body.get("healthy", self.stub.healthy))
+            if "kv_usage" in body:
+                self.stub.kv_usage = None if body["kv_usage"] is None else float(body["kv_usage"])
+            cache = self.stub.prefix_cache
+            if body.get("reset_prefix_cache") and cache is not None:
+                capacity = cache.capacity_blocks * cache.block_chars
+                self.stub.prefix_cache = PrefixCacheModel(
+                    capacity_chars=capacity, block_chars=cache.block_chars, seconds_per_char=cache.seconds_per_char
+                )
+            self._send(200, {"healthy": self.stub.healthy, "kv_usage": self.stub.kv_usage})
+            return
         if not routed:
             self._error(404, f"no route POST {path}")
             return
         if not isinstance(body, dict):
             self._error(400, "body is not a JSON object")
             return
+        with self.stub.slot():
+            self._generate(path, body, leg, received, fault)
+
+    def _generate(self, path: str, body: dict[str, Any], leg: str, received: Received, fault: Fault | None) -> None:
         request_id = self.headers.get("x-request-id")
         answers = self.stub.answers
         if leg == "prefill":
+            if self.stub.prefix_cache is not None:
+                self.stub.prefix_cache.prefill(render(body))
             self._send(200, answers.prefill(path, body, request_id or "stub"), request_id)
         elif body.get("stream"):
             self._stream(answers.decode_events(path, body), fault, request_id)
         else:
+            steps = len(DECODE_WORDS) * self.stub.step_delay()
+            if steps:
+                time.sleep(steps)
             self._send(200, answers.decode(path, body), request_id)
 
     def _faulted(self, fault: Fault | None) -> bool:
@@ -470,8 +690,34 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Serve the vLLM P/D stub until stdin closes or the process is killed.")
     parser.add_argument("--prompt-tokens", type=int, default=64, help="ids a prefill answers with")
     parser.add_argument("--port", type=int, default=0, help="0: an ephemeral port")
+    parser.add_argument("--host", default="127.0.0.1", help="any 127.0.0.x works on Linux")
+    parser.add_argument("--max-running", type=int, default=None, help="generation slots; more requests wait")
+    parser.add_argument("--step-seconds", type=float, default=0.0, help="base time of a decode step (SSE event)")
+    parser.add_argument("--step-per-running", type=float, default=0.0, help="added per running request")
+    parser.add_argument("--background", type=int, default=0, help="slots held by another tenant's requests")
+    parser.add_argument("--prefix-cache-chars", type=int, default=0, help="model a prefix cache of this size")
+    parser.add_argument("--prefix-block-chars", type=int, default=64)
+    parser.add_argument("--prefill-seconds-per-char", type=float, default=0.0, help="cost of an uncached character")
     args = parser.parse_args(argv)
-    server = StubServer(prompt_tokens=args.prompt_tokens, port=args.port, record=False).start()
+    cache = None
+    if args.prefix_cache_chars:
+        cache = PrefixCacheModel(
+            capacity_chars=args.prefix_cache_chars,
+            block_chars=args.prefix_block_chars,
+            seconds_per_char=args.prefill_seconds_per_char,
+        )
+    server = StubServer(
+        prompt_tokens=args.prompt_tokens,
+        host=args.host,
+        port=args.port,
+        record=False,
+        max_running=args.max_running,
+        step_seconds=args.step_seconds,
+        step_per_running=args.step_per_running,
+        prefix_cache=cache,
+    )
+    server.background = args.background
+    server.start()
     print(f"READY {server.url}", flush=True)
     with contextlib.suppress(KeyboardInterrupt):
         sys.stdin.read()  # the parent closing our stdin (or dying) ends the stub

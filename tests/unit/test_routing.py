@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Sequence
 
 import httpx
 import pytest
 
 from pdclient import PDOptions
-from pdclient._endpoints import AllEndpointsOpen, BreakerSettings, EndpointPool
+from pdclient._endpoints import AllEndpointsOpen, BreakerSettings, Endpoint, EndpointPool, route
 from pdclient._errors import PDConfigError
 from pdclient._retry import counts_against_server, is_transient_status, retry_after_seconds
 from pdclient._routing import Affinity, LeastOutstanding, PowerOfTwoChoices, RoundRobin, RouteRequest, make_policy
@@ -174,3 +175,62 @@ def test_retry_after_http_date() -> None:
     when = email.utils.formatdate(time.time() + 3, usegmt=True)
     value = retry_after_seconds(httpx.Response(503, headers={"retry-after": when}))
     assert value is not None and 1.5 < value <= 3.0
+
+
+# -- the interfaces issue 12 builds on ------------------------------------------------
+
+
+def test_route_gives_the_policy_a_request_and_tells_it_the_choice() -> None:
+    class Recording:
+        def __init__(self) -> None:
+            self.seen: list[tuple[list[str], RouteRequest]] = []
+            self.routed: list[tuple[str, RouteRequest]] = []
+
+        def choose(self, endpoints: Sequence[Endpoint], request: RouteRequest) -> Endpoint:
+            self.seen.append(([e.url for e in endpoints], request))
+            return endpoints[-1]
+
+        def on_routed(self, endpoint: Endpoint, request: RouteRequest) -> None:
+            self.routed.append((endpoint.url, request))
+
+    p, _ = pool()
+    policy = Recording()
+    request = RouteRequest("prefill", affinity_key="k", prompt_text="<|user|>hi")
+    assert route(p, policy, request, avoid=p.endpoints[2:]).url == URLS[1]
+    assert policy.seen == [(list(URLS[:2]), request)]
+    assert policy.routed == [(URLS[1], request)]
+
+
+def test_probe_verdicts_feed_the_breaker() -> None:
+    p, clock = pool(failures=2, cooldown=10)
+    a = p.endpoints[0]
+    a.note_failure()
+    assert a.state == "closed" and a.in_flight == 0
+    a.acquire()
+    a.release(ok=False)
+    assert a.state == "open", "a probe failure and a request failure add up"
+    a.reset_breaker()
+    assert a.state == "closed"
+    a.trip()
+    assert a.state == "open"
+    clock.now = 9
+    a.trip()
+    clock.now = 12
+    assert a.state == "open", "trip() restarts the cool-down"
+    clock.now = 19
+    assert a.state == "half-open"
+
+
+def test_set_members_keeps_survivors_and_leaves_removed_ones_to_their_calls() -> None:
+    p, _ = pool()
+    a, b, c = p.endpoints
+    b.acquire()
+    added, removed = p.set_members([(URLS[0], None), ("http://10.0.0.4/v1", "svc"), (URLS[2], None)])
+    assert [e.url for e in removed] == [URLS[1]] and [e.url for e in added] == ["http://10.0.0.4/v1"]
+    assert p.endpoints[0] is a and p.endpoints[2] is c and p.endpoints[1].host_name == "svc"
+    assert all(p.pick().url != URLS[1] for _ in range(5))
+    b.release(ok=True)  # the call that held it ends normally
+    assert b.in_flight == 0
+    assert p.urls == URLS, "what the caller configured does not change"
+    with pytest.raises(ValueError):
+        p.set_members([])
