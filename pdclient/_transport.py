@@ -45,7 +45,7 @@ from ._endpoints import (
 from ._errors import PDConfigError
 from ._handoff import Kind, PrefillResult
 from ._retry import RetrySettings
-from ._signing import SECRET_ENV, signed
+from ._signing import SECRET_ENV, SIGNATURE_HEADER, signature
 from ._trace import PDTrace, TraceCallback, deliver
 
 logger = logging.getLogger("pdclient")
@@ -78,7 +78,7 @@ class PDSettings:
     routing: str | RoutingPolicy | None = None
     """As given; each pool holds its own policy object made from it."""
     reuse_secret: str | None = field(default=None, repr=False)
-    """Signs every leg's kv_transfer_params for servers guarded by the server patch."""
+    """Signs every leg's request (X-PDClient-Signature) for servers guarded by the server patch."""
 
     @classmethod
     def resolve(
@@ -221,8 +221,8 @@ class _Handoff:
         endpoint.acquire()
         self.prefill_endpoint = endpoint
         self.prefill_tried.append(endpoint)
-        body = signed(plan.plan_prefill(self.kind, self.body), self.settings.reuse_secret)
-        request = self._leg_request(endpoint.url, orjson.dumps(body))
+        body = plan.plan_prefill(self.kind, self.body)
+        request = self._leg_request(endpoint.url, orjson.dumps(body), sign=True)
         request.headers["accept"] = "application/json"
         return request
 
@@ -288,16 +288,15 @@ class _Handoff:
         if self.kind is None:
             return self._leg_request(endpoint.url, self.request.content)
         cpu_start = time.thread_time()
-        content = orjson.dumps(self._decode_body())
+        request = self._leg_request(endpoint.url, orjson.dumps(self._decode_body()), sign=True)
         self.cpu_seconds += time.thread_time() - cpu_start
-        return self._leg_request(endpoint.url, content)
+        return request
 
     def _decode_body(self) -> dict[str, Any]:
         assert self.kind is not None
         if self.no_ids_reason is not None and self.prefill is not None and self.fallback is None:
             self.fallback = f"ids not forwarded: {self.no_ids_reason}"
-        body = plan.plan_decode(self.kind, self.body, self.prefill, forward_ids=self.no_ids_reason is None)
-        return signed(body, self.settings.reuse_secret)
+        return plan.plan_decode(self.kind, self.body, self.prefill, forward_ids=self.no_ids_reason is None)
 
     def decode_open_failed(self, error: BaseException) -> None:
         """Opening the decode leg raised: a transport error counts against the server."""
@@ -315,28 +314,33 @@ class _Handoff:
         if self.kind is None or not plan.holds_remote_kv(self.prefill) or self.fallback_url is not None:
             return None
         assert self.prefill is not None
-        release = plan.plan_release(self.kind, self.body, self.prefill, forward_ids=self.no_ids_reason is None)
-        body = signed(release, self.settings.reuse_secret)
+        body = plan.plan_release(self.kind, self.body, self.prefill, forward_ids=self.no_ids_reason is None)
         try:
             endpoint = self.settings.decode.pick(self.affinity)
         except AllEndpointsOpen:
             return None  # the blocks expire with the connector's timeout
-        return self._leg_request(endpoint.url, orjson.dumps(body))
+        return self._leg_request(endpoint.url, orjson.dumps(body), sign=True)
 
-    def _leg_request(self, base: str, content: bytes) -> httpx.Request:
+    def _leg_request(self, base: str, content: bytes, *, sign: bool = False) -> httpx.Request:
+        """A leg's request; ``sign``: a handoff leg, signed over its final bytes when there is a secret."""
         headers = self.request.headers.copy()
         for name in _DROPPED_REQUEST_HEADERS:
             headers.pop(name, None)
         headers["x-request-id"] = self.request_id
         query = self.request.url.query
         url = httpx.URL(base + self.relative_path, query=query or None) if self.relative_path else None
-        return httpx.Request(
+        request = httpx.Request(
             self.request.method,
             url or self.request.url,
             headers=headers,
             content=content,
             extensions=_timeout_within(self.request.extensions, self.deadline if self.prefill_ms is None else None),
         )
+        secret = self.settings.reuse_secret
+        if sign and secret:
+            # A fresh nonce per attempt; the body is covered byte for byte (no re-encode).
+            request.headers[SIGNATURE_HEADER] = signature(secret, request.method, request.url.path, content)
+        return request
 
     def _elapsed_ms(self) -> float:
         return (time.perf_counter() - self.started) * 1000
