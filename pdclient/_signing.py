@@ -60,25 +60,3 @@ def signature(
     mac = hmac.new(secret.encode("utf-8"), _DOMAIN + head + b"\n", hashlib.sha256)
     mac.update(body)  # no copy of a large body
     return f"v2;t={t};n={n};s={mac.hexdigest()}"
-
-
-# -- spec v1, still called by the transport until it signs requests: removed right after --
-
-import json  # noqa: E402
-from typing import Any  # noqa: E402
-
-SIGNATURE_KEY = "pdclient_signature"
-
-
-def sign_kv_transfer_params(params: dict[str, Any], secret: str) -> str:
-    rest = {k: v for k, v in params.items() if k != SIGNATURE_KEY}
-    canonical = json.dumps(rest, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    return hmac.new(secret.encode("utf-8"), canonical, hashlib.sha256).hexdigest()
-
-
-def signed(body: dict[str, Any], secret: str | None) -> dict[str, Any]:
-    """``body`` with its ``kv_transfer_params`` signed, when there are both a secret and params."""
-    params = body.get("kv_transfer_params")
-    if not secret or not isinstance(params, dict):
-        return body
-    return {**body, "kv_transfer_params": {**params, SIGNATURE_KEY: sign_kv_transfer_params(params, secret)}}
