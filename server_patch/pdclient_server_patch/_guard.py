@@ -173,8 +173,14 @@ class PDClientMiddleware:
 def carried_kv_params(body: bytes) -> str | None:
     """None when ``body`` cannot carry a non-null ``kv_transfer_params`` as vLLM reads it, else what it carries."""
     encoding = json.detect_encoding(body)  # what json.loads(bytes) does
-    if encoding == "utf-8" and _KEY_BYTES not in body and (b"\\u" not in body or not _ASCII_ESCAPE_BYTES.search(body)):
-        return None  # the common case: no parse
+    # The common case, no parse. (find(b"\\") is a memchr; `b"\\u" in body` would cost
+    # more than the regex it is meant to spare.)
+    if (
+        encoding == "utf-8"
+        and _KEY_BYTES not in body
+        and (body.find(b"\\") < 0 or not _ASCII_ESCAPE_BYTES.search(body))
+    ):
+        return None
     try:
         text = body.decode(encoding, "surrogatepass")
     except UnicodeDecodeError as exc:

@@ -50,7 +50,7 @@ def post(
     **kwargs: Any,
 ) -> tuple[httpx.Response, App]:
     inner = App()
-    middleware = _guard.PDClientMiddleware(inner, secret, **({"nonces": nonces} if nonces else {}))
+    middleware = _guard.PDClientMiddleware(inner, secret, nonces=nonces)
 
     async def go() -> httpx.Response:
         transport = httpx.ASGITransport(app=middleware, root_path=root_path)
