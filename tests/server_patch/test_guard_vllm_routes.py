@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -66,7 +67,11 @@ def vllm_app(vllm_version: str) -> Iterator[Any]:
         if secret is not None:
             _guard.install(secret)  # as register() does with PDCLIENT_REUSE_SECRET set
         args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--enable-scale-out", *flags])
+        root, level = logging.getLogger(), logging.getLogger().level
         app = build_app(args, ("generate",), None)
+        # build_app imports model_hosting_container_standards (SageMaker), which sets the
+        # root logger to ERROR: later tests reading the plugin's warnings would see none.
+        root.setLevel(level)
         handlers = Handlers()
         app.state.openai_serving_chat = handlers
         app.state.serving_tokens = handlers
