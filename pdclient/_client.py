@@ -213,8 +213,8 @@ class PDChatClient(_PDClient, openai.OpenAI):
             ``"affinity"``, or a ``RoutingPolicy`` object.
         breaker: circuit breaker settings per endpoint (``BreakerSettings``).
         retries: per-leg retry settings (``RetrySettings``).
-        reuse_secret: signs ``kv_transfer_params`` for servers running the server patch
-            with ``PDCLIENT_REUSE_SECRET``; default that environment variable.
+        reuse_secret: signs each leg request (``X-PDClient-Signature``, spec v2) for servers
+            running the server patch with ``PDCLIENT_REUSE_SECRET``; default that variable.
     """
 
     _transport_type = PDTransport
