@@ -15,6 +15,7 @@ from __future__ import annotations
 import anyio
 import httpx
 import tenacity
+from typing_extensions import Self
 
 from . import _retry as retry
 from ._call import Call, CallContext
@@ -53,7 +54,30 @@ def _is_json(request: httpx.Request) -> bool:
     return content_type.split(";")[0].strip().lower() == "application/json"
 
 
-class PDTransport(httpx.BaseTransport):
+class _TransportBase:
+    """What the two transports share besides sending: their options, their fleet, derived copies."""
+
+    _context: CallContext
+    _legs: httpx.Client | httpx.AsyncClient
+
+    @property
+    def options(self) -> PDOptions:
+        return self._context.options
+
+    @property
+    def fleet(self) -> Fleet:
+        """The endpoint pools this transport routes over: health and load per endpoint."""
+        return self._context.fleet
+
+    def with_options(self, options: PDOptions) -> Self:
+        """A transport with other options, sharing this one's connections (and its fleet, if it still fits)."""
+        derived = object.__new__(type(self))
+        derived._context = _context(options, self._context.fleet)
+        derived._legs = self._legs
+        return derived
+
+
+class PDTransport(_TransportBase, httpx.BaseTransport):
     """httpx transport that splits chat and completions calls into prefill and decode legs.
 
     Use it with any openai client whose ``base_url`` is one of the decode URLs::
@@ -66,6 +90,8 @@ class PDTransport(httpx.BaseTransport):
     honouring ``HTTP(S)_PROXY`` / ``NO_PROXY`` as httpx does).
     """
 
+    _legs: httpx.Client
+
     def __init__(
         self,
         prefill_base_url: URLArg = None,
@@ -76,21 +102,6 @@ class PDTransport(httpx.BaseTransport):
     ) -> None:
         self._context = _context(_resolve(prefill_base_url, decode_base_url, options), None)
         self._legs = httpx.Client(transport=leg_transport, limits=LEG_LIMITS, timeout=None)
-
-    @property
-    def options(self) -> PDOptions:
-        return self._context.options
-
-    @property
-    def fleet(self) -> Fleet:
-        return self._context.fleet
-
-    def with_options(self, options: PDOptions) -> PDTransport:
-        """A transport with other options, sharing this one's connections (and its fleet, if it still fits)."""
-        derived = object.__new__(type(self))
-        derived._context = _context(options, self._context.fleet)
-        derived._legs = self._legs
-        return derived
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         call = Call(self._context, request)
@@ -181,8 +192,10 @@ class PDTransport(httpx.BaseTransport):
         self._legs.close()
 
 
-class AsyncPDTransport(httpx.AsyncBaseTransport):
+class AsyncPDTransport(_TransportBase, httpx.AsyncBaseTransport):
     """Async twin of ``PDTransport`` (asyncio and trio)."""
+
+    _legs: httpx.AsyncClient
 
     def __init__(
         self,
@@ -194,21 +207,6 @@ class AsyncPDTransport(httpx.AsyncBaseTransport):
     ) -> None:
         self._context = _context(_resolve(prefill_base_url, decode_base_url, options), None)
         self._legs = httpx.AsyncClient(transport=leg_transport, limits=LEG_LIMITS, timeout=None)
-
-    @property
-    def options(self) -> PDOptions:
-        return self._context.options
-
-    @property
-    def fleet(self) -> Fleet:
-        return self._context.fleet
-
-    def with_options(self, options: PDOptions) -> AsyncPDTransport:
-        """A transport with other options, sharing this one's connections (and its fleet, if it still fits)."""
-        derived = object.__new__(type(self))
-        derived._context = _context(options, self._context.fleet)
-        derived._legs = self._legs
-        return derived
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         call = Call(self._context, request)
