@@ -1,11 +1,11 @@
-"""A real prefill/decode vLLM pair on this machine, no GPU needed.
+"""Real prefill/decode vLLM servers on this machine, no GPU needed.
 
-``LocalPD`` starts two vLLM servers on loopback (prefill pinned to core 0, decode to
-core 1, KV moved between them by NIXL on CPU buffers) and stops them on exit. Everything
-it needs is prepared on first use and cached under ``~/.cache/pdclient``
-(``PDCLIENT_CACHE_DIR`` overrides).
+``LocalPD`` starts a prefill and a decode vLLM server on loopback (or more of each:
+``LocalPD(decode_servers=2)``), each pinned to a core, KV moved between them by NIXL on
+CPU buffers, and stops them on exit. Everything it needs is prepared on first use and
+cached under ``~/.cache/pdclient`` (``PDCLIENT_CACHE_DIR`` overrides).
 """
 
-from ._pair import LocalPD
+from ._pair import LocalPD, StartStats
 
-__all__ = ["LocalPD"]
+__all__ = ["LocalPD", "StartStats"]

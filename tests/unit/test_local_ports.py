@@ -1,4 +1,4 @@
-"""LocalPD's port choice, without vLLM."""
+"""LocalPD's port choice and core assignment, without vLLM."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from pdclient import PDSetupError
+from pdclient import PDConfigError, PDSetupError
+from pdclient.local import LocalPD
+from pdclient.local._pair import assign_cpus
 from pdclient.local._ports import PortClaim, candidate_ranges, claim_ports, ephemeral_range, is_free
 
 
@@ -82,3 +84,52 @@ def test_the_search_starts_at_a_random_place() -> None:
         claim.release()
         starts.add(claim.port)
     assert len(starts) > 15
+
+
+def test_a_pair_plans_distinct_ports_and_keeps_explicit_ones() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as explicit:
+        port = explicit.getsockname()[1]
+    pd = LocalPD(prefill_servers=2, decode_servers=2, decode_port=port)
+    plan = pd._plan_ports()
+    try:
+        assert plan[2][0] == port  # the first decode server's API port, as given
+        used = [p for pair in plan for p in pair if p is not None]
+        assert len(used) == 8 and len(set(used)) == 8
+        first, last = ephemeral_range()
+        assert not any(first <= p <= last for p in used if p != port)
+    finally:
+        pd.stop()
+
+
+def test_no_side_channel_ports_without_nixl() -> None:
+    pd = LocalPD(kv_connector=None)
+    try:
+        assert [side for _, side in pd._plan_ports()] == [None, None]
+    finally:
+        pd.stop()
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode", "cores", "expected"),
+    [
+        (1, 1, [0, 1], (0, 1)),
+        (1, 2, [0, 1], (0, 1, 1)),
+        (2, 1, [0, 1], (0, 0, 1)),
+        (2, 2, [0, 1], (0, 0, 1, 1)),
+        (1, 2, [0, 1, 2, 3], (0, 1, 2)),
+        (1, 1, [3], (3, 3)),
+        (3, 1, [0, 1, 2], (0, 1, 0, 2)),
+        (1, 1, [5, 2], (2, 5)),
+    ],
+)
+def test_core_assignment(prefill: int, decode: int, cores: list[int], expected: tuple[int, ...]) -> None:
+    assert assign_cpus(prefill, decode, cores) == expected
+
+
+def test_cpus_need_one_entry_per_server() -> None:
+    assert LocalPD(decode_servers=2, cpus=(0, 1, None)).cpus == (0, 1, None)
+    assert LocalPD(cpus=None).cpus == (None, None)
+    with pytest.raises(PDConfigError, match=r"2 entries for 3 servers"):
+        LocalPD(decode_servers=2, cpus=(0, 1))
+    with pytest.raises(PDConfigError, match="at least one server of each role"):
+        LocalPD(prefill_servers=0)
