@@ -22,7 +22,7 @@ def main() -> None:
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     with pd_pair() as pair:
-        client = PDChatClient(prefill_base_url=pair.prefill_url, decode_base_url=pair.decode_url, api_key="EMPTY")
+        client = PDChatClient(prefill_base_url=pair.prefill_urls, decode_base_url=pair.decode_urls, api_key="EMPTY")
         instrument(client, tracer_provider=provider)
         client.chat.completions.create(
             model=pair.model, messages=[{"role": "user", "content": "Say hi."}], max_tokens=8, temperature=0

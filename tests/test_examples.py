@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from pdclient.local import LocalPD
+from pdclient.local import PDServers
 from tests.frameworks._pair import Pair
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -37,7 +37,7 @@ SCRIPTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 
 
 @pytest.fixture(scope="module")
-def pair(pd: LocalPD) -> Pair:
+def pair(pd: PDServers) -> Pair:
     return Pair.of(pd)
 
 

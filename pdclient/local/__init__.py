@@ -2,10 +2,13 @@
 
 ``LocalPD`` starts a prefill and a decode vLLM server on loopback (or more of each:
 ``LocalPD(decode_servers=2)``), each pinned to a core, KV moved between them by NIXL on
-CPU buffers, and stops them on exit. Everything it needs is prepared on first use and
-cached under ``~/.cache/pdclient`` (``PDCLIENT_CACHE_DIR`` overrides).
+CPU buffers, and stops them on exit. ``pair_from_env_or_local`` yields the servers named
+by ``PDCLIENT_PREFILL_BASE_URL`` / ``PDCLIENT_DECODE_BASE_URL``, or else those of a LocalPD
+it starts. Everything LocalPD needs is prepared on first use and cached under
+``~/.cache/pdclient`` (``PDCLIENT_CACHE_DIR`` overrides).
 """
 
+from ._from_env import PDServers, pair_from_env_or_local
 from ._pair import LocalPD, StartStats
 
-__all__ = ["LocalPD", "StartStats"]
+__all__ = ["LocalPD", "PDServers", "StartStats", "pair_from_env_or_local"]

@@ -15,7 +15,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from pdclient.local import LocalPD, _prepare
+from pdclient.local import PDServers, _prepare
 
 HERE = Path(__file__).parent
 
@@ -42,7 +42,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 @pytest.fixture(scope="session")
-def plain(pd: LocalPD) -> Iterator[openai.OpenAI]:
+def plain(pd: PDServers) -> Iterator[openai.OpenAI]:
     """The decode server alone, no P/D: the reference answers come from here."""
     with openai.OpenAI(base_url=pd.decode_url, api_key="EMPTY", max_retries=0) as client:
         yield client

@@ -15,7 +15,7 @@ import asyncio
 import openai
 
 from pdclient import PDTrace
-from pdclient.local import LocalPD
+from pdclient.local import PDServers
 
 from .helpers import GREEDY, user
 
@@ -32,7 +32,7 @@ def _common_prefix(a: str, b: str) -> int:
     return n
 
 
-async def test_twenty_concurrent_calls_get_their_own_answers(pd: LocalPD) -> None:
+async def test_twenty_concurrent_calls_get_their_own_answers(pd: PDServers) -> None:
     questions = [f"In which country is the city of {city}? Answer in one sentence." for city in CITIES]
     traces: list[PDTrace] = []
 

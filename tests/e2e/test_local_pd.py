@@ -16,7 +16,7 @@ import pytest
 
 from pdclient import PDSetupError
 from pdclient._handoff import PREFILL_KV_TRANSFER_PARAMS
-from pdclient.local import LocalPD
+from pdclient.local import LocalPD, PDServers
 from pdclient.local._pair import assign_cpus
 from pdclient.local._server import VLLMServer, free_port
 
@@ -122,12 +122,11 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.fixture
-def servers(pd: LocalPD) -> list[VLLMServer]:
+def servers(pd: PDServers) -> list[VLLMServer]:
     """The session pair's two server processes, when this process started them."""
-    started = [srv for srv in (pd.prefill, pd.decode) if srv is not None and srv.pid is not None]
-    if len(started) != 2:
+    if pd.local is None:
         pytest.skip("an attached pair: its processes are not ours to watch")
-    return started
+    return pd.local.servers
 
 
 def test_an_idle_pair_leaves_the_cores_free(servers: list[VLLMServer]) -> None:
