@@ -227,7 +227,7 @@ class VLLMServer:
         what = f"exited with code {code}" if code is not None else "logged a fatal error"
         line = f"\n  offending line: {fatal}" if fatal is not None else ""
         raise ServerStartError(
-            f"{self.name} server ({self.ports}) {what} while {doing}; log: {self.log_path}{line}\n"
+            f"{self.name} server {what} while {doing} ({self.ports}); log: {self.log_path}{line}\n"
             f"--- last lines ---\n{_tail(self.log_path)}",
             port_collision=fatal is not None and fatal.port_collision,
         )
@@ -247,7 +247,7 @@ class VLLMServer:
 
     def timeout_error(self) -> PDSetupError:
         return PDSetupError(
-            f"{self.name} server ({self.ports}) did not answer /health within the startup timeout; "
+            f"{self.name} server did not answer /health within the startup timeout ({self.ports}); "
             f"log: {self.log_path}\n--- last lines ---\n{_tail(self.log_path)}"
         )
 

@@ -64,7 +64,9 @@ def test_a_taken_side_channel_port_fails_within_seconds_naming_server_log_and_li
             pd.start()
         failed_at, elapsed = datetime.now(), time.monotonic() - started
     message = str(info.value)
-    assert re.search(r"^(prefill|decode) server \(API port \d+, NIXL side channel \d+\) logged a fatal error", message)
+    assert re.search(
+        r"^(prefill|decode) server logged a fatal error while starting \(API port \d+, NIXL side channel \d+\)", message
+    )
     offending = f"zmq.error.ZMQError: Address already in use (addr='tcp://localhost:{port}')"
     assert f"offending line: {offending} (exception in thread nixl_handshake_listener)" in message
     log = Path(re.findall(r"log: (\S+\.log)", message)[0])
