@@ -24,8 +24,8 @@ def main() -> None:
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     with pd_pair() as pair:
         client = PDChatClient(
-            prefill_base_url=pair.prefill_url,
-            decode_base_url=pair.decode_url,
+            prefill_base_url=pair.prefill_urls,
+            decode_base_url=pair.decode_urls,
             api_key="EMPTY",
             observers=[OTelObserver(tracer_provider=provider)],
         )

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 
 from pdclient import AsyncPDChatClient, PDChatClient
-from pdclient.local import LocalPD
+from pdclient.local import PDServers
 
 WEATHER_TOOL = {
     "type": "function",
@@ -35,7 +35,7 @@ class Pair:
     model: str
 
     @classmethod
-    def of(cls, pd: LocalPD) -> Pair:
+    def of(cls, pd: PDServers) -> Pair:
         return cls(pd.prefill_url, pd.decode_url, pd.model)
 
     def client(self, **kwargs: Any) -> PDChatClient:

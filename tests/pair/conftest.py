@@ -15,7 +15,8 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from pdclient.local import LocalPD, _prepare
+from pdclient._endpoints import DECODE_ENV, PREFILL_ENV
+from pdclient.local import PDServers, _prepare, pair_from_env_or_local
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -27,40 +28,31 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 @pytest.fixture(scope="session")
-def plain(pd: LocalPD) -> Iterator[openai.OpenAI]:
+def plain(pd: PDServers) -> Iterator[openai.OpenAI]:
     """The decode server alone, no P/D: the reference answers come from here."""
     with openai.OpenAI(base_url=pd.decode_url, api_key="EMPTY", max_retries=0) as client:
         yield client
 
 
-class AttachedPair(LocalPD):
-    """An already running pair (``PDCLIENT_E2E_PAIR=prefill_url,decode_url``): no start, no stop.
-
-    For iterating on the real-pair tests without a server restart per run, or for running
-    them against another deployment serving the same model.
-    """
-
-    def __init__(self, prefill_url: str, decode_url: str) -> None:
-        super().__init__()
-        self._urls = (prefill_url.strip().rstrip("/"), decode_url.strip().rstrip("/"))
-
-    @property
-    def prefill_url(self) -> str:
-        return self._urls[0]
-
-    @property
-    def decode_url(self) -> str:
-        return self._urls[1]
-
-
 @pytest.fixture(scope="session")
-def pd() -> Iterator[LocalPD]:
-    """The real pair, started once per session (~7 GB, ~30 s) by its first user."""
+def pd() -> Iterator[PDServers]:
+    """The real servers, started once per session (~7 GB, ~30 s) by their first user.
+
+    ``PDCLIENT_E2E_PAIR=prefill_url,decode_url`` attaches to a running pair instead (no
+    start, no stop; ``pd.local`` is None): for iterating on the real-pair tests without a
+    server restart per run, or for running them against another deployment serving the
+    same model. A variable of its own, not ``PDCLIENT_PREFILL_BASE_URL`` /
+    ``PDCLIENT_DECODE_BASE_URL``: those configure pdclient's clients, and the client
+    tests set and clear them; exported in a shell for other work, they must not
+    silently move the real-pair tier to other servers.
+    """
+    environ: dict[str, str] = {}
     attach = os.environ.get("PDCLIENT_E2E_PAIR")
     if attach:
         prefill_url, decode_url = attach.split(",")
-        yield AttachedPair(prefill_url, decode_url)
-        return
+        environ = {PREFILL_ENV: prefill_url, DECODE_ENV: decode_url}
     # Tool calling on, so the framework and example tests can share this one pair.
-    with LocalPD(extra_server_args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes")) as pair:
-        yield pair
+    with pair_from_env_or_local(
+        environ=environ, extra_server_args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    ) as servers:
+        yield servers

@@ -14,7 +14,7 @@ import json
 import httpx
 
 from pdclient import CallView, LegView, PDObserver, PDTrace
-from pdclient.local import LocalPD
+from pdclient.local import PDServers
 
 from .helpers import GREEDY, user
 
@@ -35,7 +35,7 @@ class DecodeBodies(PDObserver):
             self.sent[call.request_id] = json.loads(leg.request.content)
 
 
-async def test_twenty_concurrent_calls_carry_their_own_ids(pd: LocalPD) -> None:
+async def test_twenty_concurrent_calls_carry_their_own_ids(pd: PDServers) -> None:
     questions = [f"In which country is the city of {city}? Answer in one sentence." for city in CITIES]
     traces: list[PDTrace] = []
     decodes = DecodeBodies()

@@ -17,7 +17,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from pdclient.local import LocalPD
+from pdclient.local import PDServers
 from tests.pair._pair import Pair
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -36,7 +36,7 @@ SCRIPTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 
 
 @pytest.fixture(scope="module")
-def pair(pd: LocalPD) -> Pair:
+def pair(pd: PDServers) -> Pair:
     return Pair.of(pd)
 
 

@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from pdclient import PDTrace
-from pdclient.local import LocalPD
+from pdclient.local import PDServers
 from pdclient.otel import instrument
 
 from ._pair import WEATHER_TOOL, Pair
@@ -29,7 +29,7 @@ MAX_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def pair(pd: LocalPD) -> Pair:
+def pair(pd: PDServers) -> Pair:
     return Pair.of(pd)
 
 

@@ -7,12 +7,12 @@ from typing import Any
 import openai
 
 from pdclient import PDTrace
-from pdclient.local import LocalPD
+from pdclient.local import PDServers
 
 from .helpers import GREEDY, chat_text, metric, user
 
 
-def test_kv_cache_moved_over_nixl(pd: LocalPD, plain: openai.OpenAI) -> None:
+def test_kv_cache_moved_over_nixl(pd: PDServers, plain: openai.OpenAI) -> None:
     # vLLM's NIXL connector observes each transfer on the decode side (nixl/stats.py), and
     # the scheduler counts prompt tokens by where their KV came from.
     question = "Explain in one sentence what a KV cache is in a transformer."
@@ -30,7 +30,7 @@ def test_kv_cache_moved_over_nixl(pd: LocalPD, plain: openai.OpenAI) -> None:
     assert metric(pd.decode_url, "vllm:external_prefix_cache_hits_total") > before_external
 
 
-def _prefill_ids(pd: LocalPD, question: str) -> list[int]:
+def _prefill_ids(pd: PDServers, question: str) -> list[int]:
     with openai.OpenAI(base_url=pd.prefill_url, api_key="EMPTY", max_retries=0) as prefill:
         raw = prefill.chat.completions.with_raw_response.create(
             model=pd.model, messages=user(question), max_tokens=1, extra_body={"return_token_ids": True}
@@ -40,7 +40,7 @@ def _prefill_ids(pd: LocalPD, question: str) -> list[int]:
     return ids
 
 
-def test_decode_follows_forwarded_ids_not_messages(pd: LocalPD, plain: openai.OpenAI) -> None:
+def test_decode_follows_forwarded_ids_not_messages(pd: PDServers, plain: openai.OpenAI) -> None:
     """The probe of issue 3: decode gets messages B but the ids of prompt A; A's answer returns."""
     question_a = "What is the capital of Italy?"
     question_b = "List two kinds of fruit."

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from pdclient import AsyncPDTransport, PDOptions, PDTrace
-from pdclient.local import LocalPD
+from pdclient.local import PDServers
 
 from .helpers import metric
 
@@ -51,7 +51,7 @@ async def wait_for_usage(url: str, done: object, seconds: float) -> float:
 
 
 @pytest.mark.timeout(300)
-async def test_cancel_between_legs_frees_the_prefill_kv(pd: LocalPD) -> None:
+async def test_cancel_between_legs_frees_the_prefill_kv(pd: PDServers) -> None:
     assert await wait_for_usage(pd.prefill_url, lambda u: u == 0, 60) == 0, "prefill KV idle before the test"
     legs = HoldTheDecode(pd.decode_url)
     traces: list[PDTrace] = []

@@ -9,12 +9,12 @@ from __future__ import annotations
 import openai
 
 from pdclient import PDTrace
-from pdclient.local import LocalPD
+from pdclient.local import PDServers
 
 from .helpers import GREEDY, chat_text, completion_text, user
 
 
-def test_chat_non_streamed(pd: LocalPD, plain: openai.OpenAI) -> None:
+def test_chat_non_streamed(pd: PDServers, plain: openai.OpenAI) -> None:
     question = "What is the capital of France?"
     traces: list[PDTrace] = []
     with pd.client(on_trace=traces.append) as client:
@@ -29,7 +29,7 @@ def test_chat_non_streamed(pd: LocalPD, plain: openai.OpenAI) -> None:
     assert answer == chat_text(plain, pd.model, question)
 
 
-def test_chat_streamed(pd: LocalPD, plain: openai.OpenAI) -> None:
+def test_chat_streamed(pd: PDServers, plain: openai.OpenAI) -> None:
     question = "Name three primary colors."
     traces: list[PDTrace] = []
     with pd.client(on_trace=traces.append) as client:
@@ -42,7 +42,7 @@ def test_chat_streamed(pd: LocalPD, plain: openai.OpenAI) -> None:
     assert traces[-1].decode_first_byte_ms is not None
 
 
-def test_completions(pd: LocalPD, plain: openai.OpenAI) -> None:
+def test_completions(pd: PDServers, plain: openai.OpenAI) -> None:
     prompt = "The three largest planets of the solar system are"
     traces: list[PDTrace] = []
     with pd.client(on_trace=traces.append) as client:
@@ -53,7 +53,7 @@ def test_completions(pd: LocalPD, plain: openai.OpenAI) -> None:
     assert all(t.fallback is None and t.forwarded_tokens > 0 for t in traces)
 
 
-async def test_async_chat_and_completions(pd: LocalPD, plain: openai.OpenAI) -> None:
+async def test_async_chat_and_completions(pd: PDServers, plain: openai.OpenAI) -> None:
     question = "What is the largest ocean on Earth?"
     prompt = "A haiku about autumn leaves:"
     traces: list[PDTrace] = []

@@ -17,14 +17,14 @@ import pytest
 from pdclient._doctor import run_doctor
 
 from pdclient import PDChatClient, PDTrace
-from pdclient.local import LocalPD, _prepare
+from pdclient.local import PDServers, _prepare
 from pdclient.local._server import VLLMServer, free_port
 
 from .helpers import GREEDY, chat_text, user
 
 
 @pytest.fixture(scope="module")
-def plain_server(pd: LocalPD) -> Iterator[VLLMServer]:
+def plain_server(pd: PDServers) -> Iterator[VLLMServer]:
     port = free_port()
     server = VLLMServer(
         name="plain",
@@ -44,7 +44,7 @@ def plain_server(pd: LocalPD) -> Iterator[VLLMServer]:
         server.stop()
 
 
-def test_doctor_says_no_when_decode_has_no_kv_connector(pd: LocalPD, plain_server: VLLMServer) -> None:
+def test_doctor_says_no_when_decode_has_no_kv_connector(pd: PDServers, plain_server: VLLMServer) -> None:
     # A generous per-request timeout: this server shares a core with a NIXL worker.
     report = run_doctor(pd.prefill_url, plain_server.base_url + "/v1", pd.model, timeout=300)
     table = report.table()
@@ -58,7 +58,7 @@ def test_doctor_says_no_when_decode_has_no_kv_connector(pd: LocalPD, plain_serve
     assert "NO token-reusing P/D handoff" in table
 
 
-def test_prefill_killed_mid_run_falls_back(pd: LocalPD, plain: openai.OpenAI, plain_server: VLLMServer) -> None:
+def test_prefill_killed_mid_run_falls_back(pd: PDServers, plain: openai.OpenAI, plain_server: VLLMServer) -> None:
     """The prefill server is frozen (SIGSTOP), the calls connect and send, then it is SIGKILLed.
 
     Freezing first makes "mid-run" certain rather than a race with a fast prefill: the

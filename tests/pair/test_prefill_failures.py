@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from pdclient import PDChatClient, PDTrace
-from pdclient.local import LocalPD
+from pdclient.local import PDServers
 from pdclient.local._server import free_port
 
 from .helpers import GREEDY, chat_text, user
@@ -63,7 +63,7 @@ def bad_prefill(request: pytest.FixtureRequest) -> Iterator[str]:
     server.close()
 
 
-def _client(pd: LocalPD, prefill_url: str, traces: list[PDTrace], policy: str) -> PDChatClient:
+def _client(pd: PDServers, prefill_url: str, traces: list[PDTrace], policy: str) -> PDChatClient:
     # timeout bounds the prefill phase (and each decode read: leave room for a loaded
     # 2-core machine); max_retries=0 keeps openai from repeating the whole call.
     return PDChatClient(
@@ -77,7 +77,7 @@ def _client(pd: LocalPD, prefill_url: str, traces: list[PDTrace], policy: str) -
     )
 
 
-def test_prefill_failure_falls_back_to_decode(pd: LocalPD, plain: openai.OpenAI, bad_prefill: str) -> None:
+def test_prefill_failure_falls_back_to_decode(pd: PDServers, plain: openai.OpenAI, bad_prefill: str) -> None:
     traces: list[PDTrace] = []
     started = time.monotonic()
     with _client(pd, bad_prefill, traces, "decode") as client:
@@ -89,7 +89,7 @@ def test_prefill_failure_falls_back_to_decode(pd: LocalPD, plain: openai.OpenAI,
     assert elapsed < 180, f"fallback took {elapsed:.0f} s"
 
 
-def test_prefill_failure_is_a_clear_error(pd: LocalPD, bad_prefill: str) -> None:
+def test_prefill_failure_is_a_clear_error(pd: PDServers, bad_prefill: str) -> None:
     traces: list[PDTrace] = []
     started = time.monotonic()
     with (
