@@ -34,10 +34,11 @@ lint:
 typecheck: install
 	$(VENV)/bin/mypy --strict pdclient
 
-# Unit, mocked (respx), loopback stubs (faults, soak), then the real local vLLM pair
-# (parity, KV, frameworks, examples, notebook), which starts once for the session.
+# Unit, mocked (respx), loopback stubs (faults, soak), the proxy (`pdclient serve` against
+# stubs, Node's openai, curl), then the real local vLLM pair (parity, KV, frameworks,
+# examples, notebook, the proxy), which starts once for the session.
 test-client: install
-	$(VENV)/bin/python $(PYTEST) tests/unit tests/mocked tests/stubs tests/pair
+	$(VENV)/bin/python $(PYTEST) tests/unit tests/mocked tests/stubs tests/serve tests/pair
 
 test-openai2: install-openai2
 	$(VENV_OPENAI2)/bin/python $(PYTEST) tests/unit tests/mocked

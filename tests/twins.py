@@ -33,10 +33,7 @@ class Twin:
     async def stream_text(self, client: Any = None, **kwargs: Any) -> list[str]:
         """The content pieces of a streamed answer, one per chunk that carried content."""
         stream = await self.chat(client, stream=True, **kwargs)
-        if self.mode == "sync":
-            chunks = list(stream)
-        else:
-            chunks = [c async for c in stream]
+        chunks = list(stream) if self.mode == "sync" else [c async for c in stream]
         return [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content is not None]
 
     async def close(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import re
 import subprocess
@@ -12,7 +13,6 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,7 +27,6 @@ from pdclient.serve import ServeConfig, create_app
 from pdclient.serve._app import Proxy
 from tests.stubserver import StubServer
 
-REPO = Path(__file__).resolve().parents[2]
 STARTED = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
 PROMPT_TOKENS = 96
 MESSAGES: Any = [{"role": "user", "content": "Say hello."}]
@@ -70,7 +69,7 @@ class ServeProcess:
     """`python -m pdclient serve ... --port 0`, its stderr collected, its port read from it."""
 
     def __init__(self, *args: str, workers: int = 1) -> None:
-        env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         command = [sys.executable, "-m", "pdclient", "serve", "--port", "0", "--workers", str(workers), *args]
         self.proc = subprocess.Popen(command, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=env)
         self.lines: list[str] = []
@@ -107,8 +106,17 @@ class ServeProcess:
         self._reader.join(5)
 
 
-def config_for(prefill: str, decode: str | None = None, **settings: Any) -> ServeConfig:
-    return ServeConfig(prefill=(prefill,), decode=(decode or prefill,), **settings)
+def config_for(
+    prefill: str, decode: str | list[str] | None = None, *, observers: Any = (), **settings: Any
+) -> ServeConfig:
+    """A config from flat settings (as flags and files spell them), plus observers of the test's own."""
+    decode = decode or prefill
+    config = ServeConfig.from_mapping(
+        {"prefill": [prefill], "decode": [decode] if isinstance(decode, str) else decode, **settings}
+    )
+    if observers:
+        config = dataclasses.replace(config, options=config.options.replace(observers=observers))
+    return config
 
 
 def metric_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
