@@ -9,7 +9,16 @@ so the code under test runs its true connection path, unlike a respx mock:
   ``choices[0]`` for completions) and a NIXL-like ``kv_transfer_params`` dict;
 - any other POST there is answered as a decode: an SSE stream of a few chunks when
   ``stream`` is true (chunked transfer encoding, one event per chunk), JSON otherwise;
-- GET ``/v1/models`` lists one model; GET ``/health`` answers 200 with no body, as vLLM's does.
+- GET ``/v1/models`` lists one model; GET ``/health`` answers 200 with no body, as vLLM's does;
+- POST ``/tokenize`` and ``/v1/chat/completions/render`` (``/v1/completions/render``) answer
+  as vLLM 0.32 does (the prompt's ids; the rendered conversation and its engine prompt),
+  after ``preprocess_ms_per_1k_tokens`` per thousand prompt tokens of sleep: the chat
+  template and the tokenizer run on the server's own cores, which a router calling
+  these endpoints waits for (vllm-router calls both on both servers per request).
+  Default 0 (tests); the proxy benchmark uses 1.3 ms, vLLM 0.32's measured
+  template+tokenize cost for SmolLM2 (2.72 ms at 2094 tokens, server_patch/README.md);
+- GET ``/stub/counts``: requests served per path, for benchmarks (how many requests a
+  router sends per call).
 
 The first id of a prefill's ``prompt_token_ids`` is derived from the request's messages
 (or prompt), so a decode can tell whether the ids it was given belong to its request:
@@ -28,6 +37,7 @@ In-process use::
 As a separate process (benchmarks, so the stub does not share the client's GIL)::
 
     python tests/stubserver.py --prompt-tokens 32768    # prints "READY http://127.0.0.1:PORT/v1"
+    python tests/stubserver.py --prompt-tokens 2048 --preprocess-ms-per-1k-tokens 1.3
 """
 
 from __future__ import annotations
@@ -70,6 +80,7 @@ except ImportError:  # pragma: no cover - stdlib fallback
 
 
 DECODE_WORDS = ("Hello", " from", " the", " decode", " stub")
+_PREPROCESS_PATHS = ("/tokenize", "/v1/chat/completions/render", "/v1/completions/render")
 
 
 @dataclass(frozen=True)
@@ -158,9 +169,20 @@ def _leg(body: Any) -> str:
 class StubServer:
     """The stub, on 127.0.0.1 with an ephemeral port, served from a background thread."""
 
-    def __init__(self, *, prompt_tokens: int = 64, host: str = "127.0.0.1", port: int = 0, record: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        prompt_tokens: int = 64,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        record: bool = True,
+        preprocess_ms_per_1k_tokens: float = 0.0,
+    ) -> None:
         self.prompt_tokens = prompt_tokens
         self.record = record
+        self.preprocess_ms_per_1k_tokens = preprocess_ms_per_1k_tokens
+        self.counts: dict[str, int] = {}
+        """Requests served per path (``GET /stub/counts``)."""
         self.fault_hook: FaultHook | None = None
         self._received: list[Received] = []
         self._streams: list[StreamEnd] = []
@@ -223,6 +245,7 @@ class StubServer:
             self._received.clear()
             self._streams.clear()
             self._injected.clear()
+            self.counts.clear()
 
     def inject(self, fault: Fault, *, leg: str | None = None, times: int = 1) -> None:
         """Apply ``fault`` to the next ``times`` requests of ``leg`` (any leg if None)."""
@@ -231,6 +254,8 @@ class StubServer:
 
     def _fault_for(self, received: Received) -> Fault | None:
         with self._lock:
+            if not received.path.startswith("/stub/"):
+                self.counts[received.path] = self.counts.get(received.path, 0) + 1
             if self.record:
                 self._received.append(received)
             for injected in self._injected:
@@ -420,6 +445,9 @@ class _Handler(BaseHTTPRequestHandler):
             self.end_headers()
         elif path == "/v1/models":
             self._send(200, VLLMAnswers.models())
+        elif path == "/stub/counts":
+            with self.stub._lock:
+                self._send(200, dict(self.stub.counts))
         else:
             self._error(404, f"no route GET {path}")
 
@@ -436,6 +464,9 @@ class _Handler(BaseHTTPRequestHandler):
         fault = self.stub._fault_for(received)
         if self._faulted(fault):
             return
+        if path in _PREPROCESS_PATHS and isinstance(body, dict):
+            self._preprocess(path, body)
+            return
         if not routed:
             self._error(404, f"no route POST {path}")
             return
@@ -450,6 +481,19 @@ class _Handler(BaseHTTPRequestHandler):
             self._stream(answers.decode_events(path, body), fault, request_id)
         else:
             self._send(200, answers.decode(path, body), request_id)
+
+    def _preprocess(self, path: str, body: dict[str, Any]) -> None:
+        """vLLM's /tokenize and /render: the prompt's ids, after the template and tokenizer's time."""
+        ids = self.stub.prompt_ids(body)
+        cost = self.stub.preprocess_ms_per_1k_tokens * len(ids) / 1e6
+        if cost:
+            time.sleep(cost)
+        if path == "/tokenize":
+            self._send(200, {"count": len(ids), "max_model_len": 32768, "tokens": ids, "token_strs": None})
+        elif path == "/v1/chat/completions/render":
+            self._send(200, [body.get("messages", []), [{"type": "token", "prompt_token_ids": ids}]])
+        else:
+            self._send(200, [{"type": "token", "prompt_token_ids": ids}])
 
     def _faulted(self, fault: Fault | None) -> bool:
         """Apply the parts of a fault that happen before an answer; True if it ends here."""
@@ -470,8 +514,19 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Serve the vLLM P/D stub until stdin closes or the process is killed.")
     parser.add_argument("--prompt-tokens", type=int, default=64, help="ids a prefill answers with")
     parser.add_argument("--port", type=int, default=0, help="0: an ephemeral port")
+    parser.add_argument(
+        "--preprocess-ms-per-1k-tokens",
+        type=float,
+        default=0.0,
+        help="time /tokenize and /render take per 1000 prompt tokens (vLLM 0.32, SmolLM2: 1.3)",
+    )
     args = parser.parse_args(argv)
-    server = StubServer(prompt_tokens=args.prompt_tokens, port=args.port, record=False).start()
+    server = StubServer(
+        prompt_tokens=args.prompt_tokens,
+        port=args.port,
+        record=False,
+        preprocess_ms_per_1k_tokens=args.preprocess_ms_per_1k_tokens,
+    ).start()
     print(f"READY {server.url}", flush=True)
     with contextlib.suppress(KeyboardInterrupt):
         sys.stdin.read()  # the parent closing our stdin (or dying) ends the stub

@@ -182,7 +182,7 @@ async def test_a_per_call_fallback_url_is_refused_when_not_allowed(mode: str, pd
     """What a server passing its callers' bodies on (pdclient serve) needs: no caller-chosen URL."""
     twin, traces = twin_with_traces(mode, allow_call_fallback_url=False)
     with pytest.raises(openai.BadRequestError, match="not a fallback URL"):
-        await twin.chat(messages=MESSAGES, extra_body={"pdclient": {"on_prefill_failure": "http://10.1.2.3/v1"}})
+        await twin.chat(messages=MESSAGES, extra_body={"pdclient": {"on_prefill_failure": "http://127.0.0.1:9/v1"}})
     assert pd_routes["prefill"].call_count == 0 and pd_routes["decode"].call_count == 0
     assert traces[0].outcome is Outcome.REFUSED and traces[0].failed_leg == "client"
     await twin.chat(messages=MESSAGES, extra_body={"pdclient": {"on_prefill_failure": "fail"}})  # a policy: fine

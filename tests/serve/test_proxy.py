@@ -209,7 +209,7 @@ async def test_a_caller_cannot_name_a_fallback_server(proxy: RunningProxy, stub:
     async with httpx.AsyncClient() as http:
         url = proxy.base_url + "/chat/completions"
         for spelling in (b'"pdclient"', b'"\\u0070dclient"'):
-            body = b'{"model":"m","messages":[],' + spelling + b':{"on_prefill_failure":"http://10.1.2.3/v1"}}'
+            body = b'{"model":"m","messages":[],' + spelling + b':{"on_prefill_failure":"http://127.0.0.1:9/v1"}}'
             response = await http.post(url, content=body, headers={"content-type": "application/json"})
             assert response.status_code == 400
             assert "not a fallback URL" in response.json()["error"]["message"]
