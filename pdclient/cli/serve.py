@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--config", metavar="FILE", default=argparse.SUPPRESS, help="settings file (.toml, or JSON)"
     )
     for setting in SETTINGS:
-        default = "" if setting.default in ((), None) else f" (default: {setting.default})"
+        default = "" if setting.default in ((), None) or setting.is_switch else f" (default: {setting.default})"
         env = f"; ${setting.env}" if setting.env else ""
         kwargs: dict[str, Any] = {
             "dest": setting.name,

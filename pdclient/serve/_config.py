@@ -257,7 +257,7 @@ class ServeConfig:
     max_body_size: int = _opt(32 * 1024 * 1024, "largest request body accepted (413 above)", _int, metavar="BYTES")
     api_keys: tuple[str, ...] = _opt(
         (),
-        f"a key callers must send as 'Authorization: Bearer KEY' on /v1 (repeatable; ${API_KEYS_ENV}: comma-separated)",
+        "a key callers must send as 'Authorization: Bearer KEY' on /v1 (repeatable; the variable: comma-separated)",
         _strings,
         env=API_KEYS_ENV,
         flag="--api-key",
