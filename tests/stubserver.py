@@ -301,6 +301,8 @@ class StubServer:
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    # The listen backlog, as uvicorn's (vLLM's); socketserver's 5 resets connections under load.
+    request_queue_size = 2048
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A client closing its connection is normal (openai closes a stream at [DONE]).
