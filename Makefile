@@ -14,7 +14,7 @@ VENV_OPENAI2 = $(shell tools/venv.sh requirements-openai2.txt)
 PYTEST = -m pytest -ra -p no:cacheprovider
 
 .PHONY: test install install-openai2 lint typecheck test-client test-openai2 test-server-patch test-fast demo \
-        bench-client-overhead bench-decode-ttft
+        bench-client-overhead bench-decode-ttft bench-proxies
 
 # Every tier, in the order a failure is cheapest to find (docs/ARCHITECTURE.md, "Tests").
 test: lint typecheck test-client test-openai2 test-server-patch
@@ -62,3 +62,9 @@ bench-client-overhead: install
 # ARGS="--prefill URL --decode URL ..." for another pair; see the script's docstring.
 bench-decode-ttft: install
 	$(VENV)/bin/python benchmarks/bench_decode_ttft.py $(ARGS)
+
+# pdclient (in process, and as `pdclient serve`) against vllm-router and vLLM's toy proxy:
+# ARGS=pair (client TTFT on a LocalPD pair; nothing else on the cores) or ARGS=stubs
+# (added latency and throughput on loopback stubs). The peers: benchmarks/peers/README.md.
+bench-proxies: install
+	$(VENV)/bin/python benchmarks/bench_proxies.py $(ARGS)
