@@ -13,7 +13,7 @@ four arms interleaved, their order rotated every round, one call per arm per rou
 size, each call with its own prompt (a unique tag first: no prefix-cache hits):
 ``pdclient`` (PDChatClient in this process), ``pdclient serve``, ``vllm-router``, ``toy
 proxy``, the last three through a plain openai client. Client TTFT: ``create()`` to the
-first content chunk, streamed, greedy, ``max_tokens`` 4. Printed: medians and paired
+first chunk with a token, streamed, greedy, ``max_tokens`` 4 with ``ignore_eos``. Printed: medians and paired
 differences against ``pdclient serve`` with bootstrap 95 % intervals.
 
 (b) ``stubs``: a prefill and a decode stub (tests/stubserver.py, a process each) that
@@ -217,6 +217,8 @@ class PairSample:
     round: int
     arm: str
     client_ttft_ms: float
+    tokens: int
+    """Prompt tokens (the pdclient arm's forwarded ids; 0 for the others)."""
 
 
 class PairArms:
@@ -248,13 +250,18 @@ class PairArms:
             max_tokens=self.max_tokens,
             temperature=0,
             stream=True,
+            extra_body={"ignore_eos": True},  # vLLM's: every arm generates max_tokens tokens
         )
         with stream:
             for chunk in stream:
-                if first is None and chunk.choices and chunk.choices[0].delta.content:
+                if (
+                    first is None
+                    and chunk.choices
+                    and (chunk.choices[0].delta.content or chunk.choices[0].finish_reason)
+                ):
                     first = time.perf_counter()
         if first is None:
-            raise RuntimeError(f"{arm}: no content in the answer")
+            raise RuntimeError(f"{arm}: no token in the answer")
         if arm == "pdclient" and (not self.traces or self.traces[-1].outcome is not Outcome.DISAGGREGATED):
             raise RuntimeError(f"pdclient: the handoff degraded: {self.traces[-1:]}")
         return (first - started_at) * 1000
@@ -278,7 +285,9 @@ def measure_pair(arms: PairArms, sizes: Sequence[int], rounds: int, seed: int) -
         for r in range(rounds):
             shift = r % len(PAIR_ARMS)
             for arm in PAIR_ARMS[shift:] + PAIR_ARMS[:shift]:
-                samples.append(PairSample(size, r, arm, arms.call(arm, prompts.make(size))))
+                ttft = arms.call(arm, prompts.make(size))
+                tokens = arms.traces[-1].forwarded_tokens if arm == "pdclient" else 0
+                samples.append(PairSample(size, r, arm, ttft, tokens))
             if (r + 1) % 5 == 0:
                 log(f"~{size} tokens: round {r + 1}/{rounds} ({time.monotonic() - started_at:.0f} s)")
     return samples
@@ -349,21 +358,19 @@ def run_pair(args: argparse.Namespace) -> int:
     sizes = [int(x) for x in args.sizes.split(",")]
     logs = Path(tempfile.mkdtemp(prefix="bench-proxies-"))
     log(f"uptime before: {os.getloadavg()}; peer logs in {logs}")
-    with LocalPD(max_model_len=max(sizes) + 768) as pd:
-        with (
-            pdclient_serve(pd.prefill_url, pd.decode_url, logs) as serve,
-            vllm_router(pd.prefill_url, pd.decode_url, logs) as router,
-            toy_proxy(pd.prefill_url, pd.decode_url, logs) as toy,
-        ):
-            proxies = {"pdclient serve": serve.url, "vllm-router": router.url, "toy proxy": toy.url}
-            arms = PairArms(pd.prefill_url, pd.decode_url, pd.model, proxies, args.max_tokens)
-            samples = measure_pair(arms, sizes, args.rounds, args.seed)
-            counts = httpx.get(root(serve.url) + "/metrics", timeout=10).text
-        tokens = {}
-        prompts = Prompts(random.Random(args.seed + 1))
-        for size in sizes:  # the prompt length each size came to, measured on the pair
-            tokens[size] = arms.tokens(prompts.make(size))
+    with (
+        LocalPD(max_model_len=max(sizes) + 768) as pd,
+        pdclient_serve(pd.prefill_url, pd.decode_url, logs) as serve,
+        vllm_router(pd.prefill_url, pd.decode_url, logs) as router,
+        toy_proxy(pd.prefill_url, pd.decode_url, logs) as toy,
+    ):
+        proxies = {"pdclient serve": serve.url, "vllm-router": router.url, "toy proxy": toy.url}
+        arms = PairArms(pd.prefill_url, pd.decode_url, pd.model, proxies, args.max_tokens)
+        samples = measure_pair(arms, sizes, args.rounds, args.seed)
+        counts = httpx.get(root(serve.url) + "/metrics", timeout=10).text
     log(f"uptime after: {os.getloadavg()}")
+    pd_samples = [s for s in samples if s.arm == "pdclient"]
+    tokens = {z: int(statistics.median(s.tokens for s in pd_samples if s.size == z)) for z in sizes}
     text, summary = report_pair(samples, tokens)
     print(text)
     disaggregated = [line for line in counts.splitlines() if line.startswith("pdclient_calls_total")]
@@ -584,7 +591,8 @@ def report_stubs(batches: Sequence[StubBatch]) -> tuple[str, dict[str, Any]]:
             lines.append(f"  concurrency {level}: {arm} added p50 / vllm-router's = {ratio:.2f}")
     lines.append(
         "\nlatency: request written -> last byte of the streamed answer; added: minus the direct arm's at the "
-        "same concurrency; CPU: the proxy process(es), user+system; cores: CPU seconds per wall second"
+        "same concurrency (the direct arm runs at several times the throughput, so its tail is the stub's, and an "
+        "'added p99' can come out negative); CPU: the proxy process(es), user+system; cores: CPU s per wall s"
     )
     return "\n".join(lines), summary
 
@@ -600,19 +608,17 @@ def plot_stubs(summary: dict[str, Any], path: Path) -> str:
     width = 0.8 / len(arms)
     for k, arm in enumerate(arms):
         xs = [i + (k - (len(arms) - 1) / 2) * width for i in range(len(levels))]
-        for axis, key in zip(axes, ("added_p50_ms", "added_p99_ms", "calls_per_s"), strict=True):
+        for axis, key in zip(axes, ("added_p50_ms", "p99_ms", "calls_per_s"), strict=True):
             axis.bar(xs, [summary[lv][arm][key] for lv in levels], width, color=colors[arm], label=arm)
-    axes[2].plot(
-        range(len(levels)), [summary[lv]["direct"]["calls_per_s"] for lv in levels], "k_", ms=30, label="direct"
-    )
-    for axis, title in zip(
-        axes, ("added latency p50 (ms)", "added latency p99 (ms)", "throughput (calls/s)"), strict=True
-    ):
+    for axis, key in zip(axes[1:], ("p99_ms", "calls_per_s"), strict=True):
+        axis.plot(range(len(levels)), [summary[lv]["direct"][key] for lv in levels], "k_", ms=30, label="direct")
+    titles = ("added latency p50 (ms, over direct)", "latency p99 (ms; bar: direct)", "throughput (calls/s)")
+    for axis, title in zip(axes, titles, strict=True):
         axis.set_xticks(range(len(levels)), [f"concurrency {lv}" for lv in levels])
         axis.set_title(title)
         axis.grid(axis="y", alpha=0.3)
-    axes[0].set_yscale("symlog", linthresh=1)
-    axes[1].set_yscale("symlog", linthresh=1)
+    axes[0].set_yscale("log")
+    axes[1].set_yscale("log")
     axes[2].legend(fontsize=8)
     figure.suptitle("Loopback vLLM stubs (~2k-token chat, streamed), everything on 2 cores: cost over a direct call")
     figure.tight_layout()
