@@ -14,7 +14,7 @@ VENV_OPENAI2 = $(shell tools/venv.sh requirements-openai2.txt)
 PYTEST = -m pytest -ra -p no:cacheprovider
 
 .PHONY: test install install-openai2 lint typecheck test-client test-openai2 test-server-patch test-fast demo \
-        bench-client-overhead bench-decode-ttft
+        bench-client-overhead bench-decode-ttft bench-proxies
 
 # Every tier, in the order a failure is cheapest to find (docs/ARCHITECTURE.md, "Tests").
 test: lint typecheck test-client test-openai2 test-server-patch
@@ -34,10 +34,11 @@ lint:
 typecheck: install
 	$(VENV)/bin/mypy --strict pdclient
 
-# Unit, mocked (respx), loopback stubs (faults, soak), then the real local vLLM pair
-# (parity, KV, frameworks, examples, notebook), which starts once for the session.
+# Unit, mocked (respx), loopback stubs (faults, soak), the proxy (`pdclient serve` against
+# stubs, Node's openai, curl), then the real local vLLM pair (parity, KV, frameworks,
+# examples, notebook, the proxy), which starts once for the session.
 test-client: install
-	$(VENV)/bin/python $(PYTEST) tests/unit tests/mocked tests/stubs tests/pair
+	$(VENV)/bin/python $(PYTEST) tests/unit tests/mocked tests/stubs tests/serve tests/pair
 
 test-openai2: install-openai2
 	$(VENV_OPENAI2)/bin/python $(PYTEST) tests/unit tests/mocked
@@ -61,3 +62,9 @@ bench-client-overhead: install
 # ARGS="--prefill URL --decode URL ..." for another pair; see the script's docstring.
 bench-decode-ttft: install
 	$(VENV)/bin/python benchmarks/bench_decode_ttft.py $(ARGS)
+
+# pdclient (in process, and as `pdclient serve`) against vllm-router and vLLM's toy proxy:
+# ARGS=pair (client TTFT on a LocalPD pair; nothing else on the cores) or ARGS=stubs
+# (added latency and throughput on loopback stubs). The peers: benchmarks/peers/README.md.
+bench-proxies: install
+	$(VENV)/bin/python benchmarks/bench_proxies.py $(ARGS)

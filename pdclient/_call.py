@@ -36,7 +36,7 @@ from . import _wire as wire
 from ._endpoints import AllEndpointsOpen, Endpoint, EndpointPool
 from ._fleet import Fleet
 from ._observe import Observers
-from ._options import PDOptions
+from ._options import CALL_OPTIONS_KEY, PREFILL_FAILURE_POLICIES, PDOptions
 from ._routing import RouteRequest
 from ._signing import SIGNATURE_HEADER, signature
 from ._trace import HEADER_PREFIX, Outcome, PDTrace
@@ -184,6 +184,12 @@ class Call:
             self.plan = wire.plan_call(self.kind, self.request.content)
         except wire.Refusal as exc:
             return self.refuse(str(exc))
+        policy = self.plan.options.on_prefill_failure
+        if policy not in (None, *PREFILL_FAILURE_POLICIES) and not self.context.options.allow_call_fallback_url:
+            return self.refuse(
+                f"{CALL_OPTIONS_KEY}.on_prefill_failure may be {' or '.join(PREFILL_FAILURE_POLICIES)} here, "
+                "not a fallback URL (allow_call_fallback_url is off)"
+            )
         return None
 
     def pass_through_content(self) -> bytes:

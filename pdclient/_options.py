@@ -70,6 +70,11 @@ class PDOptions:
     decode_base_url: URLArg = None
     on_prefill_failure: str = "decode"
     """``"decode"`` (send the call to decode without P/D), ``"fail"``, or a fallback base URL."""
+    allow_call_fallback_url: bool = True
+    """Whether a call's own ``on_prefill_failure`` (``extra_body={"pdclient": {...}}``) may
+    name a fallback URL. A server that passes its callers' bodies on (``pdclient serve``)
+    turns this off, else any caller could make it send requests to any address; such a
+    call is then refused (400) before any server is called."""
     routing: str | RoutingPolicy = "least_outstanding"
     """``"least_outstanding"``, ``"round_robin"``, ``"power_of_two"``, ``"affinity"``, or a ``RoutingPolicy``."""
     breaker: BreakerSettings = field(default_factory=BreakerSettings)
@@ -88,6 +93,7 @@ class PDOptions:
         )
         set_(self, "decode_base_url", resolve_urls(self.decode_base_url, argument="decode_base_url", env=DECODE_ENV))
         set_(self, "on_prefill_failure", check_failure_policy(self.on_prefill_failure, "on_prefill_failure"))
+        _check_type("allow_call_fallback_url", self.allow_call_fallback_url, bool)
         set_(self, "routing", _check_routing(self.routing))
         _check_type("breaker", self.breaker, BreakerSettings)
         _check_type("retries", self.retries, RetrySettings)

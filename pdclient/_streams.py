@@ -35,7 +35,7 @@ class DecodeStream(httpx.SyncByteStream):
                 if not received and chunk:
                     self._call.first_byte()
                 received += len(chunk)
-                if _SSE_DONE in chunk[-_SSE_TAIL:]:
+                if ends_event_stream(chunk):
                     # openai stops reading at [DONE] and closes; the body's end is right behind
                     # it, so read it now and the connection goes back to the pool for reuse.
                     # The answer is whole: a connection dropped from here on costs nothing.
@@ -74,7 +74,7 @@ class AsyncDecodeStream(httpx.AsyncByteStream):
                 if not received and chunk:
                     self._call.first_byte()
                 received += len(chunk)
-                if _SSE_DONE in chunk[-_SSE_TAIL:]:
+                if ends_event_stream(chunk):
                     async for rest in _until_error_async(chunks):
                         chunk += rest
                     self._drained = True
@@ -106,3 +106,11 @@ async def _until_error_async(chunks: AsyncIterator[bytes]) -> AsyncIterator[byte
             yield chunk
     except _STREAM_ERRORS:
         return
+
+
+def ends_event_stream(chunk: bytes) -> bool:
+    """Whether a chunk of a decode body ends its SSE stream (holds ``data: [DONE]``).
+
+    Internal to pdclient (the transports here, ``pdclient serve``'s proxy), not public API.
+    """
+    return _SSE_DONE in chunk[-_SSE_TAIL:]

@@ -3,6 +3,7 @@
     tests/unit/          pure functions, no I/O
     tests/mocked/        the clients and transports against the fake vLLM through respx (in process)
     tests/stubs/         the same against the fake vLLM on real loopback sockets: faults, soak
+    tests/serve/         `pdclient serve` against the stub, real clients (Node's openai, curl), processes
     tests/pair/          a real prefill+decode vLLM pair (started once per session): marked ``pair``
     tests/server_patch/  the vLLM plugin, inside the vLLM environment (tests/server_patch/run.py)
 

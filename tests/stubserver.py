@@ -15,6 +15,15 @@ so the code under test runs its true connection path, unlike a respx mock:
   being answered / queued for a slot when ``max_running`` is set), a
   ``vllm:kv_cache_usage_perc`` (``StubServer.kv_usage``; by default running / max_running)
   and prefix-cache counters;
+- POST ``/tokenize`` and ``/v1/chat/completions/render`` (``/v1/completions/render``) answer
+  as vLLM 0.32 does (the prompt's ids; the rendered conversation and its engine prompt),
+  after ``preprocess_ms_per_1k_tokens`` per thousand prompt tokens of sleep: the chat
+  template and the tokenizer run on the server's own cores, which a router calling
+  these endpoints waits for (vllm-router calls both on both servers per request).
+  Default 0 (tests); the proxy benchmark uses 1.3 ms, vLLM 0.32's measured
+  template+tokenize cost for SmolLM2 (2.72 ms at 2094 tokens, server_patch/README.md);
+- GET ``/stub/counts``: requests served per path, for benchmarks (how many requests a
+  router sends per call);
 - GET ``/health`` answers 200 with no body, as vLLM's does, or 503 while ``StubServer.healthy`` is False;
 - POST ``/stub/control`` sets ``healthy`` and ``kv_usage`` of a stub in another process
   (and empties its prefix cache with ``reset_prefix_cache``).
@@ -46,6 +55,7 @@ In-process use::
 As a separate process (benchmarks, so the stub does not share the client's GIL)::
 
     python tests/stubserver.py --prompt-tokens 32768    # prints "READY http://127.0.0.1:PORT/v1"
+    python tests/stubserver.py --prompt-tokens 2048 --preprocess-ms-per-1k-tokens 1.3
 """
 
 from __future__ import annotations
@@ -90,6 +100,7 @@ except ImportError:  # pragma: no cover - stdlib fallback
 
 
 DECODE_WORDS = ("Hello", " from", " the", " decode", " stub")
+_PREPROCESS_PATHS = ("/tokenize", "/v1/chat/completions/render", "/v1/completions/render")
 
 
 @dataclass(frozen=True)
@@ -259,9 +270,13 @@ class StubServer:
         step_seconds: float = 0.0,
         step_per_running: float = 0.0,
         prefix_cache: PrefixCacheModel | None = None,
+        preprocess_ms_per_1k_tokens: float = 0.0,
     ) -> None:
         self.prompt_tokens = prompt_tokens
         self.record = record
+        self.preprocess_ms_per_1k_tokens = preprocess_ms_per_1k_tokens
+        self.counts: dict[str, int] = {}
+        """Requests served per path (``GET /stub/counts``)."""
         self.fault_hook: FaultHook | None = None
         self.healthy = True
         """False: /health answers 503 (vLLM's answer once its engine is dead)."""
@@ -343,6 +358,7 @@ class StubServer:
             self._received.clear()
             self._streams.clear()
             self._injected.clear()
+            self.counts.clear()
 
     def inject(self, fault: Fault, *, leg: str | None = None, times: int = 1) -> None:
         """Apply ``fault`` to the next ``times`` requests of ``leg`` (any leg if None)."""
@@ -351,6 +367,8 @@ class StubServer:
 
     def _fault_for(self, received: Received) -> Fault | None:
         with self._lock:
+            if not received.path.startswith("/stub/"):
+                self.counts[received.path] = self.counts.get(received.path, 0) + 1
             if self.record:
                 self._received.append(received)
             for injected in self._injected:
@@ -462,6 +480,8 @@ class StubServer:
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    # The listen backlog, as uvicorn's (vLLM's); socketserver's 5 resets connections under load.
+    request_queue_size = 2048
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A client closing its connection is normal (openai closes a stream at [DONE]).
@@ -619,6 +639,9 @@ class _Handler(BaseHTTPRequestHandler):
                 self._error(503, "engine dead (stub)")
         elif path == "/metrics":
             self._send_text(200, self.stub.metrics_text(), "text/plain; version=0.0.4; charset=utf-8")
+        elif path == "/stub/counts":
+            with self.stub._lock:
+                self._send(200, dict(self.stub.counts))
         else:
             self._error(404, f"no route GET {path}")
 
@@ -634,6 +657,9 @@ class _Handler(BaseHTTPRequestHandler):
         received = self._received(leg, body, path)
         fault = self.stub._fault_for(received)
         if self._faulted(fault):
+            return
+        if path in _PREPROCESS_PATHS and isinstance(body, dict):
+            self._preprocess(path, body)
             return
         if path == "/stub/control" and isinstance(body, dict):
             self.stub.healthy = bool(body.get("healthy", self.stub.healthy))
@@ -671,6 +697,19 @@ class _Handler(BaseHTTPRequestHandler):
                 time.sleep(steps)
             self._send(200, answers.decode(path, body), request_id)
 
+    def _preprocess(self, path: str, body: dict[str, Any]) -> None:
+        """vLLM's /tokenize and /render: the prompt's ids, after the template and tokenizer's time."""
+        ids = self.stub.prompt_ids(body)
+        cost = self.stub.preprocess_ms_per_1k_tokens * len(ids) / 1e6
+        if cost:
+            time.sleep(cost)
+        if path == "/tokenize":
+            self._send(200, {"count": len(ids), "max_model_len": 32768, "tokens": ids, "token_strs": None})
+        elif path == "/v1/chat/completions/render":
+            self._send(200, [body.get("messages", []), [{"type": "token", "prompt_token_ids": ids}]])
+        else:
+            self._send(200, [{"type": "token", "prompt_token_ids": ids}])
+
     def _faulted(self, fault: Fault | None) -> bool:
         """Apply the parts of a fault that happen before an answer; True if it ends here."""
         if fault is None:
@@ -698,6 +737,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefix-cache-chars", type=int, default=0, help="model a prefix cache of this size")
     parser.add_argument("--prefix-block-chars", type=int, default=64)
     parser.add_argument("--prefill-seconds-per-char", type=float, default=0.0, help="cost of an uncached character")
+    parser.add_argument(
+        "--preprocess-ms-per-1k-tokens",
+        type=float,
+        default=0.0,
+        help="time /tokenize and /render take per 1000 prompt tokens (vLLM 0.32, SmolLM2: 1.3)",
+    )
     args = parser.parse_args(argv)
     cache = None
     if args.prefix_cache_chars:
@@ -715,6 +760,7 @@ def main(argv: list[str] | None = None) -> None:
         step_seconds=args.step_seconds,
         step_per_running=args.step_per_running,
         prefix_cache=cache,
+        preprocess_ms_per_1k_tokens=args.preprocess_ms_per_1k_tokens,
     )
     server.background = args.background
     server.start()

@@ -5,8 +5,9 @@
     pdclient doctor   can this pair do a token-reusing handoff?
     pdclient serve    the handoff as an OpenAI-compatible P/D proxy, for clients in any language
 
-Each subcommand module has ``register(subparsers)`` and a ``run(args) -> int``; every
-failure is reported by ``main`` as one line on stderr with exit code 1, never a traceback.
+Each subcommand module has ``register(subparsers)`` and a ``run(args) -> int`` that raises
+on failure; ``main`` reports every failure as one line on stderr with exit code 1, never a
+traceback (a ``CLIError`` or ``PDConfigError`` as its message alone).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._endpoints import DECODE_ENV, PREFILL_ENV
+from .._errors import PDConfigError
 
 if TYPE_CHECKING:
     from .._client import PDChatClient
@@ -91,7 +93,7 @@ def one_line(error: BaseException) -> str:
     if isinstance(error, openai.APIConnectionError):
         cause = error.__cause__ or error
         return f"cannot reach the server: {type(cause).__name__}: {cause}"
-    if isinstance(error, CLIError):
+    if isinstance(error, CLIError | PDConfigError):
         return str(error)
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}".rstrip(": ")

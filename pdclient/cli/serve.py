@@ -8,60 +8,53 @@ Settings come from a config file (``--config``, TOML or JSON, keys as the flags 
 ``--``), then the environment (``$PDCLIENT_PREFILL_BASE_URL`` / ``$PDCLIENT_DECODE_BASE_URL``
 comma-separated, ``$PDCLIENT_SERVE_API_KEYS``, ``$PDCLIENT_SERVE_UPSTREAM_API_KEY``,
 ``$PDCLIENT_REUSE_SECRET``), then flags, each overriding the one before. The flags are
-made from ``ServeConfig``'s fields, so a setting has one name everywhere.
+made from the settings (``pdclient.serve.SETTINGS``: ``PDOptions``'s fields, then the
+proxy's own), so a setting has one name everywhere. Errors are raised; ``pdclient.cli.main``
+reports them.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import sys
 from typing import Any
 
-from .._errors import PDConfigError
-from ..serve._config import ServeConfig
-
-EXIT_CONFIG = 2
+from .. import PDConfigError
+from ..serve import SETTINGS, ServeConfig, Setting
+from . import CLIError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per ``ServeConfig`` field, plus ``--config``; every default is SUPPRESS so
-    the namespace holds only what was given (the config file and environment fill the rest)."""
+    """One flag per setting, plus ``--config``; every default is SUPPRESS so the namespace
+    holds only what was given (the config file and environment fill the rest)."""
     groups = {
-        "client": parser.add_argument_group("servers and client options (those of the P/D transport)"),
+        "client": parser.add_argument_group("the servers, and the client options (PDOptions)"),
         "proxy": parser.add_argument_group("the proxy"),
     }
     groups["proxy"].add_argument(
         "--config", metavar="FILE", default=argparse.SUPPRESS, help="settings file (.toml, or JSON)"
     )
-    for f in dataclasses.fields(ServeConfig):
-        meta = f.metadata
-        flag = meta["flag"] or "--" + f.name.replace("_", "-")
-        kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS}
-        default = "" if f.default in ((), None) else f" (default: {f.default})"
-        env = f"; ${meta['env']}" if meta["env"] else ""
-        kwargs["help"] = f"{meta['help']}{default}{env}"
-        if f.type == "bool":
+    for setting in SETTINGS:
+        default = "" if setting.default in ((), None) or setting.is_switch else f" (default: {setting.default})"
+        env = f"; ${setting.env}" if setting.env else ""
+        kwargs: dict[str, Any] = {
+            "dest": setting.name,
+            "default": argparse.SUPPRESS,
+            "help": f"{setting.help}{default}{env}",
+        }
+        if setting.is_switch:
             kwargs["action"] = "store_true"
+        elif setting.multiple:
+            # --decode A B, --api-key K --api-key L: a list of strings, parsed with the rest.
+            kwargs.update(metavar=setting.metavar, action="extend", nargs="+", type=str)
         else:
-            kwargs["type"] = _parser_for(f)
-            kind = {"_int": "N", "_float": "SECONDS", "_optional_float": "SECONDS"}.get(meta["parse"].__name__)
-            kwargs["metavar"] = meta["metavar"] or (None if meta["choices"] else kind or f.name.upper())
-            if meta["choices"]:
-                kwargs["choices"] = meta["choices"]
-            if f.name in ("prefill", "decode"):
-                kwargs.update(nargs="+", action="extend", type=str)
-            elif f.name == "api_keys":
-                kwargs.update(action="append", type=str)
-        groups[meta["group"]].add_argument(flag, **kwargs)
+            kwargs.update(type=_parser_for(setting), metavar=setting.metavar, choices=setting.choices)
+        groups[setting.group].add_argument(setting.option, **kwargs)
 
 
-def _parser_for(f: dataclasses.Field[Any]) -> Any:
-    parse = f.metadata["parse"]
-
+def _parser_for(setting: Setting) -> Any:
     def convert(text: str) -> Any:
         try:
-            return parse(text, f.name)
+            return setting.parse(text, setting.name)
         except PDConfigError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -70,7 +63,7 @@ def _parser_for(f: dataclasses.Field[Any]) -> Any:
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     """The config a parsed command line describes (with its config file and environment)."""
-    names = {f.name for f in dataclasses.fields(ServeConfig)}
+    names = {s.name for s in SETTINGS}
     given = {k: v for k, v in vars(args).items() if k in names}
     return ServeConfig.load(getattr(args, "config", None), **given)
 
@@ -90,19 +83,14 @@ def register(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        config = config_from_args(args)
-    except PDConfigError as exc:
-        print(f"pdclient serve: error: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
+    config = config_from_args(args)
     try:
         import prometheus_client  # noqa: F401
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as exc:
-        print(f"pdclient serve: error: {exc.name} is missing: pip install 'pdclient[serve]'", file=sys.stderr)
-        return EXIT_CONFIG
-    from .serve import _run
+        raise CLIError(f"{exc.name} is missing: pip install 'pdclient[serve]'") from None
+    from ..serve import run as serve
 
-    _run.run(config)
+    serve(config)
     return 0

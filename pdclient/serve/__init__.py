@@ -1,21 +1,26 @@
 """``pdclient serve``: an OpenAI-compatible P/D proxy (the ``pdclient[serve]`` extra).
 
-    from pdclient.serve import ServeConfig, create_app
-    app = create_app(ServeConfig(prefill=("http://p:8100/v1",), decode=("http://d:8200/v1",)))
-    # any ASGI server; `pdclient serve --prefill URL --decode URL` runs it under uvicorn
+    from pdclient import PDOptions
+    from pdclient.serve import ServeConfig, create_app, run
 
-``ServeConfig`` imports nothing beyond pdclient; ``create_app`` needs the extra
-(starlette, uvicorn, prometheus-client) and is imported on first use.
+    config = ServeConfig(options=PDOptions(prefill_base_url="http://p:8100/v1", decode_base_url="http://d:8200/v1"))
+    app = create_app(config)        # any ASGI server
+    run(config)                     # or under uvicorn, as `pdclient serve --prefill URL --decode URL` does
+
+``ServeConfig`` and ``SETTINGS`` (every setting's flag, config-file key and environment
+variable) import nothing beyond pdclient; ``create_app`` and ``run`` need the extra
+(starlette, uvicorn, prometheus-client), imported on first use.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._config import ServeConfig
+from ._config import SETTINGS, ServeConfig, Setting
 
 if TYPE_CHECKING:
     from ._app import create_app
+    from ._run import run
 
 
 def __getattr__(name: str) -> Any:
@@ -23,7 +28,11 @@ def __getattr__(name: str) -> Any:
         from ._app import create_app
 
         return create_app
+    if name == "run":
+        from ._run import run
+
+        return run
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["ServeConfig", "create_app"]
+__all__ = ["SETTINGS", "ServeConfig", "Setting", "create_app", "run"]

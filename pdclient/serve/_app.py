@@ -16,12 +16,11 @@ import hmac
 import logging
 import os
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import anyio
 import httpx
-import orjson
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 from starlette.applications import Starlette
@@ -30,12 +29,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from .. import _bridge
-from .. import _handoff as plan
-from .._observe import PDObserver
-from .._transport import _SSE_DONE, _SSE_TAIL
-from ..metrics import PrometheusObserver
+from .. import AsyncPDTransport, PDObserver
+from .._streams import ends_event_stream  # the one internal name: where a decode body ends
+from ..metrics import PrometheusObserver, endpoint_states
 from ._config import CONFIG_ENV, ServeConfig
+from ._legs import AiohttpTransport
 from ._logging import CallLog
 from ._run import MULTIPROC_ENV
 
@@ -76,7 +74,6 @@ class Proxy:
         *,
         leg_transport: httpx.AsyncBaseTransport | None = None,
         registry: CollectorRegistry | None = None,
-        observers: Sequence[PDObserver] = (),
     ) -> None:
         self.config = config
         self.multiprocess = bool(os.environ.get(MULTIPROC_ENV)) and registry is None
@@ -90,14 +87,15 @@ class Proxy:
             multiprocess.MultiProcessCollector(self.scrape_registry)  # type: ignore[no-untyped-call]
         else:
             self.scrape_registry = self.metrics.registry
-        legs = leg_transport or httpx.AsyncHTTPTransport(
-            limits=httpx.Limits(max_connections=config.max_connections, max_keepalive_connections=100)
-        )
-        self.transport = _bridge.make_transport(
-            config.prefill, config.decode, config.transport_options(), [self.metrics, CallLog(), *observers], legs
-        )
+        # aiohttp sends the legs: a third of httpx's CPU per request (pdclient/serve/_legs.py).
+        legs = leg_transport or AiohttpTransport(max_connections=config.max_connections)
+        options = config.options
+        observers: tuple[PDObserver, ...] = (self.metrics, CallLog(), *options.observers)
+        # A caller must not choose where the proxy sends requests: no per-call fallback URL.
+        options = options.replace(observers=observers, allow_call_fallback_url=False)
+        self.transport = AsyncPDTransport(options=options, leg_transport=legs)
         self.metrics.watch(self.transport, registry=self.scrape_registry)
-        self.api_base = config.decode[0]
+        self.api_base = options.decode_urls[0]
         self._keys = [key.encode() for key in config.api_keys]
         t = config.timeout
         self._timeouts = {"connect": config.connect_timeout, "read": t, "write": t, "pool": t}
@@ -108,11 +106,8 @@ class Proxy:
         return JSONResponse({"status": "ok"})
 
     async def ready(self, request: Request) -> Response:
-        """200 when at least one prefill and one decode endpoint are admitted by their breakers."""
-        body: dict[str, Any] = {"ready": False, "prefill": [], "decode": []}
-        for e in _bridge.endpoint_states(self.transport):
-            body[e.leg].append({"url": e.url, "state": e.state, "admitted": e.admitted, "in_flight": e.in_flight})
-        body["ready"] = all(any(e["admitted"] for e in body[leg]) for leg in ("prefill", "decode"))
+        """200 when this proxy can answer a chat call now (see ``readiness``), else 503."""
+        body = readiness(self.transport, self.config.ready_requires_prefill)
         return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
     async def metrics_endpoint(self, request: Request) -> Response:
@@ -132,10 +127,6 @@ class Proxy:
         # The path as the caller encoded it (raw_path): "org%2Fmodel" stays one segment.
         raw_path: bytes = request.scope.get("raw_path") or request.url.path.encode()
         path = raw_path.decode("latin-1")[len(API_PREFIX) :]
-        if request.method == "POST" and plan.route_kind(path) is not None:
-            refusal = _caller_option_refusal(body)
-            if refusal is not None:
-                return error_response(400, refusal)
         request_id = request.headers.get("x-request-id") or f"pd-{uuid.uuid4().hex}"
         upstream = httpx.Request(
             request.method,
@@ -192,27 +183,29 @@ class Proxy:
         return headers
 
 
-def _caller_option_refusal(body: bytes) -> str | None:
-    """Why the proxy refuses a caller's per-call options, or None.
+def readiness(transport: AsyncPDTransport, requires_prefill: bool = False) -> dict[str, Any]:
+    """``/ready``'s body: each endpoint's breaker, and whether a chat call can be answered now.
 
-    A per-call ``on_prefill_failure`` may name a fallback URL, and the library follows it:
-    through a proxy that would let any caller send requests to any address. Cheap check
-    first: the key, plainly or with escapes, must be in the bytes.
+    A decode endpoint must be admitted. A prefill endpoint must be too when the failure
+    policy is ``fail`` (every call would fail without one) or ``requires_prefill`` is set;
+    with ``decode`` (the default) or a fallback URL the proxy still answers every call,
+    without the handoff, so it stays ready and says ``degraded``. Taking every replica of
+    a proxy out of its load balancer because the shared prefill pool is down would turn a
+    slower answer into no answer.
     """
-    if b'"' + plan.CALL_OPTIONS_KEY.encode() not in body and b"\\u" not in body:
-        return None
-    try:
-        parsed = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return None  # the transport answers it with its own 400
-    options = parsed.get(plan.CALL_OPTIONS_KEY) if isinstance(parsed, dict) else None
-    policy = options.get("on_prefill_failure") if isinstance(options, dict) else None
-    if policy is None or policy in ("decode", "fail"):
-        return None
-    return (
-        f"{plan.CALL_OPTIONS_KEY}.on_prefill_failure may be 'decode' or 'fail' through this proxy, "
-        "not a fallback URL (the proxy's --on-prefill-failure sets one)"
-    )
+    body: dict[str, Any] = {"ready": False, "degraded": False, "prefill": [], "decode": []}
+    for e in endpoint_states(transport):
+        body[e.leg].append({"url": e.url, "state": e.state, "admitted": e.admitted, "in_flight": e.in_flight})
+    prefill_up, decode_up = (any(e["admitted"] for e in body[leg]) for leg in ("prefill", "decode"))
+    policy = transport.options.on_prefill_failure
+    if prefill_up:
+        body["ready"] = decode_up
+    elif requires_prefill or policy == "fail":
+        body["ready"] = False
+    else:  # decode-only, or the fallback server (outside the pools: its health is not tracked)
+        body["ready"] = decode_up or policy != "decode"
+        body["degraded"] = body["ready"]
+    return body
 
 
 async def _unless_disconnected(receive: Receive, work: Callable[[], Awaitable[_T]]) -> tuple[_T | None, bool]:
@@ -284,7 +277,7 @@ class _ProxiedResponse(Response):
             try:
                 async for chunk in response.stream:  # type: ignore[union-attr]
                     received += len(chunk)
-                    if (expected is not None and received >= expected) or _SSE_DONE in chunk[-_SSE_TAIL:]:
+                    if (expected is not None and received >= expected) or ends_event_stream(chunk):
                         last += chunk  # the body's end: sent once the upstream stream is over, below
                         continue
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -309,16 +302,15 @@ def create_app(
     *,
     leg_transport: httpx.AsyncBaseTransport | None = None,
     registry: CollectorRegistry | None = None,
-    observers: Sequence[PDObserver] = (),
 ) -> Starlette:
     """The proxy app for ``config``.
 
-    ``leg_transport`` sends the legs (default: a pooled ``httpx.AsyncHTTPTransport``);
-    ``registry`` receives the metrics (default: one of the app's own); ``observers`` watch
-    each call besides the metrics and the log line. The app's state is ``app.state.proxy``
-    (a ``Proxy``: its ``transport``, ``metrics``, ``config``).
+    ``leg_transport`` sends the legs (default: ``AiohttpTransport``, pooled);
+    ``registry`` receives the metrics (default: one of the app's own). Observers of one's
+    own go in ``config.options.observers``, beside the proxy's (metrics, the log line). The
+    app's state is ``app.state.proxy`` (a ``Proxy``: its ``transport``, ``metrics``, ``config``).
     """
-    proxy = Proxy(config, leg_transport=leg_transport, registry=registry, observers=observers)
+    proxy = Proxy(config, leg_transport=leg_transport, registry=registry)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -353,4 +345,4 @@ def app_from_environment() -> Starlette:
     return create_app(ServeConfig.from_json(text))
 
 
-__all__ = ["Proxy", "app_from_environment", "create_app"]
+__all__ = ["Proxy", "app_from_environment", "create_app", "readiness"]

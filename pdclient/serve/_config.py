@@ -1,10 +1,14 @@
 """``ServeConfig``: every setting of ``pdclient serve``, from a config file, the environment
 and flags (in rising precedence), validated once.
 
-Each field's metadata says how it is spelled as a flag, which environment variable may
-give it, and how a string becomes its value; the CLI builds its flags from it and a
-config file (TOML or JSON) uses the field names as keys (``-`` or ``_``). Nothing here
-imports the server's dependencies, so the CLI can describe itself without them.
+The client options are a ``PDOptions`` (``ServeConfig.options``), not a list of their own:
+the settings that spell them (``SETTINGS``, one flat name each, for flags and config
+files) are generated from ``PDOptions``'s fields, a nested settings object's fields
+flattened (``breaker.failures`` is ``breaker_failures``, ``retries.prefill_attempts`` is
+``prefill_attempts``), and ``PDOptions`` validates them. The proxy's own settings are
+``ServeConfig``'s other fields. A config file (TOML or JSON) uses the flat names as keys
+(``-`` or ``_``). Nothing here imports the server's dependencies, so the CLI can describe
+itself without them.
 """
 
 from __future__ import annotations
@@ -18,10 +22,11 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .. import _bridge
-from .._endpoints import DECODE_ENV, POLICIES, PREFILL_ENV, BreakerSettings, normalise_url
-from .._errors import PDConfigError
-from .._retry import RetrySettings
+from .. import PDConfigError, PDOptions
+
+# Constants with no public name: the environment variables PDOptions reads, the policy names.
+from .._endpoints import DECODE_ENV, PREFILL_ENV
+from .._routing import POLICIES
 from .._signing import SECRET_ENV
 
 API_KEYS_ENV = "PDCLIENT_SERVE_API_KEYS"
@@ -29,15 +34,8 @@ UPSTREAM_API_KEY_ENV = "PDCLIENT_SERVE_UPSTREAM_API_KEY"
 CONFIG_ENV = "PDCLIENT_SERVE_CONFIG"
 """The resolved config as JSON, for the worker processes of ``--workers N``."""
 
-_BREAKER = BreakerSettings()
-_RETRIES = RetrySettings()
 
-
-def _urls(value: object, source: str) -> tuple[str, ...]:
-    items = value.split(",") if isinstance(value, str) else value
-    if not isinstance(items, list | tuple):
-        raise PDConfigError(f"{source}: expected URLs (a list, or a comma-separated string), got {value!r}")
-    return tuple(normalise_url(item.strip() if isinstance(item, str) else item, source) for item in items if item)
+# -- parsing one value -------------------------------------------------------------------
 
 
 def _strings(value: object, source: str) -> tuple[str, ...]:
@@ -94,6 +92,124 @@ def _optional_str(value: object, source: str) -> str | None:
 
 Parse = Callable[[object, str], Any]
 
+# A PDOptions field's annotation (a string: postponed annotations) -> how a flag's text becomes its value.
+_PARSERS: Mapping[str, Parse] = {
+    "int": _int,
+    "float": _float,
+    "float | None": _optional_float,
+    "bool": _bool,
+    "str": _str,
+    "str | None": _optional_str,
+}
+_METAVARS: Mapping[Parse, str] = {_int: "N", _float: "SECONDS", _optional_float: "SECONDS"}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One flat setting: a flag (``--name``), a config-file key, maybe an environment variable."""
+
+    name: str
+    help: str
+    parse: Parse
+    default: Any
+    path: tuple[str, ...]
+    """Where the value goes: ``("options", "breaker", "failures")``, or ``("port",)`` for the proxy's own."""
+    env: str | None = None
+    choices: tuple[str, ...] | None = None
+    flag: str | None = None
+    metavar: str | None = None
+    group: str = "proxy"
+    multiple: bool = False
+    """Given as several values (``--decode A B``, ``--api-key K`` repeated, or a list in a file)."""
+
+    @property
+    def option(self) -> str:
+        return self.flag or "--" + self.name.replace("_", "-")
+
+    @property
+    def is_switch(self) -> bool:
+        """A true/false setting: a flag without a value on the command line."""
+        return self.parse is _bool
+
+
+# -- the client options, generated from PDOptions ------------------------------------------
+
+# PDOptions fields the proxy does not take from settings: objects (no command-line form),
+# or fixed by the proxy: a caller must never choose where the proxy sends requests.
+_NOT_SETTINGS = ("on_trace", "observers", "allow_call_fallback_url")
+# Nested settings objects flattened with a prefix (their own field names are ambiguous alone).
+_PREFIXED = {"breaker": "breaker_"}
+_NAMES = {"prefill_base_url": "prefill", "decode_base_url": "decode"}
+
+
+def _urls(value: object, source: str) -> tuple[str, ...]:
+    """URLs as given (PDOptions normalises and checks them)."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, list | tuple) or not all(isinstance(i, str) for i in items):
+        raise PDConfigError(f"{source}: expected URLs (a list, or a comma-separated string), got {value!r}")
+    return tuple(i.strip() for i in items if i.strip())
+
+
+_SPECIAL: Mapping[str, dict[str, Any]] = {
+    "prefill": {"parse": _urls, "env": PREFILL_ENV, "metavar": "URL", "multiple": True, "default": ()},
+    "decode": {"parse": _urls, "env": DECODE_ENV, "metavar": "URL", "multiple": True, "default": ()},
+    "routing": {"parse": _str, "choices": tuple(sorted(POLICIES))},
+    "on_prefill_failure": {"metavar": "POLICY"},
+    "reuse_secret": {"env": SECRET_ENV, "metavar": "SECRET"},
+}
+
+_CLIENT_HELP: Mapping[str, str] = {
+    "prefill": "prefill base URL(s), e.g. http://p:8100/v1",
+    "decode": "decode base URL(s), e.g. http://d:8200/v1",
+    "on_prefill_failure": "when the prefill fails for good: decode (decode-only), fail (an error), "
+    "or a fallback base URL",
+    "routing": "how a pool picks an endpoint",
+    "breaker_failures": "consecutive failures that open an endpoint's breaker",
+    "breaker_cooldown": "seconds an open breaker waits before letting a probe through",
+    "prefill_attempts": "attempts of the prefill leg",
+    "decode_attempts": "attempts to open the decode leg (connect errors only)",
+    "backoff_initial": "first retry backoff, seconds",
+    "backoff_max": "largest retry backoff, seconds",
+    "prefill_timeout": "bound on the whole prefill phase, retries included, seconds ('none': only --timeout)",
+    "reuse_secret": "HMAC secret signing kv_transfer_params (servers with the guard)",
+}
+
+
+def _default_of(name: str) -> Any:
+    f = PDOptions.__dataclass_fields__[name]
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def _client_settings() -> list[Setting]:
+    """One setting per PDOptions field (a nested settings object's fields flattened)."""
+    settings: list[Setting] = []
+    for f in fields(PDOptions):
+        if f.name in _NOT_SETTINGS:
+            continue
+        default = _default_of(f.name)
+        if dataclasses.is_dataclass(default):
+            prefix = _PREFIXED.get(f.name, "")
+            for child in fields(default):
+                value = getattr(default, child.name)
+                settings.append(_setting(prefix + child.name, str(child.type), value, (f.name, child.name)))
+        else:
+            settings.append(_setting(_NAMES.get(f.name, f.name), str(f.type), default, (f.name,)))
+    return settings
+
+
+def _setting(name: str, annotation: str, default: Any, path: tuple[str, ...]) -> Setting:
+    special = dict(_SPECIAL.get(name, {}))
+    parse = special.pop("parse", None) or _PARSERS.get(annotation)
+    if parse is None or name not in _CLIENT_HELP:
+        # A new PDOptions field: give it a parser and a help line here, or list it in _NOT_SETTINGS.
+        raise TypeError(f"pdclient serve has no setting for PDOptions field {'.'.join(path)} ({annotation})")
+    special.setdefault("default", default)
+    special.setdefault("metavar", _METAVARS.get(parse))
+    return Setting(name, _CLIENT_HELP[name], parse, path=("options", *path), group="client", **special)
+
+
+# -- the proxy's own settings: ServeConfig's fields ------------------------------------------
+
 
 def _opt(
     default: Any,
@@ -105,61 +221,34 @@ def _opt(
     flag: str | None = None,
     metavar: str | None = None,
     group: str = "proxy",
+    multiple: bool = False,
 ) -> Any:
-    """A field with what the CLI and the config loaders need to know about it."""
+    """A ServeConfig field with what its setting needs to know."""
+    metavar = metavar or (None if choices else _METAVARS.get(parse))
     meta = {"help": help, "parse": parse, "env": env, "choices": choices, "flag": flag, "metavar": metavar}
-    return field(default=default, metadata={**meta, "group": group})
+    return field(default=default, metadata={**meta, "group": group, "multiple": multiple})
 
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """The proxy's settings; ``client options`` are those of ``AsyncPDTransport``."""
+    """The proxy's settings: the client options (``options``, a ``PDOptions``) and its own.
 
-    # -- endpoints and client options (AsyncPDTransport's) --
-    prefill: tuple[str, ...] = _opt(
-        (), "prefill base URL(s), e.g. http://p:8100/v1", _urls, env=PREFILL_ENV, metavar="URL", group="client"
-    )
-    decode: tuple[str, ...] = _opt(
-        (), "decode base URL(s), e.g. http://d:8200/v1", _urls, env=DECODE_ENV, metavar="URL", group="client"
-    )
-    on_prefill_failure: str = _opt(
-        "decode",
-        "when the prefill fails for good: decode (decode-only, the default), fail (an error), or a fallback base URL",
-        _str,
-        metavar="POLICY",
-        group="client",
-    )
-    routing: str = _opt(
-        "least_outstanding", "how a pool picks an endpoint", _str, choices=tuple(sorted(POLICIES)), group="client"
-    )
-    breaker_failures: int = _opt(
-        _BREAKER.failures, "consecutive failures that open an endpoint's breaker", _int, group="client"
-    )
-    breaker_cooldown: float = _opt(
-        _BREAKER.cooldown, "seconds an open breaker waits before letting a probe through", _float, group="client"
-    )
-    prefill_attempts: int = _opt(_RETRIES.prefill_attempts, "attempts of the prefill leg", _int, group="client")
-    decode_attempts: int = _opt(
-        _RETRIES.decode_attempts, "attempts to open the decode leg (connect errors only)", _int, group="client"
-    )
-    backoff_initial: float = _opt(_RETRIES.backoff_initial, "first retry backoff, seconds", _float, group="client")
-    backoff_max: float = _opt(_RETRIES.backoff_max, "largest retry backoff, seconds", _float, group="client")
-    prefill_timeout: float | None = _opt(
-        _RETRIES.prefill_timeout,
-        "bound on the whole prefill phase, retries included, seconds ('none': only --timeout)",
-        _optional_float,
-        group="client",
-    )
-    reuse_secret: str | None = _opt(
-        None, "HMAC secret signing kv_transfer_params (servers with the guard)", _optional_str, env=SECRET_ENV,
-        metavar="SECRET", group="client",
-    )  # fmt: skip
+    ``ServeConfig.from_mapping({"prefill": [...], "decode": [...], "port": 9000})`` builds
+    one from flat settings (as flags and config files spell them); ``load`` adds a config
+    file and the environment.
+    """
+
+    options: PDOptions = field(metadata={"settings": True})
+    """The P/D transport's options; the proxy adds its observers (metrics, the log line)
+    and turns ``allow_call_fallback_url`` off."""
+
+    # -- connections to the servers --
     timeout: float = _opt(600.0, "read/write timeout of each leg request, seconds", _float, group="client")
     connect_timeout: float = _opt(5.0, "connect timeout of each leg request, seconds", _float, group="client")
     max_connections: int = _opt(1000, "connections the proxy keeps to the servers, at most", _int, group="client")
 
     # -- the proxy --
-    host: str = _opt("127.0.0.1", "address to listen on", _str)
+    host: str = _opt("127.0.0.1", "address to listen on", _str, metavar="ADDRESS")
     port: int = _opt(8000, "port to listen on (0: any free port)", _int, metavar="PORT")
     workers: int = _opt(1, "worker processes (metrics aggregated across them)", _int)
     grace_period: float = _opt(
@@ -168,29 +257,34 @@ class ServeConfig:
     max_body_size: int = _opt(32 * 1024 * 1024, "largest request body accepted (413 above)", _int, metavar="BYTES")
     api_keys: tuple[str, ...] = _opt(
         (),
-        f"a key callers must send as 'Authorization: Bearer KEY' on /v1 (repeatable; ${API_KEYS_ENV}: comma-separated)",
+        "a key callers must send as 'Authorization: Bearer KEY' on /v1 (repeatable; the variable: comma-separated)",
         _strings,
         env=API_KEYS_ENV,
         flag="--api-key",
         metavar="KEY",
+        multiple=True,
     )
     forward_api_key: bool = _opt(False, "forward the caller's Authorization header to the servers", _bool)
     upstream_api_key: str | None = _opt(
         None, "send 'Authorization: Bearer KEY' to the servers", _optional_str, env=UPSTREAM_API_KEY_ENV, metavar="KEY"
     )
     trace_headers: bool = _opt(False, "return the x-pd-* trace headers (they name the servers) to callers", _bool)
+    ready_requires_prefill: bool = _opt(
+        False,
+        "/ready answers 503 whenever no prefill endpoint is admitted (by default only when the failure policy "
+        "is 'fail': with 'decode' or a fallback URL the proxy still answers every call, degraded)",
+        _bool,
+    )
     log_format: str = _opt("text", "log lines as text or as JSON objects", _str, choices=("text", "json"))
     log_level: str = _opt("info", "log level", _str, choices=("critical", "error", "warning", "info", "debug"))
 
     def __post_init__(self) -> None:
+        if not isinstance(self.options, PDOptions):
+            raise PDConfigError(f"options must be a PDOptions, got {type(self.options).__name__}")
         for f in fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 raise PDConfigError(f"{f.name} must be one of {list(choices)}, got {getattr(self, f.name)!r}")
-        if not self.prefill:
-            raise PDConfigError(f"prefill: give at least one URL (--prefill, or ${PREFILL_ENV})")
-        if not self.decode:
-            raise PDConfigError(f"decode: give at least one URL (--decode, or ${DECODE_ENV})")
         if not 0 <= self.port <= 65535:
             raise PDConfigError(f"port must be 0-65535, got {self.port}")
         if self.workers < 1:
@@ -201,36 +295,56 @@ class ServeConfig:
             raise PDConfigError("timeout and connect_timeout must be positive")
         if self.forward_api_key and self.upstream_api_key:
             raise PDConfigError("give either forward_api_key or upstream_api_key, not both")
-        _bridge.check_options(self.prefill, self.decode, self.transport_options())
 
-    def transport_options(self) -> dict[str, Any]:
-        """The client options as the transport takes them."""
-        return _bridge.transport_options(
-            on_prefill_failure=self.on_prefill_failure,
-            routing=self.routing,
-            breaker_failures=self.breaker_failures,
-            breaker_cooldown=self.breaker_cooldown,
-            prefill_attempts=self.prefill_attempts,
-            decode_attempts=self.decode_attempts,
-            backoff_initial=self.backoff_initial,
-            backoff_max=self.backoff_max,
-            prefill_timeout=self.prefill_timeout,
-            reuse_secret=self.reuse_secret,
-        )
-
-    # -- loading ---------------------------------------------------------------------
+    # -- flat settings -------------------------------------------------------------------
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], source: str = "config") -> ServeConfig:
-        """A config from field names (``-`` or ``_``) to values, each parsed as its field says."""
-        known = {f.name: f for f in fields(cls)}
+        """A config from flat setting names (``-`` or ``_``) to values, each parsed as its setting says."""
+        known = {s.name: s for s in SETTINGS}
         parsed: dict[str, Any] = {}
         for key, value in values.items():
             name = key.replace("-", "_")
             if name not in known:
                 raise PDConfigError(f"{source}: unknown setting {key!r} (known: {', '.join(sorted(known))})")
-            parsed[name] = known[name].metadata["parse"](value, f"{source}: {key}")
-        return cls(**parsed)
+            parsed[name] = known[name].parse(value, f"{source}: {key}")
+        for leg, env in (("prefill", PREFILL_ENV), ("decode", DECODE_ENV)):
+            if not parsed.get(leg):
+                raise PDConfigError(f"{leg}: give at least one URL (--{leg}, or ${env})")
+        options: dict[str, Any] = {}
+        nested: dict[str, dict[str, Any]] = {}
+        own: dict[str, Any] = {}
+        for name, value in parsed.items():
+            path = known[name].path
+            if path[0] != "options":
+                own[path[0]] = value
+            elif len(path) == 2:
+                options[path[1]] = value
+            else:
+                nested.setdefault(path[1], {})[path[2]] = value
+        for name, children in nested.items():
+            options[name] = dataclasses.replace(_default_of(name), **children)
+        return cls(options=PDOptions(**options), **own)
+
+    def to_mapping(self) -> dict[str, Any]:
+        """The flat settings of this config (``from_mapping`` of it is an equal config).
+
+        Raises ``PDConfigError`` when the options hold what no setting spells (observers,
+        ``on_trace``, a ``RoutingPolicy`` object): those cannot reach worker processes.
+        """
+        opts = self.options
+        if opts.observers or opts.on_trace is not None or not isinstance(opts.routing, str):
+            raise PDConfigError(
+                "options with observers, on_trace or a RoutingPolicy object cannot be given to worker processes: "
+                "run one worker (create_app), or use what the flags spell"
+            )
+        values: dict[str, Any] = {}
+        for setting in SETTINGS:
+            value: Any = self
+            for name in setting.path:
+                value = getattr(value, name)
+            values[setting.name] = list(value) if isinstance(value, tuple) else value
+        return values
 
     @classmethod
     def load(
@@ -244,23 +358,46 @@ class ServeConfig:
         if config_file is not None:
             values.update({k.replace("-", "_"): v for k, v in read_config_file(config_file).items()})
         environ = os.environ if environ is None else environ
-        for f in fields(cls):
-            env = f.metadata.get("env")
-            if env and environ.get(env):
-                values[f.name] = environ[env]
+        for setting in SETTINGS:
+            if setting.env and environ.get(setting.env):
+                values[setting.name] = environ[setting.env]
         values.update(given)
         return cls.from_mapping(values)
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
+        return json.dumps(self.to_mapping())
 
     @classmethod
     def from_json(cls, text: str) -> ServeConfig:
         return cls.from_mapping(json.loads(text), source=CONFIG_ENV)
 
 
+def _own_settings() -> list[Setting]:
+    return [
+        Setting(
+            f.name,
+            f.metadata["help"],
+            f.metadata["parse"],
+            f.default,
+            (f.name,),
+            env=f.metadata["env"],
+            choices=f.metadata["choices"],
+            flag=f.metadata["flag"],
+            metavar=f.metadata["metavar"],
+            group=f.metadata["group"],
+            multiple=f.metadata["multiple"],
+        )
+        for f in fields(ServeConfig)
+        if "settings" not in f.metadata
+    ]
+
+
+SETTINGS: tuple[Setting, ...] = (*_client_settings(), *_own_settings())
+"""Every setting of ``pdclient serve``: the client options (from ``PDOptions``), then the proxy's."""
+
+
 def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """A TOML (``.toml``) or JSON file of settings: one table/object, keys as the field names."""
+    """A TOML (``.toml``) or JSON file of settings: one table/object, keys as the setting names."""
     file = Path(path)
     try:
         text = file.read_text(encoding="utf-8")

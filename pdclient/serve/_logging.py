@@ -8,11 +8,10 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from .._bridge import outcome_of
-from .._observe import CallView, LegView, PDObserver
+from .. import CallView, LegView, PDObserver
 
 if TYPE_CHECKING:
-    from .._trace import PDTrace
+    from .. import PDTrace
 
 logger = logging.getLogger("pdclient.serve")
 
@@ -40,17 +39,21 @@ class CallLog(PDObserver):
             "method": call.request.method,
             "path": call.request.url.path,
             "route": call.route,
-            "outcome": outcome_of(trace),
+            "outcome": trace.outcome.value,
             "decode_status": call.data.get((self, "status")),
             "prefill_url": trace.prefill_url,
             "decode_url": trace.decode_url,
             "prefill_ms": _ms(trace.prefill_ms),
+            "prefill_attempts": trace.prefill_attempts or None,
             "decode_headers_ms": _ms(trace.decode_headers_ms),
             "decode_first_byte_ms": _ms(trace.decode_first_byte_ms),
             "ttft_ms": None if first_byte is None else _ms((first_byte - call.started) * 1000),
             "total_ms": _ms((now - call.started) * 1000),
             "forwarded_tokens": trace.forwarded_tokens,
+            "ids_skipped": trace.ids_skipped,
             "fallback": trace.fallback,
+            "failed_leg": trace.failed_leg,
+            "error": trace.error,
         }
         text = " ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
         logger.info("call %s", text, extra={CALL_FIELDS: fields})

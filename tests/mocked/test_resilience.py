@@ -178,6 +178,17 @@ async def test_per_call_failure_policy_in_extra_body(mode: str, pd_routes: respx
         await twin.chat(messages=MESSAGES, extra_body={"pdclient": {"on_prefill_failure": "maybe"}})
 
 
+async def test_a_per_call_fallback_url_is_refused_when_not_allowed(mode: str, pd_routes: respx.MockRouter) -> None:
+    """What a server passing its callers' bodies on (pdclient serve) needs: no caller-chosen URL."""
+    twin, traces = twin_with_traces(mode, allow_call_fallback_url=False)
+    with pytest.raises(openai.BadRequestError, match="not a fallback URL"):
+        await twin.chat(messages=MESSAGES, extra_body={"pdclient": {"on_prefill_failure": "http://127.0.0.1:9/v1"}})
+    assert pd_routes["prefill"].call_count == 0 and pd_routes["decode"].call_count == 0
+    assert traces[0].outcome is Outcome.REFUSED and traces[0].failed_leg == "client"
+    await twin.chat(messages=MESSAGES, extra_body={"pdclient": {"on_prefill_failure": "fail"}})  # a policy: fine
+    assert traces[1].outcome is Outcome.DISAGGREGATED
+
+
 async def test_per_call_options_never_reach_a_server(mode: str, pd_routes: respx.MockRouter) -> None:
     twin, _ = twin_with_traces(mode)
     await twin.chat(messages=MESSAGES, extra_body={"pdclient": {"session": "s-1"}})

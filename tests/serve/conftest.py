@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import re
-import subprocess
-import sys
+import dataclasses
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,14 +17,14 @@ pytest.importorskip("starlette", reason="pdclient[serve] is not installed")
 pytest.importorskip("uvicorn", reason="pdclient[serve] is not installed")
 
 import uvicorn
-from prometheus_client.parser import text_string_to_metric_families
 
 from pdclient.serve import ServeConfig, create_app
 from pdclient.serve._app import Proxy
+from tests.serve.process import ServeProcess, metric_samples
 from tests.stubserver import StubServer
 
-REPO = Path(__file__).resolve().parents[2]
-STARTED = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
+__all__ = ["ServeProcess", "metric_samples"]  # imported by the tests from here
+
 PROMPT_TOKENS = 96
 MESSAGES: Any = [{"role": "user", "content": "Say hello."}]
 ANSWER = "Hello from the decode stub"
@@ -66,58 +62,17 @@ def running_proxy(config: ServeConfig, **app_options: Any) -> Iterator[RunningPr
         thread.join(10)
 
 
-class ServeProcess:
-    """`python -m pdclient serve ... --port 0`, its stderr collected, its port read from it."""
-
-    def __init__(self, *args: str, workers: int = 1) -> None:
-        env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-        command = [sys.executable, "-m", "pdclient", "serve", "--port", "0", "--workers", str(workers), *args]
-        self.proc = subprocess.Popen(command, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=env)
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        deadline = time.monotonic() + 60
-        self.port = 0
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            found = [m for line in list(self.lines) if (m := STARTED.search(line))]
-            started = sum("Application startup complete" in line for line in list(self.lines))
-            if found and started >= workers:
-                self.port = int(found[0].group(1))
-                break
-            time.sleep(0.05)
-        assert self.port, f"pdclient serve did not start: {self.stderr()}"
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.append(line.rstrip("\n"))
-
-    def stderr(self) -> str:
-        return "\n".join(self.lines)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._reader.join(5)
-
-
-def config_for(prefill: str, decode: str | None = None, **settings: Any) -> ServeConfig:
-    return ServeConfig(prefill=(prefill,), decode=(decode or prefill,), **settings)
-
-
-def metric_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Prometheus text parsed by prometheus_client's parser: (sample name, sorted labels) -> value."""
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return samples
+def config_for(
+    prefill: str, decode: str | list[str] | None = None, *, observers: Any = (), **settings: Any
+) -> ServeConfig:
+    """A config from flat settings (as flags and files spell them), plus observers of the test's own."""
+    decode = decode or prefill
+    config = ServeConfig.from_mapping(
+        {"prefill": [prefill], "decode": [decode] if isinstance(decode, str) else decode, **settings}
+    )
+    if observers:
+        config = dataclasses.replace(config, options=config.options.replace(observers=observers))
+    return config
 
 
 async def wait_for(condition: Any, timeout: float = 5.0, what: str = "condition") -> None:

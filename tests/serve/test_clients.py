@@ -8,58 +8,18 @@ it the test is skipped, with the reason. The npm package is installed once per l
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import json
 import os
 import shutil
 import subprocess
 import threading
-from pathlib import Path
 
 import pytest
 
+from tests.serve.process import NODE_PROJECT, node_modules
 from tests.stubserver import Fault, StubServer
 
 from .conftest import ANSWER, RunningProxy
-
-NODE_PROJECT = Path(__file__).parent / "node"
-NODE_FILES = ("package.json", "package-lock.json")
-MIN_NODE = 18  # openai 6.x; 7.x needs 22
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("PDCLIENT_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pdclient"
-    )
-    return Path(root)
-
-
-def node_modules() -> tuple[str, Path]:
-    """The node binary and the node_modules holding the locked openai package (installed once)."""
-    node, npm = shutil.which("node"), shutil.which("npm")
-    if node is None or npm is None:
-        pytest.skip("Node.js and npm are not installed (apt-get install nodejs npm): the npm openai test needs them")
-    version = subprocess.run([node, "--version"], capture_output=True, text=True, check=True).stdout.strip()
-    if int(version.lstrip("v").split(".")[0]) < MIN_NODE:
-        pytest.skip(f"Node.js {version} is older than {MIN_NODE}, which the npm openai package needs")
-    digest = hashlib.sha256(b"".join((NODE_PROJECT / f).read_bytes() for f in NODE_FILES)).hexdigest()[:12]
-    target = cache_dir() / "node" / f"openai-{digest}"
-    if not (target / ".ready").exists():
-        target.mkdir(parents=True, exist_ok=True)
-        with open(target.parent / ".lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if not (target / ".ready").exists():
-                for name in NODE_FILES:
-                    shutil.copy(NODE_PROJECT / name, target / name)
-                subprocess.run(
-                    [npm, "ci", "--no-audit", "--no-fund", "--loglevel=error"],
-                    cwd=target,
-                    check=True,
-                    timeout=600,
-                )
-                (target / ".ready").touch()
-    return node, target / "node_modules"
 
 
 def test_npm_openai_streams_a_chat_through_the_proxy(proxy: RunningProxy, stub: StubServer) -> None:

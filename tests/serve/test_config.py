@@ -7,12 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from pdclient import PDConfigError
-from pdclient._cli import build_parser
-from pdclient._cli_serve import config_from_args
-from pdclient._endpoints import BreakerSettings
-from pdclient._retry import RetrySettings
-from pdclient.serve import ServeConfig
+from pdclient import BreakerSettings, PDConfigError, PDOptions, RetrySettings
+from pdclient.cli import build_parser, main
+from pdclient.cli.serve import config_from_args
+from pdclient.serve import SETTINGS, ServeConfig
 
 P, D1, D2 = "http://p:8100/v1", "http://d1:8200/v1", "http://d2:8200/v1"
 NO_ENV: dict[str, str] = {}
@@ -40,21 +38,19 @@ def test_flags() -> None:
         "--on-prefill-failure", "fail", "--routing", "round_robin", "--prefill-timeout", "none",
         "--breaker-failures", "5", "--forward-api-key", "--log-format", "json", "--workers", "2",
     )  # fmt: skip
-    assert config.prefill == (P,) and config.decode == (D1, D2)
+    options = config.options
+    assert options.prefill_urls == (P,) and options.decode_urls == (D1, D2)
     assert config.port == 9000 and config.api_keys == ("a", "b") and config.workers == 2
-    assert config.on_prefill_failure == "fail" and config.routing == "round_robin"
-    assert config.prefill_timeout is None and config.breaker_failures == 5
+    assert options.on_prefill_failure == "fail" and options.routing == "round_robin"
+    assert options.breaker == BreakerSettings(failures=5, cooldown=5.0)
+    assert options.retries == RetrySettings(prefill_timeout=None)
     assert config.forward_api_key is True and config.log_format == "json"
-    options = config.transport_options()
-    assert options["breaker"] == BreakerSettings(failures=5, cooldown=5.0)
-    assert options["retries"] == RetrySettings(prefill_timeout=None)
 
 
 def test_defaults_are_the_clients() -> None:
     config = parse("--prefill", P, "--decode", D1)
     assert (config.host, config.port, config.workers, config.grace_period) == ("127.0.0.1", 8000, 1, 30.0)
-    assert config.transport_options()["retries"] == RetrySettings()
-    assert config.transport_options()["breaker"] == BreakerSettings()
+    assert config.options == PDOptions(prefill_base_url=P, decode_base_url=D1)
     assert config.api_keys == () and not config.forward_api_key and config.upstream_api_key is None
 
 
@@ -63,8 +59,9 @@ def test_environment_gives_urls_and_keys(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv("PDCLIENT_DECODE_BASE_URL", f"{D1}, {D2}")
     monkeypatch.setenv("PDCLIENT_SERVE_API_KEYS", "k1,k2")
     config = parse()
-    assert config.prefill == (P,) and config.decode == (D1, D2) and config.api_keys == ("k1", "k2")
-    assert parse("--decode", D2).decode == (D2,)  # a flag wins over the environment
+    assert config.options.prefill_urls == (P,) and config.options.decode_urls == (D1, D2)
+    assert config.api_keys == ("k1", "k2")
+    assert parse("--decode", D2).options.decode_urls == (D2,)  # a flag wins over the environment
 
 
 @pytest.mark.parametrize("suffix", [".toml", ".json"])
@@ -78,21 +75,33 @@ def test_config_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, suffix: st
     else:
         file.write_text(json.dumps(settings))
     config = parse("--config", str(file))
-    assert config.prefill == (P,) and config.port == 7000 and config.breaker_cooldown == 2.5
-    assert config.prefill_timeout == 30.0
+    assert config.options.prefill_urls == (P,) and config.port == 7000
+    assert config.options.breaker.cooldown == 2.5 and config.options.retries.prefill_timeout == 30.0
     # file < environment < flags
     monkeypatch.setenv("PDCLIENT_DECODE_BASE_URL", D2)
-    assert parse("--config", str(file)).decode == (D2,)
+    assert parse("--config", str(file)).options.decode_urls == (D2,)
     assert parse("--config", str(file), "--port", "7001").port == 7001
 
 
-def test_every_field_has_a_flag() -> None:
+def test_every_setting_has_a_flag_and_every_option_a_setting() -> None:
     import dataclasses
 
     help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()  # type: ignore[union-attr]
-    for f in dataclasses.fields(ServeConfig):
-        flag = f.metadata["flag"] or "--" + f.name.replace("_", "-")
-        assert flag in help_text
+    for setting in SETTINGS:
+        assert setting.option in help_text and setting.help
+    # The client options are PDOptions's: each field (a nested one's fields) is a setting,
+    # unless it has no command-line form or the proxy fixes it.
+    paths = {s.path[1:] for s in SETTINGS if s.path[0] == "options"}
+    for f in dataclasses.fields(PDOptions):
+        if f.name in ("on_trace", "observers", "allow_call_fallback_url"):
+            continue
+        if f.name in ("breaker", "retries"):
+            nested = BreakerSettings if f.name == "breaker" else RetrySettings
+            assert {(f.name, c.name) for c in dataclasses.fields(nested)} <= paths
+        else:
+            assert (f.name,) in paths, f.name
+    own = {s.path[0] for s in SETTINGS if s.path[0] != "options"}
+    assert own == {f.name for f in dataclasses.fields(ServeConfig)} - {"options"}
 
 
 @pytest.mark.parametrize(
@@ -104,6 +113,8 @@ def test_every_field_has_a_flag() -> None:
         ({"prefill": [P], "decode": [D1], "routing": "random"}, "routing must be one of"),
         ({"prefill": [P], "decode": ["ftp://x"]}, "is not an http(s) URL"),
         ({"prefill": [P], "decode": [D1], "on_prefill_failure": "retry"}, "on_prefill_failure must be one of"),
+        ({"prefill": [P], "decode": [D1], "prefill_attempts": 0}, "retries.prefill_attempts must be an int >= 1"),
+        ({"prefill": [P], "decode": [D1, D1]}, "lists the same URL twice"),
         ({"prefill": [P], "decode": [D1], "forward_api_key": True, "upstream_api_key": "k"}, "not both"),
         ({"prefill": [P], "decode": [D1], "workers": 0}, "workers must be at least 1"),
     ],
@@ -123,14 +134,15 @@ def test_bad_config_file(tmp_path: Path) -> None:
 
 
 def test_json_round_trip_for_workers() -> None:
-    config = ServeConfig(prefill=(P,), decode=(D1, D2), api_keys=("k",), prefill_timeout=None, port=0)
+    options = PDOptions(prefill_base_url=P, decode_base_url=[D1, D2], retries=RetrySettings(prefill_timeout=None))
+    config = ServeConfig(options=options, api_keys=("k",), port=0)
     assert ServeConfig.from_json(config.to_json()) == config
+    with pytest.raises(PDConfigError, match="worker processes"):
+        ServeConfig(options=options.replace(on_trace=print)).to_json()
 
 
 def test_cli_reports_config_errors_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    from pdclient._cli import main
-
-    assert main(["serve", "--prefill", P]) == 2
+    assert main(["serve", "--prefill", P]) == 1
     assert capsys.readouterr().err.strip() == (
         "pdclient serve: error: decode: give at least one URL (--decode, or $PDCLIENT_DECODE_BASE_URL)"
     )

@@ -16,9 +16,8 @@ prometheus_client = pytest.importorskip("prometheus_client", reason="pdclient[pr
 
 from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
 
-from pdclient import AsyncPDTransport, PDTrace  # noqa: E402
-from pdclient._bridge import EndpointState  # noqa: E402
-from pdclient.metrics import PrometheusObserver  # noqa: E402
+from pdclient import AsyncPDTransport, Outcome, PDTrace  # noqa: E402
+from pdclient.metrics import EndpointState, PrometheusObserver  # noqa: E402
 from tests.stubserver import StubServer  # noqa: E402
 
 from .conftest import MESSAGES, PROMPT_TOKENS, RunningProxy, metric_samples  # noqa: E402
@@ -67,13 +66,12 @@ def test_events_become_metrics() -> None:
     observer = PrometheusObserver(registry)
     one_call(observer, PDTrace(request_id="a", route="chat", forwarded_tokens=500))
     one_call(observer, PDTrace(request_id="b", route="chat", forwarded_tokens=300))
-    one_call(
-        observer, PDTrace(request_id="c", route="chat", fallback="prefill failed, decode-only: x"), prefill_status=None
-    )
+    degraded = PDTrace(request_id="c", route="chat", outcome=Outcome.PREFILL_FAILED, fallback="prefill failed, ...")
+    one_call(observer, degraded, prefill_status=None)
     samples = scrape(registry)
     chat = (("route", "chat"),)
     assert samples[("pdclient_calls_total", (("outcome", "disaggregated"), *chat))] == 2
-    assert samples[("pdclient_calls_total", (("outcome", "decode_only"), *chat))] == 1
+    assert samples[("pdclient_calls_total", (("outcome", "prefill_failed"), *chat))] == 1
     assert samples[("pdclient_forwarded_tokens_total", chat)] == 800
     assert samples[("pdclient_calls_in_flight", chat)] == 0
     assert samples[("pdclient_time_to_first_token_seconds_count", chat)] == 3
@@ -118,8 +116,8 @@ def test_watch_exports_breaker_state_per_endpoint() -> None:
     assert samples[("pdclient_endpoint_state", (("endpoint", P), ("leg", "prefill"), ("state", "closed")))] == 1
     assert samples[("pdclient_endpoint_state", (("endpoint", P), ("leg", "prefill"), ("state", "open")))] == 0
     for _ in range(3):  # three failures open the breaker
-        transport.settings.prefill.endpoints[0].acquire()
-        transport.settings.prefill.endpoints[0].release(ok=False)
+        transport.fleet.prefill.endpoints[0].acquire()
+        transport.fleet.prefill.endpoints[0].release(ok=False)
     samples = scrape(registry)
     assert samples[("pdclient_endpoint_state", (("endpoint", P), ("leg", "prefill"), ("state", "open")))] == 1
     assert samples[("pdclient_endpoint_in_flight", (("endpoint", "http://d2:8200/v1"), ("leg", "decode")))] == 0

@@ -127,3 +127,20 @@ def test_faults(stub: StubServer) -> None:
         assert httpx.post(f"{stub.url}/chat/completions", json=prefill).status_code == 429
     finally:
         stub.fault_hook = None
+
+
+def test_tokenize_and_render_answer_as_vllm_after_their_cost() -> None:
+    """What vllm-router asks both servers before each call: the prompt's ids, after the
+    template and tokenizer's time (here 10 ms per 1k tokens: 3 ms for 300 tokens)."""
+    with StubServer(prompt_tokens=PROMPT_TOKENS, preprocess_ms_per_1k_tokens=10) as stub:
+        root = stub.url.removesuffix("/v1")
+        body = {"model": "m", "messages": MESSAGES}
+        started = time.perf_counter()
+        tokenized = httpx.post(root + "/tokenize", json=body).json()
+        took = time.perf_counter() - started
+        rendered = httpx.post(stub.url + "/chat/completions/render", json=body).json()
+        counts = httpx.get(root + "/stub/counts").json()
+    assert tokenized["count"] == PROMPT_TOKENS == len(tokenized["tokens"]) and took >= 0.003
+    conversation, (prompt,) = rendered
+    assert conversation == MESSAGES and prompt["prompt_token_ids"] == tokenized["tokens"]
+    assert counts == {"/tokenize": 1, "/v1/chat/completions/render": 1}

@@ -1,5 +1,6 @@
 // Stream one chat through `pdclient serve` with the npm openai package.
-// Usage: node stream_chat.cjs <node_modules dir>   (env: PROXY_BASE_URL, PROXY_API_KEY)
+// Usage: node stream_chat.cjs <node_modules dir>
+// Env: PROXY_BASE_URL, PROXY_API_KEY; PROXY_MODEL, PROXY_PROMPT, PROXY_MAX_TOKENS (greedy) for a real model.
 // Prints one JSON line per chunk as it arrives, then one line {"done": true, "text": ...}.
 "use strict";
 const path = require("node:path");
@@ -10,11 +11,16 @@ const OpenAI = load("openai").default ?? load("openai");
 
 async function main() {
   const client = new OpenAI({ baseURL: process.env.PROXY_BASE_URL, apiKey: process.env.PROXY_API_KEY || "-", maxRetries: 0 });
-  const stream = await client.chat.completions.create({
-    model: "stub-model",
-    messages: [{ role: "user", content: "Say hello." }],
+  const request = {
+    model: process.env.PROXY_MODEL || "stub-model",
+    messages: [{ role: "user", content: process.env.PROXY_PROMPT || "Say hello." }],
     stream: true,
-  });
+  };
+  if (process.env.PROXY_MAX_TOKENS) {
+    request.max_tokens = Number(process.env.PROXY_MAX_TOKENS);
+    request.temperature = 0;
+  }
+  const stream = await client.chat.completions.create(request);
   let text = "";
   for await (const chunk of stream) {
     const delta = chunk.choices[0]?.delta?.content ?? "";
