@@ -47,22 +47,12 @@ from typing import Any
 
 import httpx
 
-from pdclient import _handoff as plan
+from pdclient import _wire as wire
 from pdclient._background import BackgroundTask
-from pdclient._endpoints import (
-    Affinity,
-    BreakerSettings,
-    Endpoint,
-    EndpointPool,
-    LeastOutstanding,
-    RequestPolicy,
-    RoundRobin,
-    RouteRequest,
-    RoutingPolicy,
-    route,
-)
+from pdclient._endpoints import BreakerSettings, EndpointPool, route
 from pdclient._load import LoadAware, LoadScraper, ScrapeSettings
 from pdclient._prefix_index import CacheAware, prompt_text
+from pdclient._routing import Affinity, LeastOutstanding, RoundRobin, RouteRequest, RoutingPolicy
 
 ROOT = Path(__file__).resolve().parents[1]
 STUB = ROOT / "tests" / "stubserver.py"
@@ -109,16 +99,6 @@ class Stubs:
             proc.wait(10)
 
 
-class OldInterface:
-    """A current RoutingPolicy (choose(endpoints, affinity_key)) on the richer interface."""
-
-    def __init__(self, policy: RoutingPolicy) -> None:
-        self.policy = policy
-
-    def choose(self, endpoints: Sequence[Endpoint], request: RouteRequest) -> Endpoint:
-        return self.policy.choose(endpoints, request.affinity_key)
-
-
 # -- (a) load signals across processes ---------------------------------------------------------
 
 
@@ -128,13 +108,13 @@ async def client_a(policy_name: str, urls: list[str], calls: int, concurrency: i
     random.Random(seed).shuffle(urls)  # each process lists the servers in its own order
     pool = EndpointPool("decode", tuple(urls), LeastOutstanding(), BreakerSettings())
     driver = None
-    policy: RequestPolicy
+    policy: RoutingPolicy
     if policy_name == "load_aware":
         policy = LoadAware(rng=random.Random(seed))
         settings = ScrapeSettings()
         driver = BackgroundTask([LoadScraper(lambda: pool.endpoints, settings, leg="decode")])
     else:
-        policy = OldInterface(LeastOutstanding())
+        policy = LeastOutstanding()
     latencies: list[float] = []
     where: dict[str, int] = {}
     body = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "stream": True}
@@ -285,13 +265,13 @@ def cache_counts(text: str) -> tuple[float, float]:
 
 async def run_cache(arm: str, kind: str, urls: list[str], seed: int, concurrency: int) -> dict[str, Any]:
     pool = EndpointPool("prefill", tuple(urls), LeastOutstanding(), BreakerSettings())
-    policy: RequestPolicy
+    policy: RoutingPolicy
     if arm == "cache_aware":
         policy = CacheAware()
     elif arm == "affinity":
-        policy = OldInterface(Affinity())
+        policy = Affinity()
     else:
-        policy = OldInterface(RoundRobin())
+        policy = RoundRobin()
     users = workload(kind, seed)
     latencies: list[float] = []
     async with httpx.AsyncClient(timeout=120) as http:
@@ -308,7 +288,7 @@ async def run_cache(arm: str, kind: str, urls: list[str], seed: int, concurrency
                     wants = getattr(policy, "wants_prompt_text", False)
                     request = RouteRequest(
                         "prefill",
-                        affinity_key=plan.affinity_key(plan.Kind.CHAT, body, None),
+                        affinity_key=wire.affinity_key(wire.Kind.CHAT, body["messages"], None, None),
                         prompt_text=prompt_text(body) if wants else None,
                     )
                     endpoint = route(pool, policy, request)

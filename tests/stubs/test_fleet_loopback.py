@@ -18,17 +18,10 @@ import pytest
 
 from pdclient._background import BackgroundTask, BackgroundThread, Core, Resolver
 from pdclient._discovery import DiscoverySettings, DnsDiscovery, request_overrides
-from pdclient._endpoints import (
-    BreakerSettings,
-    Endpoint,
-    EndpointPool,
-    LeastOutstanding,
-    RequestPolicy,
-    RouteRequest,
-    route,
-)
+from pdclient._endpoints import BreakerSettings, Endpoint, EndpointPool, route
 from pdclient._health import HealthProber, HealthSettings
 from pdclient._load import LoadAware, LoadScraper, ScrapeSettings
+from pdclient._routing import LeastOutstanding, RouteRequest, RoutingPolicy
 from tests.stubserver import StubServer
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
@@ -74,7 +67,7 @@ def make_pool(urls: list[str], failures: int = 3) -> EndpointPool:
     return EndpointPool("decode", tuple(urls), LeastOutstanding(), BreakerSettings(failures, 30.0))
 
 
-def call(http: httpx.Client, pool: EndpointPool, policy: RequestPolicy) -> tuple[Endpoint, httpx.Response]:
+def call(http: httpx.Client, pool: EndpointPool, policy: RoutingPolicy) -> tuple[Endpoint, httpx.Response]:
     endpoint = route(pool, policy, RouteRequest("decode"))
     headers, extensions = request_overrides(endpoint)
     endpoint.acquire()
@@ -172,7 +165,7 @@ def health_run(driver_factory: Callable[[list[Core]], BackgroundThread]) -> None
             first = pool.endpoints[0]
             a.healthy = False
             wait_until(lambda: first.state == "open")
-            assert all(pool.pick() is pool.endpoints[1] for _ in range(5))
+            assert all(pool.pick(RouteRequest("decode")) is pool.endpoints[1] for _ in range(5))
             time.sleep(0.3)
             assert first.state == "open", "probes keep it open"
             a.healthy = True

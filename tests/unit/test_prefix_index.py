@@ -8,10 +8,11 @@ import tracemalloc
 
 import pytest
 
-from pdclient._endpoints import Affinity, BreakerSettings, Endpoint, EndpointPool, RouteRequest, route
+from pdclient._endpoints import BreakerSettings, Endpoint, EndpointPool, route
 from pdclient._errors import PDConfigError
 from pdclient._load import LoadAware, LoadSample
 from pdclient._prefix_index import DEFAULT_MAX_CHARS, CacheAware, PrefixIndex, prompt_text
+from pdclient._routing import Affinity, RouteRequest
 
 RNG = random.Random(12)
 
@@ -145,7 +146,8 @@ def call(pool: EndpointPool, policy: CacheAware, prompt: str, key: str | None = 
 def test_shared_prompt_goes_where_it_was_sent() -> None:
     p, policy = pool(), CacheAware(index=PrefixIndex(chunk_chars=16))
     first = call(p, policy, SYSTEM + "<|user|>hello", key="conv-1")
-    assert first is Affinity().choose(p.endpoints, "conv-1"), "new prompt: the conversation's affinity choice"
+    new = Affinity().choose(p.endpoints, RouteRequest("prefill", "conv-1"))
+    assert first is new, "new prompt: the conversation's affinity choice"
     others = {call(p, policy, SYSTEM + f"<|user|>question {i}", key=f"conv-{i}").url for i in range(2, 30)}
     assert others == {first.url}, "every later conversation with that system prompt follows it"
     assert policy.decisions["cache"] == 28 and policy.decisions["affinity"] == 1
@@ -165,7 +167,7 @@ def test_below_the_threshold_it_is_a_new_prompt() -> None:
     short_system = "<|system|>" + text(300)
     call(p, policy, short_system + "<|user|>a", key="x")
     long_tail = short_system + "<|user|>" + text(1000)  # ~23 % matched
-    assert call(p, policy, long_tail, key="y") is Affinity().choose(p.endpoints, "y")
+    assert call(p, policy, long_tail, key="y") is Affinity().choose(p.endpoints, RouteRequest("prefill", "y"))
     assert policy.decisions["cache"] == 0
 
 
