@@ -8,14 +8,14 @@ their own clients and exports from their own process::
 
     registry = CollectorRegistry()                 # or leave it out: prometheus_client's global REGISTRY
     metrics = PrometheusObserver(registry)
-    client = AsyncPDChatClient(..., options=PDOptions(observers=[metrics]))   # issue 10
+    client = AsyncPDChatClient(..., observers=[metrics])
     metrics.watch(client)                          # breaker state and in-flight count per endpoint
     start_http_server(9100, registry=registry)
 
 Metrics (``namespace`` prefix, ``pdclient`` by default; times in seconds):
 
 =====================================  =========  ===============================================
-``pdclient_calls_total``               counter    finished calls by ``route`` and ``outcome``
+``pdclient_calls_total``               counter    finished calls by ``route`` and ``outcome`` (``PDTrace.outcome``)
 ``pdclient_calls_in_flight``           gauge      calls started and not yet finished, by ``route``
 ``pdclient_call_duration_seconds``     histogram  call start to end (the whole stream), by ``route``
 ``pdclient_time_to_first_token_seconds`` histogram  call start to the decode's first body byte
@@ -40,10 +40,10 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
-from ._bridge import EndpointState, endpoint_states, outcome_of
 from ._errors import PDSetupError
+from ._fleet import Fleet
 from ._observe import CallView, LegView, PDObserver
 
 if TYPE_CHECKING:
@@ -66,6 +66,30 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 """Seconds: from a loopback prefill (ms) to a long generation (minutes)."""
 
 BREAKER_STATES = ("closed", "open", "half-open")
+
+
+class EndpointState(NamedTuple):
+    """One endpoint of a fleet as a scrape (or ``pdclient serve``'s ``/ready``) shows it."""
+
+    leg: str
+    """``prefill`` or ``decode``."""
+    url: str
+    state: str
+    """The circuit breaker's: ``closed``, ``open`` or ``half-open``."""
+    admitted: bool
+    """Whether the breaker lets a request through now."""
+    in_flight: int
+
+
+def endpoint_states(source: object) -> list[EndpointState]:
+    """The endpoints of a pdclient client (``pd_fleet``), a transport (``fleet``) or a ``Fleet``."""
+    fleet = source if isinstance(source, Fleet) else getattr(source, "pd_fleet", getattr(source, "fleet", None))
+    if not isinstance(fleet, Fleet):
+        raise TypeError(f"expected a pdclient client, transport or Fleet, got {type(source).__name__}")
+    return [
+        EndpointState(pool.leg, e.url, e.state, e.admits(), e.in_flight) for pool in fleet.pools for e in pool.endpoints
+    ]
+
 
 EndpointSource = Callable[[], Iterable[EndpointState]]
 
@@ -167,7 +191,7 @@ class PrometheusObserver(PDObserver):
 
     def on_call_end(self, call: CallView, trace: PDTrace) -> None:
         self.in_flight.labels(call.route).dec()
-        self.calls.labels(call.route, outcome_of(trace)).inc()
+        self.calls.labels(call.route, trace.outcome.value).inc()
         self.call_duration.labels(call.route).observe(time.perf_counter() - call.started)
         if trace.forwarded_tokens:
             self.forwarded_tokens.labels(call.route).inc(trace.forwarded_tokens)
@@ -200,4 +224,4 @@ class _EndpointCollector(Collector):
         yield in_flight
 
 
-__all__ = ["LATENCY_BUCKETS", "EndpointState", "PrometheusObserver"]
+__all__ = ["LATENCY_BUCKETS", "EndpointState", "PrometheusObserver", "endpoint_states"]
