@@ -39,12 +39,12 @@ def _resolve(prefill_base_url: URLArg, decode_base_url: URLArg, options: PDOptio
     return options.replace(**{name: url for name, url in urls.items() if url is not None})
 
 
-def _context(options: PDOptions, fleet: Fleet | None) -> CallContext:
+def _context(options: PDOptions, fleet: Fleet | None, *, asynchronous: bool) -> CallContext:
     observers = list(options.observers)
     if options.on_trace is not None:
         observers.append(TraceCallback(options.on_trace))
     if fleet is None or not fleet.serves(options):
-        fleet = Fleet(options)
+        fleet = Fleet(options, asynchronous=asynchronous)
     return CallContext(options=options, fleet=fleet, observers=Observers(observers))
 
 
@@ -74,7 +74,7 @@ class PDTransport(httpx.BaseTransport):
         options: PDOptions | None = None,
         leg_transport: httpx.BaseTransport | None = None,
     ) -> None:
-        self._context = _context(_resolve(prefill_base_url, decode_base_url, options), None)
+        self._context = _context(_resolve(prefill_base_url, decode_base_url, options), None, asynchronous=False)
         self._legs = httpx.Client(transport=leg_transport, limits=LEG_LIMITS, timeout=None)
 
     @property
@@ -88,11 +88,12 @@ class PDTransport(httpx.BaseTransport):
     def with_options(self, options: PDOptions) -> PDTransport:
         """A transport with other options, sharing this one's connections (and its fleet, if it still fits)."""
         derived = object.__new__(type(self))
-        derived._context = _context(options, self._context.fleet)
+        derived._context = _context(options, self._context.fleet, asynchronous=False)
         derived._legs = self._legs
         return derived
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
+        self._context.fleet.start()
         call = Call(self._context, request)
         try:
             if call.kind is None:
@@ -192,7 +193,7 @@ class AsyncPDTransport(httpx.AsyncBaseTransport):
         options: PDOptions | None = None,
         leg_transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        self._context = _context(_resolve(prefill_base_url, decode_base_url, options), None)
+        self._context = _context(_resolve(prefill_base_url, decode_base_url, options), None, asynchronous=True)
         self._legs = httpx.AsyncClient(transport=leg_transport, limits=LEG_LIMITS, timeout=None)
 
     @property
@@ -206,11 +207,12 @@ class AsyncPDTransport(httpx.AsyncBaseTransport):
     def with_options(self, options: PDOptions) -> AsyncPDTransport:
         """A transport with other options, sharing this one's connections (and its fleet, if it still fits)."""
         derived = object.__new__(type(self))
-        derived._context = _context(options, self._context.fleet)
+        derived._context = _context(options, self._context.fleet, asynchronous=True)
         derived._legs = self._legs
         return derived
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self._context.fleet.start()
         call = Call(self._context, request)
         try:
             if call.kind is None:
@@ -299,7 +301,7 @@ class AsyncPDTransport(httpx.AsyncBaseTransport):
                 leg.end(None, exc)
 
     async def aclose(self) -> None:
-        self._context.fleet.close()
+        await self._context.fleet.aclose()
         await self._legs.aclose()
 
 
