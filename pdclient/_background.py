@@ -63,14 +63,6 @@ class Fetch:
     """The DNS name to present (Host header, TLS SNI) when ``url`` holds an address."""
 
 
-def check_number(owner: str, name: str, value: object, *, low: float = 0.0, integer: bool = False) -> None:
-    """A settings field must be a number (an int if ``integer``) above ``low``: else a ``PDConfigError`` naming it."""
-    kind = int if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kind) or not value > low:
-        what = "an int" if integer else "a number"
-        raise PDConfigError(f"{owner}.{name} must be {what} > {low:g}, got {value!r}")
-
-
 @dataclass(frozen=True)
 class Lookup:
     """A DNS lookup to make: the addresses of ``host`` for ``port``."""
