@@ -32,8 +32,9 @@ if TYPE_CHECKING:
 _NOT_GIVEN: Any = openai.NotGiven()
 
 
-def _given(**pd: Any) -> dict[str, Any]:
-    return {name: value for name, value in pd.items() if not isinstance(value, openai.NotGiven)}
+def _given(arguments: dict[str, Any]) -> dict[str, Any]:
+    """The PDOptions fields among a signature's arguments that the caller gave."""
+    return {name: arguments[name] for name in PDOptions.names() if not isinstance(arguments[name], openai.NotGiven)}
 
 
 class _PDClient:
@@ -70,22 +71,7 @@ class _PDClient:
         http_client: httpx.Client | httpx.AsyncClient | None = None,
         **kwargs: Any,
     ) -> None:
-        given = _given(
-            prefill_base_url=prefill_base_url,
-            decode_base_url=decode_base_url,
-            on_prefill_failure=on_prefill_failure,
-            routing=routing,
-            breaker=breaker,
-            retries=retries,
-            reuse_secret=reuse_secret,
-            on_trace=on_trace,
-            observers=observers,
-            prefill_routing=prefill_routing,
-            decode_routing=decode_routing,
-            load_signals=load_signals,
-            health_checks=health_checks,
-            discovery=discovery,
-        )
+        given = _given(locals())
         if options is not None and not isinstance(options, PDOptions):
             raise PDConfigError(f"options must be a PDOptions, got {type(options).__name__}")
         wired = self._wired_transport(http_client)
@@ -142,22 +128,7 @@ class _PDClient:
         **kwargs: Any,
     ) -> Self:
         """The openai client's ``copy`` (and ``with_options``), keeping or changing the P/D options."""
-        given = _given(
-            prefill_base_url=prefill_base_url,
-            decode_base_url=decode_base_url,
-            on_prefill_failure=on_prefill_failure,
-            routing=routing,
-            breaker=breaker,
-            retries=retries,
-            reuse_secret=reuse_secret,
-            on_trace=on_trace,
-            observers=observers,
-            prefill_routing=prefill_routing,
-            decode_routing=decode_routing,
-            load_signals=load_signals,
-            health_checks=health_checks,
-            discovery=discovery,
-        )
+        given = _given(locals())
         new = (options or self.pd_options).replace(**given)
         if new.decode_urls != self.pd_options.decode_urls:
             kwargs.setdefault("base_url", new.decode_urls[0])  # copy() would keep the old decode URL

@@ -12,9 +12,12 @@ bodies and drive the retries, and the two differ only by ``await``.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import anyio
 import httpx
 import tenacity
+from typing_extensions import Self
 
 from . import _retry as retry
 from ._call import Call, CallContext
@@ -53,7 +56,32 @@ def _is_json(request: httpx.Request) -> bool:
     return content_type.split(";")[0].strip().lower() == "application/json"
 
 
-class PDTransport(httpx.BaseTransport):
+class _TransportBase:
+    """What the two transports share besides sending: their options, their fleet, derived copies."""
+
+    _context: CallContext
+    _legs: httpx.Client | httpx.AsyncClient
+    _asynchronous: ClassVar[bool]
+    """Whether the transport serves an async client: its fleet's background work is then a task."""
+
+    @property
+    def options(self) -> PDOptions:
+        return self._context.options
+
+    @property
+    def fleet(self) -> Fleet:
+        """The endpoint pools this transport routes over: health and load per endpoint."""
+        return self._context.fleet
+
+    def with_options(self, options: PDOptions) -> Self:
+        """A transport with other options, sharing this one's connections (and its fleet, if it still fits)."""
+        derived = object.__new__(type(self))
+        derived._context = _context(options, self._context.fleet, asynchronous=self._asynchronous)
+        derived._legs = self._legs
+        return derived
+
+
+class PDTransport(_TransportBase, httpx.BaseTransport):
     """httpx transport that splits chat and completions calls into prefill and decode legs.
 
     Use it with any openai client whose ``base_url`` is one of the decode URLs::
@@ -66,6 +94,9 @@ class PDTransport(httpx.BaseTransport):
     honouring ``HTTP(S)_PROXY`` / ``NO_PROXY`` as httpx does).
     """
 
+    _legs: httpx.Client
+    _asynchronous = False
+
     def __init__(
         self,
         prefill_base_url: URLArg = None,
@@ -74,23 +105,8 @@ class PDTransport(httpx.BaseTransport):
         options: PDOptions | None = None,
         leg_transport: httpx.BaseTransport | None = None,
     ) -> None:
-        self._context = _context(_resolve(prefill_base_url, decode_base_url, options), None, asynchronous=False)
+        self._context = _context(_resolve(prefill_base_url, decode_base_url, options), None, asynchronous=self._asynchronous)
         self._legs = httpx.Client(transport=leg_transport, limits=LEG_LIMITS, timeout=None)
-
-    @property
-    def options(self) -> PDOptions:
-        return self._context.options
-
-    @property
-    def fleet(self) -> Fleet:
-        return self._context.fleet
-
-    def with_options(self, options: PDOptions) -> PDTransport:
-        """A transport with other options, sharing this one's connections (and its fleet, if it still fits)."""
-        derived = object.__new__(type(self))
-        derived._context = _context(options, self._context.fleet, asynchronous=False)
-        derived._legs = self._legs
-        return derived
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         self._context.fleet.start()
@@ -182,8 +198,11 @@ class PDTransport(httpx.BaseTransport):
         self._legs.close()
 
 
-class AsyncPDTransport(httpx.AsyncBaseTransport):
+class AsyncPDTransport(_TransportBase, httpx.AsyncBaseTransport):
     """Async twin of ``PDTransport`` (asyncio and trio)."""
+
+    _legs: httpx.AsyncClient
+    _asynchronous = True
 
     def __init__(
         self,
@@ -193,23 +212,8 @@ class AsyncPDTransport(httpx.AsyncBaseTransport):
         options: PDOptions | None = None,
         leg_transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        self._context = _context(_resolve(prefill_base_url, decode_base_url, options), None, asynchronous=True)
+        self._context = _context(_resolve(prefill_base_url, decode_base_url, options), None, asynchronous=self._asynchronous)
         self._legs = httpx.AsyncClient(transport=leg_transport, limits=LEG_LIMITS, timeout=None)
-
-    @property
-    def options(self) -> PDOptions:
-        return self._context.options
-
-    @property
-    def fleet(self) -> Fleet:
-        return self._context.fleet
-
-    def with_options(self, options: PDOptions) -> AsyncPDTransport:
-        """A transport with other options, sharing this one's connections (and its fleet, if it still fits)."""
-        derived = object.__new__(type(self))
-        derived._context = _context(options, self._context.fleet, asynchronous=True)
-        derived._legs = self._legs
-        return derived
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         self._context.fleet.start()

@@ -119,3 +119,15 @@ def test_base_url_may_name_a_decode_endpoint() -> None:
 
 def test_config_error_is_a_value_error() -> None:
     assert issubclass(PDConfigError, ValueError) and issubclass(PDConfigError, pdclient.PDError)
+
+
+@pytest.mark.parametrize("method", [PDChatClient.__init__, PDChatClient.copy])
+def test_every_pd_option_is_a_typed_keyword_argument(method: object) -> None:
+    """The clients' typed keyword arguments and PDOptions' fields are the same list."""
+    import inspect
+
+    parameters = inspect.signature(method).parameters  # type: ignore[arg-type]
+    assert set(PDOptions.names()) <= set(parameters), set(PDOptions.names()) - set(parameters)
+    assert {"options", *PDOptions.names()} == {
+        name for name, p in parameters.items() if p.kind is p.KEYWORD_ONLY and name not in ("base_url", "http_client")
+    }
