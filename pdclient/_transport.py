@@ -105,7 +105,7 @@ class PDTransport(_TransportBase, httpx.BaseTransport):
         options: PDOptions | None = None,
         leg_transport: httpx.BaseTransport | None = None,
     ) -> None:
-        self._context = _context(_resolve(prefill_base_url, decode_base_url, options), None, asynchronous=self._asynchronous)
+        self._context = _context(_resolve(prefill_base_url, decode_base_url, options), None, asynchronous=False)
         self._legs = httpx.Client(transport=leg_transport, limits=LEG_LIMITS, timeout=None)
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
@@ -212,7 +212,7 @@ class AsyncPDTransport(_TransportBase, httpx.AsyncBaseTransport):
         options: PDOptions | None = None,
         leg_transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        self._context = _context(_resolve(prefill_base_url, decode_base_url, options), None, asynchronous=self._asynchronous)
+        self._context = _context(_resolve(prefill_base_url, decode_base_url, options), None, asynchronous=True)
         self._legs = httpx.AsyncClient(transport=leg_transport, limits=LEG_LIMITS, timeout=None)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
