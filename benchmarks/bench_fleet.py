@@ -1,32 +1,32 @@
-"""Fleet routing (issue 12): load signals across client processes, cache-aware prefill routing.
+"""Fleet routing (issue 12) through the real clients: load signals across client processes,
+cache-aware prefill routing.
 
-(a) Load: four client processes share three stub decode servers (tests/stubserver.py, each
-    in a process of its own) of 8 slots each; a decode step (one streamed event) takes
-    10 ms + 4 ms per running request, and KV usage is running / 8. One server is slow, in
-    one of two ways: ``tenant``, another tenant's long requests hold 6 of its slots (and
-    lengthen its steps), which no client process can see from its own calls; ``hardware``,
-    every step takes 4x as long, and only these clients use it. Each process keeps
-    ``--concurrency`` streamed calls going and lists the servers in its own order (as DNS
-    or per-host configs hand them out, so least-outstanding's first-listed tie-break is no
-    fixed preference). Arms: ``least_outstanding`` (each process's own in-flight counts)
-    and ``load_aware`` (the servers' /metrics scraped by each process with the default
-    ScrapeSettings: every 0.5 s, fresh for 2 s; default LoadAware). Rounds interleave.
+(a) Load: four client processes (``AsyncPDChatClient`` each) share one stub prefill server
+    and three stub decode servers (tests/stubserver.py, each in a process of its own) of 8
+    slots each; a decode step (one streamed event) takes 10 ms + 4 ms per running request,
+    and KV usage is running / 8. One decode server is slow, in one of two ways: ``tenant``,
+    another tenant's long requests hold 6 of its slots (and lengthen its steps), which no
+    client process can see from its own calls; ``hardware``, every step takes 4x as long,
+    and only these clients use it. Each process keeps ``--concurrency`` streamed chat calls
+    going and lists the decode servers in its own order (as DNS or per-host configs hand
+    them out, so least-outstanding's first-listed tie-break is no fixed preference). Arms:
+    ``decode_routing="least_outstanding"`` (each process's own in-flight counts) and
+    ``decode_routing="load_aware"`` (which turns the scraper on: each process reads the
+    decode servers' /metrics with the default ScrapeSettings, every 0.5 s, fresh for 2 s).
+    Latency is the whole call, ``create()`` to the stream's end. Rounds interleave.
 
-(b) Prefix cache: one client process, three stub prefill servers that model a prefix
+(b) Prefix cache: one ``AsyncPDChatClient``, three stub prefill servers that model a prefix
     cache (LRU, ``--cache-chars`` per server, 5 us per uncached character, one prefill at
-    a time). Two workloads: ``conversations`` (48 chats of 4 turns, no shared prefix beyond
-    a one-line system message) and ``shared`` (64 users, 3 turns each, each chat opening
-    with one of 4 system prompts of 8000 characters), 8 chats in flight. Arms:
-    ``round_robin``, ``affinity`` (rendezvous on the conversation's opening) and
-    ``cache_aware``. Hit rate is the stubs' own count (cached / queried characters);
-    latency is the prefill leg's.
+    a time) and one stub decode server. Two workloads: ``conversations`` (48 chats of 4
+    turns, no shared prefix beyond a one-line system message) and ``shared`` (64 users, 3
+    turns each, each chat opening with one of 4 system prompts of 8000 characters), 8 chats
+    in flight. Arms: ``prefill_routing=`` ``"round_robin"``, ``"affinity"`` (rendezvous on
+    the conversation's opening) and ``"cache_aware"``. Hit rate is the stubs' own count
+    (cached / queried characters, from their /metrics); latency is ``PDTrace.prefill_ms``;
+    the cache-aware rules that decided come from ``PDTrace.prefill_route``.
 
-Until issue 10's core lands the policies are not wired into the clients, so the calls go
-through a thin harness: the issue-12 pools and policies (``route()``, the background
-drivers) and one ``httpx.AsyncClient``; (a) sends decode legs only, (b) prefill legs only.
-
-Run: PYTHONPATH=. python benchmarks/bench_fleet.py [--rounds 7] [--json run1.json] [--png benchmarks/results/fleet.png]
-     PYTHONPATH=. python benchmarks/bench_fleet.py --report run1.json run2.json   # several runs' rounds together
+Run: python benchmarks/bench_fleet.py [--rounds 5] [--json run1.json] [--png benchmarks/results/fleet.png]
+     python benchmarks/bench_fleet.py --report run1.json run2.json   # several runs' rounds together
 """
 
 from __future__ import annotations
@@ -47,22 +47,7 @@ from typing import Any
 
 import httpx
 
-from pdclient import _handoff as plan
-from pdclient._background import BackgroundTask
-from pdclient._endpoints import (
-    Affinity,
-    BreakerSettings,
-    Endpoint,
-    EndpointPool,
-    LeastOutstanding,
-    RequestPolicy,
-    RoundRobin,
-    RouteRequest,
-    RoutingPolicy,
-    route,
-)
-from pdclient._load import LoadAware, LoadScraper, ScrapeSettings
-from pdclient._prefix_index import CacheAware, prompt_text
+from pdclient import AsyncPDChatClient, PDTrace
 
 ROOT = Path(__file__).resolve().parents[1]
 STUB = ROOT / "tests" / "stubserver.py"
@@ -109,67 +94,52 @@ class Stubs:
             proc.wait(10)
 
 
-class OldInterface:
-    """A current RoutingPolicy (choose(endpoints, affinity_key)) on the richer interface."""
-
-    def __init__(self, policy: RoutingPolicy) -> None:
-        self.policy = policy
-
-    def choose(self, endpoints: Sequence[Endpoint], request: RouteRequest) -> Endpoint:
-        return self.policy.choose(endpoints, request.affinity_key)
-
-
 # -- (a) load signals across processes ---------------------------------------------------------
 
 
-async def client_a(policy_name: str, urls: list[str], calls: int, concurrency: int, seed: int) -> dict[str, Any]:
-    """One client process of (a): returns its call latencies (ms) and where its calls went."""
+async def client_a(arm: str, prefill: str, urls: list[str], calls: int, concurrency: int, seed: int) -> dict[str, Any]:
+    """One client process of (a): its call latencies (ms) and where its decode legs went."""
     urls = list(urls)
     random.Random(seed).shuffle(urls)  # each process lists the servers in its own order
-    pool = EndpointPool("decode", tuple(urls), LeastOutstanding(), BreakerSettings())
-    driver = None
-    policy: RequestPolicy
-    if policy_name == "load_aware":
-        policy = LoadAware(rng=random.Random(seed))
-        settings = ScrapeSettings()
-        driver = BackgroundTask([LoadScraper(lambda: pool.endpoints, settings, leg="decode")])
-    else:
-        policy = OldInterface(LeastOutstanding())
+    traces: list[PDTrace] = []
+    client = AsyncPDChatClient(
+        prefill_base_url=prefill,
+        decode_base_url=urls,
+        decode_routing=arm,
+        api_key="-",
+        max_retries=0,
+        timeout=60,
+        on_trace=traces.append,
+    )
+    messages = [{"role": "user", "content": "hello"}]
     latencies: list[float] = []
-    where: dict[str, int] = {}
-    body = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "stream": True}
-    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
-    async with httpx.AsyncClient(timeout=60, limits=limits) as http:
-        if driver is not None:
-            driver.start()
-        for url in urls:  # connect and warm up every server once
-            await http.get(url.removesuffix("/v1") + "/health")
+    async with client:
+        for _ in range(2 * len(urls)):  # connect to the servers; the driver starts with the first call
+            stream = await client.chat.completions.create(model="m", messages=messages, stream=True)  # type: ignore[arg-type]
+            async for _chunk in stream:
+                pass
         await asyncio.sleep(0.7)  # the first scrape is in
+        traces.clear()
         print("ready", flush=True)
         await asyncio.to_thread(sys.stdin.readline)  # all clients start together
         queue = iter(range(calls))
 
         async def worker() -> None:
             for _ in queue:
-                endpoint = route(pool, policy, RouteRequest("decode"))
-                endpoint.acquire()
                 started = time.perf_counter()
-                try:
-                    async with http.stream("POST", endpoint.url + "/chat/completions", json=body) as response:
-                        async for _ in response.aiter_bytes():
-                            pass
-                finally:
-                    endpoint.release(ok=True)
+                stream = await client.chat.completions.create(model="m", messages=messages, stream=True)  # type: ignore[arg-type]
+                async for _chunk in stream:
+                    pass
                 latencies.append((time.perf_counter() - started) * 1000)
-                where[endpoint.url] = where.get(endpoint.url, 0) + 1
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-        if driver is not None:
-            await driver.aclose()
+    where: dict[str, int] = {}
+    for trace in traces:
+        where[str(trace.decode_url)] = where.get(str(trace.decode_url), 0) + 1
     return {"latencies": latencies, "where": where}
 
 
-def run_load_round(arm: str, urls: list[str], args: argparse.Namespace, seed: int) -> dict[str, Any]:
+def run_load_round(arm: str, prefill: str, urls: list[str], args: argparse.Namespace, seed: int) -> dict[str, Any]:
     procs = [
         subprocess.Popen(
             [
@@ -177,6 +147,8 @@ def run_load_round(arm: str, urls: list[str], args: argparse.Namespace, seed: in
                 __file__,
                 "--client-a",
                 arm,
+                "--prefill",
+                prefill,
                 "--urls",
                 ",".join(urls),
                 "--calls",
@@ -213,13 +185,14 @@ def run_load_round(arm: str, urls: list[str], args: argparse.Namespace, seed: in
 def bench_load(args: argparse.Namespace) -> dict[str, dict[str, list[dict[str, Any]]]]:
     results: dict[str, dict[str, list[dict[str, Any]]]] = {}
     for scenario, slow_argv in SLOW.items():
-        stubs = Stubs([FAST, FAST, slow_argv])
-        slow = stubs.urls[2]
+        stubs = Stubs([FAST, FAST, slow_argv, []])  # the last one is the prefill server
+        decodes, prefill = stubs.urls[:3], stubs.urls[3]
+        slow = decodes[2]
         rounds: dict[str, list[dict[str, Any]]] = {arm: [] for arm in LOAD_ARMS}
         try:
             for r in range(args.rounds):
                 for arm in LOAD_ARMS if r % 2 == 0 else LOAD_ARMS[::-1]:
-                    result = run_load_round(arm, stubs.urls, args, seed=r)
+                    result = run_load_round(arm, prefill, decodes, args, seed=r)
                     lat = result["latencies"]
                     share = result["where"].get(slow, 0) / max(1, sum(result["where"].values()))
                     row = {
@@ -283,18 +256,19 @@ def cache_counts(text: str) -> tuple[float, float]:
     return value("prefix_cache_hits"), value("prefix_cache_queries")
 
 
-async def run_cache(arm: str, kind: str, urls: list[str], seed: int, concurrency: int) -> dict[str, Any]:
-    pool = EndpointPool("prefill", tuple(urls), LeastOutstanding(), BreakerSettings())
-    policy: RequestPolicy
-    if arm == "cache_aware":
-        policy = CacheAware()
-    elif arm == "affinity":
-        policy = OldInterface(Affinity())
-    else:
-        policy = OldInterface(RoundRobin())
+async def run_cache(arm: str, kind: str, urls: list[str], decode: str, seed: int, concurrency: int) -> dict[str, Any]:
     users = workload(kind, seed)
-    latencies: list[float] = []
-    async with httpx.AsyncClient(timeout=120) as http:
+    traces: list[PDTrace] = []
+    client = AsyncPDChatClient(
+        prefill_base_url=urls,
+        decode_base_url=decode,
+        prefill_routing=arm,
+        api_key="-",
+        max_retries=0,
+        timeout=120,
+        on_trace=traces.append,
+    )
+    async with httpx.AsyncClient(timeout=120) as http, client:
         for url in urls:
             await http.post(url.removesuffix("/v1") + "/stub/control", json={"reset_prefix_cache": True})
         gate = asyncio.Semaphore(concurrency)
@@ -304,22 +278,7 @@ async def run_cache(arm: str, kind: str, urls: list[str], seed: int, concurrency
                 messages: list[dict[str, str]] = [{"role": "system", "content": user.system}]
                 for question, answer in user.turns:
                     messages.append({"role": "user", "content": question})
-                    body = {"model": "m", "messages": list(messages), "max_tokens": 1}
-                    wants = getattr(policy, "wants_prompt_text", False)
-                    request = RouteRequest(
-                        "prefill",
-                        affinity_key=plan.affinity_key(plan.Kind.CHAT, body, None),
-                        prompt_text=prompt_text(body) if wants else None,
-                    )
-                    endpoint = route(pool, policy, request)
-                    endpoint.acquire()
-                    started = time.perf_counter()
-                    try:
-                        prefill = {**body, "kv_transfer_params": {"do_remote_decode": True}}
-                        (await http.post(endpoint.url + "/chat/completions", json=prefill)).raise_for_status()
-                    finally:
-                        endpoint.release(ok=True)
-                    latencies.append((time.perf_counter() - started) * 1000)
+                    await client.chat.completions.create(model="m", messages=list(messages), max_tokens=1)  # type: ignore[arg-type]
                     messages.append({"role": "assistant", "content": answer})
 
         await asyncio.gather(*(converse(u) for u in users))
@@ -327,19 +286,25 @@ async def run_cache(arm: str, kind: str, urls: list[str], seed: int, concurrency
         for url in urls:
             h, q = cache_counts((await http.get(url.removesuffix("/v1") + "/metrics")).text)
             hits, queries = hits + h, queries + q
-    decisions = dict(policy.decisions) if isinstance(policy, CacheAware) else {}
+    latencies = [t.prefill_ms for t in traces if t.prefill_ms is not None]
+    rules: dict[str, int] = {}
+    for trace in traces:
+        route = (trace.prefill_route or "").split()[0]
+        rule = route.partition("/")[2]
+        if rule:
+            rules[rule] = rules.get(rule, 0) + 1
     return {
         "hit_rate": hits / queries if queries else 0.0,
         "p50": statistics.median(latencies),
         "p99": percentile(latencies, 0.99),
         "latencies": latencies,
-        "decisions": decisions,
+        "decisions": rules if arm == "cache_aware" else {},
     }
 
 
 def bench_cache(args: argparse.Namespace) -> dict[str, dict[str, list[dict[str, Any]]]]:
     cache = ["--prefix-cache-chars", str(args.cache_chars), "--prefill-seconds-per-char", "0.000005"]
-    stubs = Stubs([cache, cache, cache])
+    stubs = Stubs([cache, cache, cache, []])  # three prefill servers and a decode server
     results: dict[str, dict[str, list[dict[str, Any]]]] = {k: {a: [] for a in CACHE_ARMS} for k in WORKLOADS}
     try:
         for r in range(args.rounds):
@@ -347,7 +312,9 @@ def bench_cache(args: argparse.Namespace) -> dict[str, dict[str, list[dict[str, 
                 arms = CACHE_ARMS[r % 3 :] + CACHE_ARMS[: r % 3]  # rotate the order every round
                 for arm in arms:
                     out = asyncio.run(
-                        run_cache(arm, kind, stubs.urls, seed=100 + r, concurrency=args.cache_concurrency)
+                        run_cache(
+                            arm, kind, stubs.urls[:3], stubs.urls[3], seed=100 + r, concurrency=args.cache_concurrency
+                        )
                     )
                     results[kind][arm].append(out)
                     print(
@@ -390,6 +357,10 @@ def report_load(load: dict[str, dict[str, list[dict[str, Any]]]]) -> None:
         pairs = zip(arms["load_aware"], arms["least_outstanding"], strict=True)
         ratios = [a["p99"] / b["p99"] for a, b in pairs]
         print(f"{'':<14}per-round p99 ratio load_aware / least_outstanding: {', '.join(f'{x:.2f}' for x in ratios)}")
+        ratio = med(arms["load_aware"], "p99") / base
+        if scenario == "tenant":
+            verdict = "met" if ratio <= 0.7 else "NOT met"
+            print(f"{'':<14}target p99 load_aware / least_outstanding <= 0.70: {ratio:.2f}, {verdict}")
 
 
 def report_cache(cache: dict[str, dict[str, list[dict[str, Any]]]]) -> None:
@@ -400,6 +371,13 @@ def report_cache(cache: dict[str, dict[str, list[dict[str, Any]]]]) -> None:
         for arm, rows in arms.items():
             hit = med(rows, "hit_rate")
             print(f"{kind:<15}{arm:<14}{hit:>10.1%}{med(rows, 'p50'):>9.1f}{med(rows, 'p99'):>9.1f}{hit / ref:>16.3f}")
+        ratio = med(arms["cache_aware"], "hit_rate") / ref
+        if kind == "conversations":
+            verdict = "met" if ratio >= 0.9 else "NOT met"
+            print(f"{'':<15}target cache_aware hit rate within 10 % of affinity's: {ratio:.3f}, {verdict}")
+        else:
+            verdict = "met" if ratio > 1 else "NOT met"
+            print(f"{'':<15}target cache_aware hit rate above affinity's: {ratio:.3f}, {verdict}")
 
 
 def plot(
@@ -466,11 +444,14 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the samples here")
     parser.add_argument("--report", type=Path, nargs="+", default=None, help="report and plot saved runs, merged")
     parser.add_argument("--client-a", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--prefill", default="", help=argparse.SUPPRESS)
     parser.add_argument("--urls", default="", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.client_a:
-        result = asyncio.run(client_a(args.client_a, args.urls.split(","), args.calls, args.concurrency, args.seed))
+        result = asyncio.run(
+            client_a(args.client_a, args.prefill, args.urls.split(","), args.calls, args.concurrency, args.seed)
+        )
         print(json.dumps(result), flush=True)
         return
     if args.report:

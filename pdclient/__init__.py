@@ -7,12 +7,16 @@ code: docs/ARCHITECTURE.md.
 """
 
 from ._client import AsyncPDChatClient, PDChatClient
+from ._discovery import DiscoverySettings
 from ._endpoints import BreakerSettings
 from ._errors import PDConfigError, PDError, PDSetupError
+from ._health import HealthSettings
+from ._load import LoadAware, ScrapeSettings
 from ._observe import CallView, LegView, PDObserver
 from ._options import PDOptions
+from ._prefix_index import CacheAware
 from ._retry import RetrySettings
-from ._routing import RouteRequest, RoutingPolicy
+from ._routing import RouteDecision, RouteRequest, RoutingPolicy
 from ._trace import Outcome, PDTrace
 from ._transport import AsyncPDTransport, PDTransport
 
@@ -22,8 +26,12 @@ __all__ = [
     "AsyncPDChatClient",
     "AsyncPDTransport",
     "BreakerSettings",
+    "CacheAware",
     "CallView",
+    "DiscoverySettings",
+    "HealthSettings",
     "LegView",
+    "LoadAware",
     "Outcome",
     "PDChatClient",
     "PDConfigError",
@@ -34,7 +42,9 @@ __all__ = [
     "PDTrace",
     "PDTransport",
     "RetrySettings",
+    "RouteDecision",
     "RouteRequest",
     "RoutingPolicy",
+    "ScrapeSettings",
     "__version__",
 ]

@@ -16,8 +16,12 @@ run them, the same loop written twice (the second with ``await``):
 - ``BackgroundTask``: async clients. One asyncio task, started on first use from the
   running loop, with one ``httpx.AsyncClient``; the due jobs run concurrently.
 
-Nothing here starts by itself: a driver exists only when a feature that needs one is on,
-and it starts on the client's first call and stops on ``close()``.
+``Background`` is one fleet's work (``_fleet.Fleet.background``): its cores and the
+driver that runs them, chosen on first use: a task when an async client's first call
+comes from a running asyncio loop, else a thread (sync clients, and async ones under
+trio). Nothing here starts by itself: a ``Background`` exists only when a feature that
+needs one is on, its driver starts on the client's first call and stops on ``close()``
+/ ``aclose()`` (or when the fleet is garbage-collected unclosed).
 """
 
 from __future__ import annotations
@@ -33,9 +37,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
+import anyio.to_thread
 import httpx
 
+from ._errors import PDConfigError
+
 logger = logging.getLogger("pdclient")
+
+
+def check_number(owner: str, name: str, value: object, *, low: float = 0.0, integer: bool = False) -> None:
+    """A settings field must be a number (an int if ``integer``) above ``low``: else a ``PDConfigError`` naming it."""
+    kind = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kind) or not value > low:
+        what = "an int" if integer else "a number"
+        raise PDConfigError(f"{owner}.{name} must be {what} > {low:g}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -303,6 +318,22 @@ class BackgroundTask(_Driver):
         self._stop = asyncio.Event()
         self._task = loop.create_task(self._run(self._stop), name="pdclient-background")
 
+    def cancel(self) -> None:
+        """Stop the task without waiting for it; from any thread (its loop runs the cancel)."""
+        task, self._task = self._task, None
+        if task is None or task.done():
+            return
+        loop = task.get_loop()
+        try:
+            current = asyncio.get_running_loop()
+        except RuntimeError:
+            current = None
+        if current is loop:
+            task.cancel()
+            return
+        with contextlib.suppress(RuntimeError):  # its loop is closed: the task died with it
+            loop.call_soon_threadsafe(task.cancel)
+
     async def aclose(self) -> None:
         """Stop the task and wait for it."""
         task, self._task = self._task, None
@@ -334,3 +365,79 @@ class BackgroundTask(_Driver):
             return await fetch_async(http, action)
         except Exception as exc:  # whatever a job raises is its outcome, never the loop's end
             return self._failed(action, exc)
+
+
+class Background:
+    """One fleet's background work: its cores, and the driver that runs them once started."""
+
+    def __init__(self, cores: Sequence[Core], *, asynchronous: bool, resolver: Resolver = system_resolver) -> None:
+        self.cores = tuple(cores)
+        self.asynchronous = asynchronous
+        """The fleet serves an async client: its driver is a task when started from an asyncio loop."""
+        self._resolver = resolver
+        self._driver: BackgroundThread | BackgroundTask | None = None
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"Background({list(self.cores)}, driver={self._driver!r})"
+
+    @property
+    def driver(self) -> BackgroundThread | BackgroundTask | None:
+        """The driver once started (a thread or a task), else None."""
+        return self._driver
+
+    @property
+    def running(self) -> bool:
+        return self._driver is not None and self._driver.running
+
+    def start(self) -> None:
+        """Start the driver unless it runs (the transports call this on every call: cheap once running).
+
+        An async client's task is started on the running loop; a later call from another
+        loop (a second ``asyncio.run``) starts it there, the first one having died with its loop.
+        """
+        driver = self._driver
+        if isinstance(driver, BackgroundThread):
+            if not driver.running:
+                driver.start()
+            return
+        if isinstance(driver, BackgroundTask):
+            driver.start()
+            return
+        with self._lock:
+            if self._closed:
+                return
+            if self._driver is None:
+                self._driver = self._new_driver()
+        self.start()
+
+    def _new_driver(self) -> BackgroundThread | BackgroundTask:
+        if self.asynchronous:
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:  # trio (or no loop at all): a thread serves any caller
+                pass
+            else:
+                return BackgroundTask(self.cores, resolver=self._resolver)
+        return BackgroundThread(self.cores, resolver=self._resolver)
+
+    def close(self, *, wait: bool = True) -> None:
+        """Stop for good: a thread is stopped (and joined if ``wait``), a task cancelled on its loop."""
+        with self._lock:
+            self._closed = True
+            driver, self._driver = self._driver, None
+        if isinstance(driver, BackgroundThread):
+            driver.close(timeout=5.0 if wait else 0.0)
+        elif isinstance(driver, BackgroundTask):
+            driver.cancel()
+
+    async def aclose(self) -> None:
+        """``close`` from async code: a task is awaited, a thread joined off the event loop."""
+        with self._lock:
+            self._closed = True
+            driver, self._driver = self._driver, None
+        if isinstance(driver, BackgroundTask):
+            await driver.aclose()
+        elif isinstance(driver, BackgroundThread):
+            await anyio.to_thread.run_sync(driver.close)

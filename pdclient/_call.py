@@ -33,11 +33,13 @@ import orjson
 
 from . import _retry as retry
 from . import _wire as wire
+from ._discovery import request_overrides
 from ._endpoints import AllEndpointsOpen, Endpoint, EndpointPool
 from ._fleet import Fleet
 from ._observe import Observers
 from ._options import CALL_OPTIONS_KEY, PREFILL_FAILURE_POLICIES, PDOptions
-from ._routing import RouteRequest
+from ._prefix_index import plan_text
+from ._routing import RouteDecision, RouteRequest
 from ._signing import SIGNATURE_HEADER, signature
 from ._trace import HEADER_PREFIX, Outcome, PDTrace
 
@@ -83,6 +85,7 @@ class Leg:
         self.pool = pool
         self.tried: list[Endpoint] = []
         self.endpoint: Endpoint | None = None
+        self.decision: RouteDecision | None = None
         self.url = ""
         self.attempt = 0
         self.request: httpx.Request = call.request
@@ -93,7 +96,8 @@ class Leg:
     def pick(self, route: RouteRequest) -> str:
         """An admitted endpoint this call has not tried yet if any; raises ``AllEndpointsOpen``."""
         assert self.pool is not None
-        endpoint = self.pool.pick(route, avoid=self.tried)
+        self.decision = self.pool.decide(route, avoid=self.tried)
+        endpoint = self.decision.endpoint
         endpoint.acquire()
         self.endpoint = endpoint
         self.tried.append(endpoint)
@@ -102,11 +106,15 @@ class Leg:
 
     def use(self, url: str) -> str:
         """A fixed URL outside any pool (the fallback server)."""
-        self.endpoint = None
+        self.endpoint = self.decision = None
         self.url = url
         return url
 
     def start(self, request: httpx.Request) -> httpx.Request:
+        if self.endpoint is not None and self.endpoint.host_name is not None:
+            headers, extensions = request_overrides(self.endpoint)  # a discovered address: its DNS name
+            request.headers.update(headers)
+            request.extensions = {**request.extensions, **extensions}
         self.attempt += 1
         self.request = request
         self.status = None
@@ -168,6 +176,7 @@ class Call:
         """A pass-through JSON body without pdclient's per-call options; None forwards the caller's stream."""
         self._prefill_body: bytes | None = None
         self._decode_body: bytes | None = None
+        self._prompt_text: str | None = None
         # openai's `timeout` bounds each read; the prefill phase (retries included) gets it,
         # or the shorter prefill_timeout, as a total.
         bounds = [(request.extensions.get("timeout") or {}).get("read"), context.options.retries.prefill_timeout]
@@ -207,7 +216,16 @@ class Call:
         return self.plan.options.on_prefill_failure or self.context.options.on_prefill_failure
 
     def _route(self, leg: str) -> RouteRequest:
-        return RouteRequest(leg=leg, affinity_key=self.plan.affinity_key if self.plan else None)
+        plan = self.plan
+        if plan is None:
+            return RouteRequest(leg=leg)
+        text = None
+        pool = self.context.fleet.prefill if leg == "prefill" else self.context.fleet.decode
+        if getattr(pool.policy, "wants_prompt_text", False):
+            if self._prompt_text is None:  # once per call, and only for a policy that reads it
+                self._prompt_text = plan_text(plan) or ""
+            text = self._prompt_text or None
+        return RouteRequest(leg=leg, affinity_key=plan.affinity_key, prompt_text=text)
 
     # -- prefill -----------------------------------------------------------------------
 
@@ -450,6 +468,8 @@ class Call:
             fallback=fallback,
             error=self.error,
             failed_leg=self.failed_leg,
+            prefill_route=str(self.prefill.decision) if self.prefill.decision else None,
+            decode_route=str(self.decode.decision) if self.decode.decision else None,
         )
 
     def _json_error(self, status: int, message: str, leg: str) -> httpx.Response:

@@ -14,9 +14,12 @@ import httpx
 import openai
 from typing_extensions import Self
 
+from ._discovery import DiscoverySettings
 from ._endpoints import BreakerSettings, URLArg
 from ._errors import PDConfigError
 from ._fleet import Fleet
+from ._health import HealthSettings
+from ._load import ScrapeSettings
 from ._observe import PDObserver
 from ._options import PDOptions
 from ._retry import RetrySettings
@@ -60,6 +63,11 @@ class _PDClient:
         reuse_secret: str | openai.NotGiven | None = _NOT_GIVEN,
         on_trace: Callable[[PDTrace], None] | openai.NotGiven | None = _NOT_GIVEN,
         observers: Sequence[PDObserver] | openai.NotGiven = _NOT_GIVEN,
+        prefill_routing: str | RoutingPolicy | openai.NotGiven | None = _NOT_GIVEN,
+        decode_routing: str | RoutingPolicy | openai.NotGiven | None = _NOT_GIVEN,
+        load_signals: ScrapeSettings | bool | openai.NotGiven | None = _NOT_GIVEN,
+        health_checks: HealthSettings | bool | openai.NotGiven | None = _NOT_GIVEN,
+        discovery: DiscoverySettings | bool | openai.NotGiven | None = _NOT_GIVEN,
         base_url: str | httpx.URL | openai.NotGiven | None = _NOT_GIVEN,
         http_client: httpx.Client | httpx.AsyncClient | None = None,
         **kwargs: Any,
@@ -114,6 +122,11 @@ class _PDClient:
         reuse_secret: str | openai.NotGiven | None = _NOT_GIVEN,
         on_trace: Callable[[PDTrace], None] | openai.NotGiven | None = _NOT_GIVEN,
         observers: Sequence[PDObserver] | openai.NotGiven = _NOT_GIVEN,
+        prefill_routing: str | RoutingPolicy | openai.NotGiven | None = _NOT_GIVEN,
+        decode_routing: str | RoutingPolicy | openai.NotGiven | None = _NOT_GIVEN,
+        load_signals: ScrapeSettings | bool | openai.NotGiven | None = _NOT_GIVEN,
+        health_checks: HealthSettings | bool | openai.NotGiven | None = _NOT_GIVEN,
+        discovery: DiscoverySettings | bool | openai.NotGiven | None = _NOT_GIVEN,
         **kwargs: Any,
     ) -> Self:
         """The openai client's ``copy`` (and ``with_options``), keeping or changing the P/D options."""

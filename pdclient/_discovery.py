@@ -33,7 +33,7 @@ from typing import Any
 
 import httpx
 
-from ._background import Job, LookedUp, Lookup, Outcome, host_header
+from ._background import Job, LookedUp, Lookup, Outcome, Resolver, check_number, host_header
 from ._endpoints import Endpoint, EndpointPool
 from ._errors import PDConfigError
 
@@ -45,12 +45,18 @@ Member = tuple[str, str | None]
 
 @dataclass(frozen=True)
 class DiscoverySettings:
+    """How named base URLs are re-resolved into pool members (defaults: see the module docstring)."""
+
     interval: float = 10.0
-    """Seconds between two lookups of a name (see the module docstring)."""
+    """Seconds between two lookups of a name."""
+    resolver: Resolver | None = None
+    """``resolver(host, port) -> [address, ...]`` instead of the system's ``getaddrinfo``
+    (tests pass several 127.0.0.x; a deployment may ask its own service registry)."""
 
     def __post_init__(self) -> None:
-        if not self.interval > 0:
-            raise PDConfigError(f"DiscoverySettings: interval must be > 0, got {self.interval}")
+        check_number("DiscoverySettings", "interval", self.interval)
+        if self.resolver is not None and not callable(self.resolver):
+            raise PDConfigError(f"DiscoverySettings.resolver must be callable, got {type(self.resolver).__name__}")
 
 
 def is_address(host: str) -> bool:

@@ -17,13 +17,11 @@ from typing import TYPE_CHECKING
 import httpx
 
 from ._errors import PDConfigError, PDError
-from ._routing import LeastOutstanding, RouteRequest
-
-if TYPE_CHECKING:
-    from ._routing import RoutingPolicy
+from ._routing import LeastOutstanding, RouteDecision, RouteRequest, decide
 
 if TYPE_CHECKING:
     from ._load import LoadSample
+    from ._routing import RoutingPolicy
 
 PREFILL_ENV = "PDCLIENT_PREFILL_BASE_URL"
 DECODE_ENV = "PDCLIENT_DECODE_BASE_URL"
@@ -171,7 +169,8 @@ class EndpointPool:
 
         A member that stays keeps its Endpoint (breaker, in-flight count, load). A removed
         one leaves the pool, not the calls that hold it: they finish on it and release it
-        as usual. ``urls`` (what the caller configured) does not change.
+        as usual; the policy's ``on_removed`` (if any) is told, so it can forget it.
+        ``urls`` (what the caller configured) does not change.
         """
         wanted = dict(members)
         if not wanted:
@@ -185,11 +184,19 @@ class EndpointPool:
             added = [e for e in endpoints if e.url not in current]
             removed = [e for e in self.endpoints if e.url not in wanted]
             self.endpoints = endpoints  # one assignment: pick() sees the old or the new tuple
+        on_removed = getattr(self.policy, "on_removed", None)
+        if on_removed is not None:
+            for endpoint in removed:
+                on_removed(endpoint)
         return added, removed
 
     def pick(self, request: RouteRequest, avoid: Sequence[Endpoint] = ()) -> Endpoint:
         """An admitted endpoint chosen by the pool's policy, preferring ones not in ``avoid`` (tried by this call)."""
         return route(self, self.policy, request, avoid)
+
+    def decide(self, request: RouteRequest, avoid: Sequence[Endpoint] = ()) -> RouteDecision:
+        """``pick``, with the policy's reason."""
+        return route_decision(self, self.policy, request, avoid)
 
     def candidates(self, avoid: Sequence[Endpoint] = ()) -> list[Endpoint]:
         """The admitted endpoints not in ``avoid`` (all admitted ones if that leaves none)."""
@@ -211,8 +218,15 @@ class EndpointPool:
 
 def route(pool: EndpointPool, policy: RoutingPolicy, request: RouteRequest, avoid: Sequence[Endpoint] = ()) -> Endpoint:
     """Choose among the pool's candidates with ``policy``, then tell the policy (its optional ``on_routed``)."""
-    endpoint = policy.choose(pool.candidates(avoid), request)
+    return route_decision(pool, policy, request, avoid).endpoint
+
+
+def route_decision(
+    pool: EndpointPool, policy: RoutingPolicy, request: RouteRequest, avoid: Sequence[Endpoint] = ()
+) -> RouteDecision:
+    """``route``, with the policy's reason."""
+    decision = decide(policy, pool.candidates(avoid), request)
     on_routed = getattr(policy, "on_routed", None)
     if on_routed is not None:
-        on_routed(endpoint, request)
-    return endpoint
+        on_routed(decision.endpoint, request)
+    return decision

@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from ._background import EveryMember, Fetch, Fetched, Job, Outcome
+from ._background import EveryMember, Fetch, Fetched, Job, Outcome, check_number
 from ._endpoints import Endpoint
 from ._errors import PDConfigError
 from ._load import server_url
@@ -63,8 +63,12 @@ class HealthSettings:
     """From the server root (vLLM serves it beside /v1, not under it)."""
 
     def __post_init__(self) -> None:
-        if not (self.interval > 0 and self.timeout > 0 and self.failures >= 1 and self.successes >= 1):
-            raise PDConfigError(f"HealthSettings: need interval, timeout > 0 and thresholds >= 1, got {self}")
+        check_number("HealthSettings", "interval", self.interval)
+        check_number("HealthSettings", "timeout", self.timeout)
+        check_number("HealthSettings", "failures", self.failures, integer=True)
+        check_number("HealthSettings", "successes", self.successes, integer=True)
+        if not (isinstance(self.path, str) and self.path.startswith("/")):
+            raise PDConfigError(f"HealthSettings.path must start with '/', got {self.path!r}")
 
 
 @dataclass(frozen=True)

@@ -39,10 +39,10 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ._background import EveryMember, Fetch, Fetched, Job, Outcome
+from ._background import EveryMember, Fetch, Fetched, Job, Outcome, check_number
 from ._endpoints import Endpoint
 from ._errors import PDConfigError
-from ._routing import RouteRequest
+from ._routing import RouteDecision, RouteRequest
 
 logger = logging.getLogger("pdclient")
 
@@ -156,8 +156,14 @@ class ScrapeSettings:
     """Where the server publishes its metrics, from its root (beside /v1, not under it)."""
 
     def __post_init__(self) -> None:
-        if not (self.interval > 0 and self.timeout > 0 and self.staleness > self.interval):
-            raise PDConfigError(f"ScrapeSettings: need interval > 0, timeout > 0 and staleness > interval, got {self}")
+        for name in ("interval", "staleness", "timeout"):
+            check_number("ScrapeSettings", name, getattr(self, name))
+        if not self.staleness > self.interval:
+            raise PDConfigError(f"ScrapeSettings.staleness must be > interval ({self.interval}), got {self.staleness}")
+        if self.model is not None and not isinstance(self.model, str):
+            raise PDConfigError(f"ScrapeSettings.model must be a model name or None, got {self.model!r}")
+        if not (isinstance(self.path, str) and self.path.startswith("/")):
+            raise PDConfigError(f"ScrapeSettings.path must start with '/', got {self.path!r}")
 
 
 class LoadScraper:
@@ -250,7 +256,9 @@ class LoadAware:
     counts a server as full.
     """
 
+    name = "load_aware"
     wants_prompt_text = False
+    wants_load_signals = True
 
     def __init__(
         self,
@@ -301,15 +309,22 @@ class LoadAware:
         return scores if scores is not None else [float(e.in_flight) for e in endpoints]
 
     def choose(self, endpoints: Sequence[Endpoint], request: RouteRequest) -> Endpoint:
+        return self.decide(endpoints, request).endpoint
+
+    def decide(self, endpoints: Sequence[Endpoint], request: RouteRequest) -> RouteDecision:
         scores = self.scores(endpoints)
         if scores is None:
-            return min(endpoints, key=lambda e: e.in_flight)
+            return RouteDecision(self.name, min(endpoints, key=lambda e: e.in_flight), "stale")
         roomy: Sequence[int] = [i for i, e in enumerate(endpoints) if not self._full(e)] or range(len(endpoints))
         # Ties: the one with fewer of this process's calls (least-outstanding's rule, which
         # also differs between processes), then a random one.
         best = min((scores[i], endpoints[i].in_flight) for i in roomy)
         tied = [i for i in roomy if (scores[i], endpoints[i].in_flight) == best]
-        return endpoints[tied[0] if len(tied) == 1 else self._rng.choice(tied)]
+        chosen = tied[0] if len(tied) == 1 else self._rng.choice(tied)
+        detail = {"score": round(scores[chosen], 2)}
+        if len(roomy) < len(endpoints):
+            detail["full"] = len(endpoints) - len(roomy)
+        return RouteDecision(self.name, endpoints[chosen], "load", detail)
 
     def _full(self, endpoint: Endpoint) -> bool:
         sample = endpoint.load

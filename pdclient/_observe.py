@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import httpx
 
 if TYPE_CHECKING:
+    from ._routing import RouteDecision
     from ._trace import PDTrace
 
 logger = logging.getLogger("pdclient")
@@ -80,6 +81,11 @@ class LegView(Protocol):
 
     @property
     def request(self) -> httpx.Request: ...
+    @property
+    def decision(self) -> RouteDecision | None:
+        """How the routing policy chose this attempt's endpoint (None for a fallback URL outside the pools)."""
+        ...
+
     @property
     def sent_at(self) -> float:
         """``time.perf_counter()`` when the request was handed to the leg transport."""

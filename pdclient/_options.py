@@ -17,11 +17,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ._discovery import DiscoverySettings
 from ._endpoints import DECODE_ENV, PREFILL_ENV, BreakerSettings, URLArg, normalise_url, resolve_urls
 from ._errors import PDConfigError
+from ._health import HealthSettings
+from ._load import ScrapeSettings
 from ._observe import PDObserver
 from ._retry import RetrySettings
-from ._routing import POLICIES, RoutingPolicy
+from ._routing import POLICIES, RoutingPolicy, legs_of, wants_load_signals
 from ._signing import SECRET_ENV
 
 if TYPE_CHECKING:
@@ -41,14 +44,53 @@ def check_failure_policy(value: object, source: str) -> str:
     raise PDConfigError(f"{source} must be one of {PREFILL_FAILURE_POLICIES} or a fallback base URL, got {value!r}")
 
 
-def _check_routing(value: object) -> str | RoutingPolicy:
+def _check_routing(value: object, name: str = "routing") -> str | RoutingPolicy:
     if value is None:
         return "least_outstanding"
     if isinstance(value, str) and value in POLICIES:
         return value
     if not isinstance(value, str) and callable(getattr(value, "choose", None)):
         return value  # type: ignore[return-value]
-    raise PDConfigError(f"routing must be one of {sorted(POLICIES)} or a RoutingPolicy, got {value!r}")
+    raise PDConfigError(f"{name} must be one of {sorted(POLICIES)} or a RoutingPolicy, got {value!r}")
+
+
+def _check_settings(name: str, value: object, kind: type, *, keep_false: bool = False) -> Any:
+    """A background feature's field: its settings, True for the defaults, False / None for off."""
+    if value is True:
+        return kind()
+    if value is None or isinstance(value, kind):
+        return value
+    if value is False:
+        return False if keep_false else None
+    raise PDConfigError(f"{name} must be a {kind.__name__}, True (the defaults), False or None, got {value!r}")
+
+
+def _check_fleet_options(options: PDOptions) -> None:
+    """Per-leg routing and the background features (load signals, health checks, discovery)."""
+    set_ = object.__setattr__
+    for leg in ("prefill", "decode"):
+        name = f"{leg}_routing"
+        if getattr(options, name) is not None:
+            set_(options, name, _check_routing(getattr(options, name), name))
+        policy = options.policy_for(leg)
+        if leg not in legs_of(policy):
+            given = name if getattr(options, name) is not None else "routing"
+            raise PDConfigError(
+                f"{given}={policy!r} routes the {' and '.join(legs_of(policy))} leg only; pass it as "
+                f"{legs_of(policy)[0]}_routing= and give the {leg} leg another policy (routing= or {name}=)"
+            )
+    set_(
+        options, "load_signals", _check_settings("load_signals", options.load_signals, ScrapeSettings, keep_false=True)
+    )
+    if options.load_signals is False:
+        for leg in ("prefill", "decode"):
+            if wants_load_signals(options.policy_for(leg)):
+                raise PDConfigError(
+                    f"load_signals=False, but the {leg} leg's routing ({options.policy_for(leg)!r}) reads the "
+                    "servers' /metrics; leave load_signals at None or choose another policy"
+                )
+    set_(options, "health_checks", _check_settings("health_checks", options.health_checks, HealthSettings))
+    set_(options, "discovery", _check_settings("discovery", options.discovery, DiscoverySettings))
 
 
 def _check_type(name: str, value: object, expected: type) -> None:
@@ -76,7 +118,9 @@ class PDOptions:
     turns this off, else any caller could make it send requests to any address; such a
     call is then refused (400) before any server is called."""
     routing: str | RoutingPolicy = "least_outstanding"
-    """``"least_outstanding"``, ``"round_robin"``, ``"power_of_two"``, ``"affinity"``, or a ``RoutingPolicy``."""
+    """Both legs' policy: ``"least_outstanding"``, ``"round_robin"``, ``"power_of_two"``,
+    ``"affinity"``, ``"load_aware"`` (the servers' own queues from /metrics), or a
+    ``RoutingPolicy``; ``prefill_routing`` / ``decode_routing`` override it per leg."""
     breaker: BreakerSettings = field(default_factory=BreakerSettings)
     retries: RetrySettings = field(default_factory=RetrySettings)
     reuse_secret: str | None = field(default=None, repr=False)
@@ -85,6 +129,20 @@ class PDOptions:
     """Called with each chat or completions call's ``PDTrace`` once the call is over."""
     observers: Sequence[PDObserver] = ()
     """Watch every call (see ``PDObserver``); e.g. ``pdclient.metrics.PrometheusObserver``."""
+    prefill_routing: str | RoutingPolicy | None = None
+    """The prefill leg's policy when not ``routing``; also ``"cache_aware"`` (prefill only:
+    where the prompt's prefix was sent before)."""
+    decode_routing: str | RoutingPolicy | None = None
+    """The decode leg's policy when not ``routing``."""
+    load_signals: ScrapeSettings | bool | None = None
+    """Scrape every member's /metrics in the background (``ScrapeSettings``; True: the
+    defaults). None: only the pools routed ``"load_aware"``; False: never."""
+    health_checks: HealthSettings | bool | None = None
+    """Probe every member's /health in the background, feeding its breaker
+    (``HealthSettings``; True: the defaults). Off by default."""
+    discovery: DiscoverySettings | bool | None = None
+    """Re-resolve base URLs that are DNS names into one member per address, in the
+    background (``DiscoverySettings``; True: the defaults). Off by default."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -109,6 +167,7 @@ class PDOptions:
             if not isinstance(observer, PDObserver):
                 raise PDConfigError(f"observers: {observer!r} is not a PDObserver (subclass pdclient.PDObserver)")
         set_(self, "observers", tuple(self.observers))
+        _check_fleet_options(self)
 
     @property
     def prefill_urls(self) -> tuple[str, ...]:
@@ -117,6 +176,19 @@ class PDOptions:
     @property
     def decode_urls(self) -> tuple[str, ...]:
         return self.decode_base_url  # type: ignore[return-value]
+
+    def policy_for(self, leg: str) -> str | RoutingPolicy:
+        """The routing of ``leg`` (``prefill`` or ``decode``): its override, else ``routing``."""
+        override: str | RoutingPolicy | None = getattr(self, f"{leg}_routing")
+        return self.routing if override is None else override
+
+    def load_settings_for(self, leg: str) -> ScrapeSettings | None:
+        """How ``leg``'s pool is scraped, or None: not at all."""
+        if isinstance(self.load_signals, ScrapeSettings):
+            return self.load_signals
+        if self.load_signals is None and wants_load_signals(self.policy_for(leg)):
+            return ScrapeSettings()
+        return None
 
     def replace(self, **changes: Any) -> PDOptions:
         """A copy with ``changes`` applied and validated; unknown names are a ``PDConfigError``."""

@@ -25,12 +25,17 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import orjson
 
 from ._endpoints import Endpoint
 from ._errors import PDConfigError
 from ._load import LoadAware
-from ._routing import RouteRequest, rendezvous
+from ._routing import RouteDecision, RouteRequest, rendezvous
+
+if TYPE_CHECKING:
+    from ._wire import Plan
 
 DEFAULT_CHUNK_CHARS = 128
 DEFAULT_MAX_CHARS = 4 * 1024 * 1024
@@ -65,6 +70,19 @@ def prompt_text(body: Mapping[str, Any]) -> str | None:
         return "".join(parts) or None
     prompt = body.get("prompt")
     return prompt if isinstance(prompt, str) and prompt else None
+
+
+def plan_text(plan: Plan) -> str | None:
+    """``prompt_text`` of a planned call (its chat messages, or its completions prompt)."""
+    if plan.messages is not None:
+        return prompt_text({"messages": plan.messages})
+    raw = plan.fields.get("prompt")
+    if raw is None:
+        return None
+    try:
+        return prompt_text({"prompt": orjson.loads(memoryview(raw))})
+    except orjson.JSONDecodeError:
+        return None
 
 
 class PrefixIndex:
@@ -137,7 +155,10 @@ class CacheAware:
     3. Otherwise (a new prompt) the conversation's rendezvous choice on its affinity key,
        as the ``Affinity`` policy makes it (least loaded when the call has no key).
 
-    Every choice, whichever rule made it, is recorded in the index (``on_routed``).
+    Every choice, whichever rule made it, is recorded in the index (``on_routed``); its
+    ``RouteDecision`` names the rule (``cache``, ``balance``, ``affinity``, ``least_loaded``)
+    with ``match`` / ``prompt``: the characters of the prompt the chosen endpoint holds,
+    and of the prompt (``low`` / ``high`` loads for ``balance``).
 
     With conversation affinity: rule 3 is ``Affinity``, so a new conversation lands where
     every other client process would put it, and its later turns match their own earlier
@@ -158,6 +179,9 @@ class CacheAware:
     The index evicts on insert (no background sweep) within its size bound.
     """
 
+    name = "cache_aware"
+    legs = ("prefill",)
+    """A prefill server's prefix cache is what it follows (the decode leg's KV comes from the prefill)."""
     wants_prompt_text = True
 
     def __init__(
@@ -176,8 +200,6 @@ class CacheAware:
         self.balance_rel_threshold = balance_rel_threshold
         self.index = index or PrefixIndex()
         self.load = load
-        self.decisions: dict[str, int] = {"balance": 0, "cache": 0, "affinity": 0, "least_loaded": 0}
-        """How many calls each rule decided (for benchmarks and debugging)."""
         self._recent: OrderedDict[str, list[int]] = OrderedDict()
         self._recent_lock = threading.Lock()
 
@@ -199,26 +221,36 @@ class CacheAware:
                 self._recent.popitem(last=False)
         return hashes
 
+    @property
+    def wants_load_signals(self) -> bool:
+        return self.load is not None
+
     def choose(self, endpoints: Sequence[Endpoint], request: RouteRequest) -> Endpoint:
+        return self.decide(endpoints, request).endpoint
+
+    def decide(self, endpoints: Sequence[Endpoint], request: RouteRequest) -> RouteDecision:
         loads = self._loads(endpoints)
         low, high = min(loads), max(loads)
         least = endpoints[loads.index(low)]
         if high - low > self.balance_abs_threshold and high > low * self.balance_rel_threshold:
-            self.decisions["balance"] += 1
-            return least
+            return RouteDecision(self.name, least, "balance", {"low": round(low, 2), "high": round(high, 2)})
         text = request.prompt_text
+        detail: dict[str, float] = {}
         if text:
             matched = self.index.match(self._hashes(text), [e.url for e in endpoints])
             best = max(range(len(endpoints)), key=lambda i: (matched[endpoints[i].url], -loads[i]))
-            if matched[endpoints[best].url] / len(text) >= self.threshold and matched[endpoints[best].url] > 0:
-                self.decisions["cache"] += 1
-                return endpoints[best]
+            held = matched[endpoints[best].url]
+            if held > 0 and held / len(text) >= self.threshold:
+                return RouteDecision(self.name, endpoints[best], "cache", {"match": held, "prompt": len(text)})
+            detail = {"match": held, "prompt": len(text)}  # the best match, below the threshold
         if request.affinity_key is not None:
-            self.decisions["affinity"] += 1
-            return rendezvous(endpoints, request.affinity_key)
-        self.decisions["least_loaded"] += 1
-        return least
+            return RouteDecision(self.name, rendezvous(endpoints, request.affinity_key), "affinity", detail)
+        return RouteDecision(self.name, least, "least_loaded", detail)
 
     def on_routed(self, endpoint: Endpoint, request: RouteRequest) -> None:
         if request.prompt_text:
             self.index.insert(self._hashes(request.prompt_text), endpoint.url)
+
+    def on_removed(self, endpoint: Endpoint) -> None:
+        """Discovery removed ``endpoint`` from the pool: forget what was sent there."""
+        self.index.forget(endpoint.url)

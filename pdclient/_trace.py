@@ -64,6 +64,11 @@ class PDTrace(BaseModel):
     """Why the call was refused or failed, in words (``outcome`` refused or failed)."""
     failed_leg: str | None = None
     """``client`` (refused), ``prefill`` or ``decode``: whose answer the caller got as an error."""
+    prefill_route: str | None = None
+    """How the prefill endpoint was chosen (its last attempt's ``RouteDecision``):
+    ``policy[/rule][ name=value ...]``, e.g. ``cache_aware/cache match=1536 prompt=2048``."""
+    decode_route: str | None = None
+    """How the decode endpoint was chosen, e.g. ``load_aware/load score=2`` or ``least_outstanding``."""
 
     def to_headers(self) -> dict[str, str]:
         """The fields known when the decode response starts, as ``x-pd-*`` headers (ASCII)."""

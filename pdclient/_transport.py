@@ -12,6 +12,8 @@ bodies and drive the retries, and the two differ only by ``await``.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import anyio
 import httpx
 import tenacity
@@ -40,12 +42,12 @@ def _resolve(prefill_base_url: URLArg, decode_base_url: URLArg, options: PDOptio
     return options.replace(**{name: url for name, url in urls.items() if url is not None})
 
 
-def _context(options: PDOptions, fleet: Fleet | None) -> CallContext:
+def _context(options: PDOptions, fleet: Fleet | None, *, asynchronous: bool) -> CallContext:
     observers = list(options.observers)
     if options.on_trace is not None:
         observers.append(TraceCallback(options.on_trace))
     if fleet is None or not fleet.serves(options):
-        fleet = Fleet(options)
+        fleet = Fleet(options, asynchronous=asynchronous)
     return CallContext(options=options, fleet=fleet, observers=Observers(observers))
 
 
@@ -59,6 +61,8 @@ class _TransportBase:
 
     _context: CallContext
     _legs: httpx.Client | httpx.AsyncClient
+    _asynchronous: ClassVar[bool]
+    """Whether the transport serves an async client: its fleet's background work is then a task."""
 
     @property
     def options(self) -> PDOptions:
@@ -72,7 +76,7 @@ class _TransportBase:
     def with_options(self, options: PDOptions) -> Self:
         """A transport with other options, sharing this one's connections (and its fleet, if it still fits)."""
         derived = object.__new__(type(self))
-        derived._context = _context(options, self._context.fleet)
+        derived._context = _context(options, self._context.fleet, asynchronous=self._asynchronous)
         derived._legs = self._legs
         return derived
 
@@ -91,6 +95,7 @@ class PDTransport(_TransportBase, httpx.BaseTransport):
     """
 
     _legs: httpx.Client
+    _asynchronous = False
 
     def __init__(
         self,
@@ -100,10 +105,11 @@ class PDTransport(_TransportBase, httpx.BaseTransport):
         options: PDOptions | None = None,
         leg_transport: httpx.BaseTransport | None = None,
     ) -> None:
-        self._context = _context(_resolve(prefill_base_url, decode_base_url, options), None)
+        self._context = _context(_resolve(prefill_base_url, decode_base_url, options), None, asynchronous=False)
         self._legs = httpx.Client(transport=leg_transport, limits=LEG_LIMITS, timeout=None)
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
+        self._context.fleet.start()
         call = Call(self._context, request)
         try:
             if call.kind is None:
@@ -196,6 +202,7 @@ class AsyncPDTransport(_TransportBase, httpx.AsyncBaseTransport):
     """Async twin of ``PDTransport`` (asyncio and trio)."""
 
     _legs: httpx.AsyncClient
+    _asynchronous = True
 
     def __init__(
         self,
@@ -205,10 +212,11 @@ class AsyncPDTransport(_TransportBase, httpx.AsyncBaseTransport):
         options: PDOptions | None = None,
         leg_transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        self._context = _context(_resolve(prefill_base_url, decode_base_url, options), None)
+        self._context = _context(_resolve(prefill_base_url, decode_base_url, options), None, asynchronous=True)
         self._legs = httpx.AsyncClient(transport=leg_transport, limits=LEG_LIMITS, timeout=None)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self._context.fleet.start()
         call = Call(self._context, request)
         try:
             if call.kind is None:
@@ -297,7 +305,7 @@ class AsyncPDTransport(_TransportBase, httpx.AsyncBaseTransport):
                 leg.end(None, exc)
 
     async def aclose(self) -> None:
-        self._context.fleet.close()
+        await self._context.fleet.aclose()
         await self._legs.aclose()
 
 

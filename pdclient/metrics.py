@@ -23,6 +23,12 @@ Metrics (``namespace`` prefix, ``pdclient`` by default; times in seconds):
                                                   ``leg`` (prefill, decode, release), ``endpoint``
                                                   and ``status`` (HTTP status, or ``error``)
 ``pdclient_forwarded_tokens_total``    counter    prompt token ids forwarded to decode, by ``route``
+``pdclient_routing_decisions_total``   counter    leg attempts by ``leg``, ``policy`` and ``rule``
+                                                  (``leg.decision``; ``rule`` is empty for one-rule
+                                                  policies): e.g. cache-aware hits are ``rule="cache"``
+``pdclient_routed_prompt_chars_total``  counter    cache-aware routing: prompt characters routed, by ``leg``
+``pdclient_routed_match_chars_total``   counter    of those, the characters the chosen server was sent
+                                                  before (match / prompt: the predicted prefix-cache hit rate)
 ``pdclient_endpoint_state``            gauge      1 for each endpoint's current breaker ``state``
                                                   (closed, open, half-open), 0 for the others
 ``pdclient_endpoint_in_flight``        gauge      requests in flight per endpoint
@@ -154,6 +160,27 @@ class PrometheusObserver(PDObserver):
             namespace=namespace,
             registry=r,
         )
+        self.routing_decisions = p.Counter(
+            "routing_decisions",
+            "Leg attempts by the routing policy that chose their endpoint and the rule that decided.",
+            ["leg", "policy", "rule"],
+            namespace=namespace,
+            registry=r,
+        )
+        self.routed_prompt_chars = p.Counter(
+            "routed_prompt_chars",
+            "Cache-aware routing: prompt characters routed.",
+            ["leg"],
+            namespace=namespace,
+            registry=r,
+        )
+        self.routed_match_chars = p.Counter(
+            "routed_match_chars",
+            "Cache-aware routing: prompt characters the chosen server was sent before (a predicted cache hit).",
+            ["leg"],
+            namespace=namespace,
+            registry=r,
+        )
         self._endpoints = _EndpointCollector(namespace)
         self._endpoints_registered: set[int] = set()
         self._lock = threading.Lock()
@@ -181,6 +208,16 @@ class PrometheusObserver(PDObserver):
 
     def on_call_start(self, call: CallView) -> None:
         self.in_flight.labels(call.route).inc()
+
+    def on_leg_start(self, call: CallView, leg: LegView) -> None:
+        decision = getattr(leg, "decision", None)
+        if decision is None:
+            return
+        self.routing_decisions.labels(leg.name, decision.policy, decision.rule or "").inc()
+        prompt = decision.detail.get("prompt")
+        if prompt:
+            self.routed_prompt_chars.labels(leg.name).inc(prompt)
+            self.routed_match_chars.labels(leg.name).inc(decision.detail.get("match", 0))
 
     def on_leg_end(self, call: CallView, leg: LegView, status: int | None, error: BaseException | None) -> None:
         label = "error" if error is not None or status is None else str(status)

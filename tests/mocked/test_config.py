@@ -18,8 +18,12 @@ def test_public_surface_is_pinned() -> None:
             "AsyncPDChatClient",
             "AsyncPDTransport",
             "BreakerSettings",
+            "CacheAware",
             "CallView",
+            "DiscoverySettings",
+            "HealthSettings",
             "LegView",
+            "LoadAware",
             "Outcome",
             "PDChatClient",
             "PDConfigError",
@@ -30,8 +34,10 @@ def test_public_surface_is_pinned() -> None:
             "PDTrace",
             "PDTransport",
             "RetrySettings",
+            "RouteDecision",
             "RouteRequest",
             "RoutingPolicy",
+            "ScrapeSettings",
             "__version__",
         ]
     )

@@ -1,8 +1,8 @@
-"""Issue 12's background work against real loopback stubs, under both drivers.
+"""Issue 12's cores and drivers against real loopback stubs, without the clients.
 
-The core does not route through these yet (issue 10 is being rewritten), so calls here
-go the way the wiring will make them: ``route()`` on a pool, ``request_overrides`` for a
-discovered member, one httpx request, ``acquire``/``release`` around it.
+Calls here go the way the Call makes them: ``route()`` on a pool, ``request_overrides``
+for a discovered member, one httpx request, ``acquire``/``release`` around it. The same
+features through PDChatClient / AsyncPDChatClient: ``test_fleet_clients.py``.
 """
 
 from __future__ import annotations
@@ -18,37 +18,16 @@ import pytest
 
 from pdclient._background import BackgroundTask, BackgroundThread, Core, Resolver
 from pdclient._discovery import DiscoverySettings, DnsDiscovery, request_overrides
-from pdclient._endpoints import (
-    BreakerSettings,
-    Endpoint,
-    EndpointPool,
-    LeastOutstanding,
-    RequestPolicy,
-    RouteRequest,
-    route,
-)
+from pdclient._endpoints import BreakerSettings, Endpoint, EndpointPool, route
 from pdclient._health import HealthProber, HealthSettings
 from pdclient._load import LoadAware, LoadScraper, ScrapeSettings
+from pdclient._routing import LeastOutstanding, RouteRequest, RoutingPolicy
+from tests.stubs._fleet import Zone, await_until, hold, start_on, wait_until
 from tests.stubserver import StubServer
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
 FAST_SCRAPES = ScrapeSettings(interval=0.05, staleness=1.0, timeout=1.0)
 FAST_PROBES = HealthSettings(interval=0.05, timeout=1.0, failures=3, successes=2)
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
-
-async def await_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    for _ in range(int(timeout / 0.01)):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("timed out")
 
 
 class Turns:
@@ -74,7 +53,7 @@ def make_pool(urls: list[str], failures: int = 3) -> EndpointPool:
     return EndpointPool("decode", tuple(urls), LeastOutstanding(), BreakerSettings(failures, 30.0))
 
 
-def call(http: httpx.Client, pool: EndpointPool, policy: RequestPolicy) -> tuple[Endpoint, httpx.Response]:
+def call(http: httpx.Client, pool: EndpointPool, policy: RoutingPolicy) -> tuple[Endpoint, httpx.Response]:
     endpoint = route(pool, policy, RouteRequest("decode"))
     headers, extensions = request_overrides(endpoint)
     endpoint.acquire()
@@ -86,19 +65,6 @@ def call(http: httpx.Client, pool: EndpointPool, policy: RequestPolicy) -> tuple
         raise
     endpoint.release(ok=response.status_code < 500)
     return endpoint, response
-
-
-def hold(stub: StubServer, n: int) -> list[threading.Thread]:
-    """``n`` streams to ``stub`` from other clients (another process, as far as the pool knows)."""
-
-    def stream() -> None:
-        with httpx.Client(timeout=30) as client:
-            client.post(stub.url + "/chat/completions", json=CHAT).read()
-
-    threads = [threading.Thread(target=stream) for _ in range(n)]
-    for t in threads:
-        t.start()
-    return threads
 
 
 @pytest.fixture
@@ -172,7 +138,7 @@ def health_run(driver_factory: Callable[[list[Core]], BackgroundThread]) -> None
             first = pool.endpoints[0]
             a.healthy = False
             wait_until(lambda: first.state == "open")
-            assert all(pool.pick() is pool.endpoints[1] for _ in range(5))
+            assert all(pool.pick(RouteRequest("decode")) is pool.endpoints[1] for _ in range(5))
             time.sleep(0.3)
             assert first.state == "open", "probes keep it open"
             a.healthy = True
@@ -214,31 +180,6 @@ async def test_health_probes_under_the_async_driver() -> None:
 
 
 # -- DNS discovery --------------------------------------------------------------------------------
-
-
-def start_on(hosts: list[str], **kwargs: object) -> list[StubServer]:
-    """Stubs on several loopback addresses, one port (as pods behind a headless Service)."""
-    for _ in range(5):
-        first = StubServer(host=hosts[0], **kwargs).start()  # type: ignore[arg-type]
-        try:
-            rest = [StubServer(host=h, port=first.port, **kwargs).start() for h in hosts[1:]]  # type: ignore[arg-type]
-        except OSError:
-            first.stop()
-            continue
-        return [first, *rest]
-    raise RuntimeError("no common free port")
-
-
-class Zone:
-    """A resolver hook: what the name resolves to now (tests change it)."""
-
-    def __init__(self, addresses: list[str]) -> None:
-        self.addresses = addresses
-
-    def __call__(self, host: str, port: int) -> list[str]:
-        if host != "vllm-decode.test":
-            raise OSError(f"unknown host {host}")
-        return list(self.addresses)
 
 
 def test_discovered_members_serve_calls_and_leave_without_dropping_them() -> None:

@@ -6,10 +6,11 @@ import pytest
 
 from pdclient._background import Fetch, LookedUp, Lookup
 from pdclient._discovery import DiscoverySettings, DnsDiscovery, is_address, members_of, request_overrides
-from pdclient._endpoints import BreakerSettings, Endpoint, EndpointPool, LeastOutstanding
+from pdclient._endpoints import BreakerSettings, Endpoint, EndpointPool
 from pdclient._errors import PDConfigError
 from pdclient._health import HealthProber
 from pdclient._load import LoadScraper
+from pdclient._routing import LeastOutstanding, RouteRequest
 
 NAME = "http://vllm-decode.ns.svc:8000/v1"
 
@@ -78,7 +79,7 @@ def test_a_name_becomes_its_addresses_and_follows_them() -> None:
     assert pool.endpoints[0] is kept, "a member that stays keeps its state"
     assert changes[-1] == (["http://127.0.0.4:8000/v1"], ["http://127.0.0.2:8000/v1"])
     gone.release(ok=True)  # the call ends normally on the removed member
-    assert gone.in_flight == 0 and all(pool.pick() is not gone for _ in range(4))
+    assert gone.in_flight == 0 and all(pool.pick(RouteRequest("decode")) is not gone for _ in range(4))
 
     resolve(discovery, 20.0, ("127.0.0.4", "127.0.0.3"))
     assert len(changes) == 2, "the same set in another order is no change"

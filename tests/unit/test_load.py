@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pdclient._background import Fetch, Fetched
-from pdclient._endpoints import BreakerSettings, EndpointPool, LeastOutstanding, RouteRequest
+from pdclient._endpoints import BreakerSettings, EndpointPool
 from pdclient._errors import PDConfigError
 from pdclient._load import (
     LoadAware,
@@ -19,6 +19,7 @@ from pdclient._load import (
     parse_metrics,
     server_url,
 )
+from pdclient._routing import LeastOutstanding, RouteRequest
 
 # The shape of vLLM 0.32's answer (vllm/v1/metrics/loggers.py; a real one is in
 # data/vllm_0_32_metrics.txt): HELP and TYPE lines, labels model_name and engine,
@@ -250,7 +251,7 @@ def test_load_aware_takes_the_servers_view_over_this_process() -> None:
     b.acquire()
     b.acquire()
     assert policy.choose([a, b, c], REQUEST) is c, "6 > 5"
-    assert LeastOutstanding().choose([a, b, c], None) is a, "least-outstanding sees only this process"
+    assert LeastOutstanding().choose([a, b, c], REQUEST) is a, "least-outstanding sees only this process"
 
 
 def test_calls_finished_since_the_scrape_lower_the_score() -> None:
