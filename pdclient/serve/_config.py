@@ -90,6 +90,13 @@ def _optional_str(value: object, source: str) -> str | None:
     return None if value is None else _str(value, source) or None
 
 
+def _on_off_default(value: object, source: str) -> bool | None:
+    """A background feature: on (its default settings), off, or ``auto`` (None: PDOptions decides)."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "auto")):
+        return None
+    return _bool(value, source)
+
+
 Parse = Callable[[object, str], Any]
 
 # A PDOptions field's annotation (a string: postponed annotations) -> how a flag's text becomes its value.
@@ -154,6 +161,11 @@ _SPECIAL: Mapping[str, dict[str, Any]] = {
     "prefill": {"parse": _urls, "env": PREFILL_ENV, "metavar": "URL", "multiple": True, "default": ()},
     "decode": {"parse": _urls, "env": DECODE_ENV, "metavar": "URL", "multiple": True, "default": ()},
     "routing": {"parse": _str, "choices": tuple(sorted(POLICIES))},
+    "prefill_routing": {"parse": _optional_str, "choices": tuple(sorted(POLICIES)), "metavar": "POLICY"},
+    "decode_routing": {"parse": _optional_str, "choices": tuple(sorted(POLICIES)), "metavar": "POLICY"},
+    "load_signals": {"parse": _on_off_default, "metavar": "on|off|auto"},
+    "health_checks": {"parse": _on_off_default, "metavar": "on|off"},
+    "discovery": {"parse": _on_off_default, "metavar": "on|off"},
     "on_prefill_failure": {"metavar": "POLICY"},
     "reuse_secret": {"env": SECRET_ENV, "metavar": "SECRET"},
 }
@@ -164,6 +176,11 @@ _CLIENT_HELP: Mapping[str, str] = {
     "on_prefill_failure": "when the prefill fails for good: decode (decode-only), fail (an error), "
     "or a fallback base URL",
     "routing": "how a pool picks an endpoint",
+    "prefill_routing": "the prefill pool's policy (default: --routing); cache_aware is prefill only",
+    "decode_routing": "the decode pool's policy (default: --routing)",
+    "load_signals": "scrape every server's /metrics (on), never (off), or only for load_aware pools (auto)",
+    "health_checks": "probe every server's /health, feeding its breaker (default settings when on)",
+    "discovery": "a DNS name in a URL becomes one endpoint per address, re-resolved (default settings when on)",
     "breaker_failures": "consecutive failures that open an endpoint's breaker",
     "breaker_cooldown": "seconds an open breaker waits before letting a probe through",
     "prefill_attempts": "attempts of the prefill leg",
@@ -333,9 +350,9 @@ class ServeConfig:
         ``on_trace``, a ``RoutingPolicy`` object): those cannot reach worker processes.
         """
         opts = self.options
-        if opts.observers or opts.on_trace is not None or not isinstance(opts.routing, str):
+        if opts.observers or opts.on_trace is not None:
             raise PDConfigError(
-                "options with observers, on_trace or a RoutingPolicy object cannot be given to worker processes: "
+                "options with observers or on_trace cannot be given to worker processes: "
                 "run one worker (create_app), or use what the flags spell"
             )
         values: dict[str, Any] = {}
@@ -343,7 +360,7 @@ class ServeConfig:
             value: Any = self
             for name in setting.path:
                 value = getattr(value, name)
-            values[setting.name] = list(value) if isinstance(value, tuple) else value
+            values[setting.name] = _spelled(setting, value)
         return values
 
     @classmethod
@@ -370,6 +387,22 @@ class ServeConfig:
     @classmethod
     def from_json(cls, text: str) -> ServeConfig:
         return cls.from_mapping(json.loads(text), source=CONFIG_ENV)
+
+
+def _spelled(setting: Setting, value: Any) -> Any:
+    """The flat value a config file would hold for ``value``; PDConfigError when none spells it."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type) and value == type(value)():
+        value = True  # a background feature on with its default settings: "on"
+    spelled = list(value) if isinstance(value, tuple) else value
+    try:
+        if setting.parse(spelled, setting.name) == value or value is True:
+            return spelled
+    except PDConfigError:
+        pass
+    raise PDConfigError(
+        f"{setting.name}={value!r} cannot be given to worker processes (no flag spells it): "
+        "run one worker (create_app), or use what the flags spell"
+    )
 
 
 def _own_settings() -> list[Setting]:

@@ -146,3 +146,19 @@ def test_cli_reports_config_errors_in_one_line(capsys: pytest.CaptureFixture[str
     assert capsys.readouterr().err.strip() == (
         "pdclient serve: error: decode: give at least one URL (--decode, or $PDCLIENT_DECODE_BASE_URL)"
     )
+
+
+def test_fleet_flags_reach_the_options_and_the_workers() -> None:
+    from pdclient._health import HealthSettings
+
+    config = parse(
+        "--prefill", P, "--decode", D1, D2, "--prefill-routing", "cache_aware", "--decode-routing", "load_aware",
+        "--health-checks", "on", "--load-signals", "auto",
+    )  # fmt: skip
+    options = config.options
+    assert options.policy_for("prefill") == "cache_aware" and options.policy_for("decode") == "load_aware"
+    assert options.health_checks == HealthSettings() and options.discovery is None
+    assert ServeConfig.from_json(config.to_json()) == config
+    tuned = ServeConfig(options=config.options.replace(health_checks=HealthSettings(interval=1.0)))
+    with pytest.raises(PDConfigError, match=r"health_checks=.*worker processes"):
+        tuned.to_json()
