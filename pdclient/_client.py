@@ -58,6 +58,7 @@ class _PDClient:
         reuse_secret: str | openai.NotGiven | None = _NOT_GIVEN,
         on_trace: Callable[[PDTrace], None] | openai.NotGiven | None = _NOT_GIVEN,
         observers: Sequence[PDObserver] | openai.NotGiven = _NOT_GIVEN,
+        max_decode_migrations: int | openai.NotGiven = _NOT_GIVEN,
         base_url: str | httpx.URL | openai.NotGiven | None = _NOT_GIVEN,
         http_client: httpx.Client | httpx.AsyncClient | None = None,
         **kwargs: Any,
@@ -72,6 +73,7 @@ class _PDClient:
             reuse_secret=reuse_secret,
             on_trace=on_trace,
             observers=observers,
+            max_decode_migrations=max_decode_migrations,
         )
         if options is not None and not isinstance(options, PDOptions):
             raise PDConfigError(f"options must be a PDOptions, got {type(options).__name__}")
@@ -121,6 +123,7 @@ class _PDClient:
         reuse_secret: str | openai.NotGiven | None = _NOT_GIVEN,
         on_trace: Callable[[PDTrace], None] | openai.NotGiven | None = _NOT_GIVEN,
         observers: Sequence[PDObserver] | openai.NotGiven = _NOT_GIVEN,
+        max_decode_migrations: int | openai.NotGiven = _NOT_GIVEN,
         **kwargs: Any,
     ) -> Self:
         """The openai client's ``copy`` (and ``with_options``), keeping or changing the P/D options."""
@@ -134,6 +137,7 @@ class _PDClient:
             reuse_secret=reuse_secret,
             on_trace=on_trace,
             observers=observers,
+            max_decode_migrations=max_decode_migrations,
         )
         new = (options or self.pd_options).replace(**given)
         if new.decode_urls != self.pd_options.decode_urls:
