@@ -21,9 +21,9 @@ from ._call import Call, CallContext
 from ._endpoints import AllEndpointsOpen, URLArg
 from ._errors import PDConfigError
 from ._fleet import Fleet
+from ._migrate_stream import async_decode_stream, decode_stream
 from ._observe import Observers, TraceCallback
 from ._options import PDOptions
-from ._streams import AsyncDecodeStream, DecodeStream
 from ._wire import Refusal
 
 # The openai SDK's own pool limits, kept for the legs so a drop-in client pools alike.
@@ -142,7 +142,7 @@ class PDTransport(httpx.BaseTransport):
             self._release(call)
             raise
         try:
-            return call.decode_response(response, DecodeStream(response, call))
+            return call.decode_response(response, decode_stream(response, call, self))
         except BaseException:
             response.close()
             raise
@@ -260,7 +260,7 @@ class AsyncPDTransport(httpx.AsyncBaseTransport):
             await self._release(call)
             raise
         try:
-            return call.decode_response(response, AsyncDecodeStream(response, call))
+            return call.decode_response(response, async_decode_stream(response, call, self))
         except BaseException:
             await response.aclose()
             raise
