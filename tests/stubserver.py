@@ -36,10 +36,11 @@ import argparse
 import contextlib
 import select
 import socket
+import struct
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -84,6 +85,9 @@ class Fault:
     """Close the connection without answering."""
     drop_after_events: int | None = None
     """Streamed decode: send this many SSE events, then close the connection mid-body."""
+    reset: bool = False
+    """With ``drop`` or ``drop_after_events``: reset the connection (RST, "connection reset
+    by peer", as a killed server's kernel does) instead of closing it."""
     event_delay: float = 0.0
     """Streamed decode: seconds between SSE events."""
     drop_after_done: bool = False
@@ -158,8 +162,18 @@ def _leg(body: Any) -> str:
 class StubServer:
     """The stub, on 127.0.0.1 with an ephemeral port, served from a background thread."""
 
-    def __init__(self, *, prompt_tokens: int = 64, host: str = "127.0.0.1", port: int = 0, record: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        prompt_tokens: int = 64,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        record: bool = True,
+        words: Sequence[str] = DECODE_WORDS,
+    ) -> None:
         self.prompt_tokens = prompt_tokens
+        self.words = tuple(words)
+        """The decode's answer, one token per item."""
         self.record = record
         self.fault_hook: FaultHook | None = None
         self._received: list[Received] = []
@@ -268,8 +282,8 @@ class StubServer:
     def answers(self) -> VLLMAnswers:
         return VLLMAnswers(
             ids=self.prompt_ids,
-            text=lambda body: "".join(DECODE_WORDS),
-            pieces=lambda text: list(DECODE_WORDS),
+            text=lambda body: "".join(self.words),
+            pieces=lambda text: list(self.words),
             kv_params=self._kv_params,
         )
 
@@ -346,8 +360,13 @@ class _Handler(BaseHTTPRequestHandler):
     def _error(self, status: int, message: str) -> None:
         self._send(status, {"error": {"message": message, "type": "stub_error", "code": status}})
 
-    def _drop(self) -> None:
+    def _drop(self, reset: bool = False) -> None:
         self.close_connection = True
+        if reset:
+            with contextlib.suppress(OSError):
+                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                self.connection.close()
+            return
         with contextlib.suppress(OSError):
             self.connection.shutdown(socket.SHUT_RDWR)
 
@@ -363,7 +382,7 @@ class _Handler(BaseHTTPRequestHandler):
         frames.append(b"data: [DONE]\n\n")
         for i, frame in enumerate(frames):
             if fault is not None and fault.drop_after_events is not None and i >= fault.drop_after_events:
-                self._drop()
+                self._drop(fault.reset)
                 self.stub._stream_ended(request_id, i, "dropped")
                 return
             stopped = self._wait_before_event(fault) if i and fault is not None else None
@@ -458,7 +477,7 @@ class _Handler(BaseHTTPRequestHandler):
         if fault.delay:
             time.sleep(fault.delay)
         if fault.drop:
-            self._drop()
+            self._drop(fault.reset)
             return True
         if fault.status is not None:
             self._error(fault.status, f"injected HTTP {fault.status}")
