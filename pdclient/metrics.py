@@ -23,6 +23,11 @@ Metrics (``namespace`` prefix, ``pdclient`` by default; times in seconds):
                                                   ``leg`` (prefill, decode, release), ``endpoint``
                                                   and ``status`` (HTTP status, or ``error``)
 ``pdclient_forwarded_tokens_total``    counter    prompt token ids forwarded to decode, by ``route``
+``pdclient_decode_migrations_total``   counter    decode streams moved to another endpoint after
+                                                  they broke, by ``route`` and ``via`` (decode,
+                                                  prefill+decode): ``max_decode_migrations``
+``pdclient_decode_migration_pause_seconds`` histogram  the caller's pause at each move (last chunk
+                                                  before the cut to the first after it)
 ``pdclient_endpoint_state``            gauge      1 for each endpoint's current breaker ``state``
                                                   (closed, open, half-open), 0 for the others
 ``pdclient_endpoint_in_flight``        gauge      requests in flight per endpoint
@@ -40,10 +45,10 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
-from ._bridge import EndpointState, endpoint_states, outcome_of
 from ._errors import PDSetupError
+from ._fleet import Fleet
 from ._observe import CallView, LegView, PDObserver
 
 if TYPE_CHECKING:
@@ -66,6 +71,28 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 """Seconds: from a loopback prefill (ms) to a long generation (minutes)."""
 
 BREAKER_STATES = ("closed", "open", "half-open")
+
+
+class EndpointState(NamedTuple):
+    leg: str
+    """``prefill`` or ``decode``."""
+    url: str
+    state: str
+    """The circuit breaker's: ``closed``, ``open`` or ``half-open``."""
+    admitted: bool
+    """Whether the breaker lets a request through now."""
+    in_flight: int
+
+
+def endpoint_states(source: object) -> list[EndpointState]:
+    """The endpoints of a pdclient client or transport (its fleet) and their breakers."""
+    fleet = getattr(source, "pd_fleet", None) or getattr(source, "fleet", None)
+    if not isinstance(fleet, Fleet):
+        raise TypeError(f"expected a pdclient client or transport, got {type(source).__name__}")
+    return [
+        EndpointState(pool.leg, e.url, e.state, e.admits(), e.in_flight) for pool in fleet.pools for e in pool.endpoints
+    ]
+
 
 EndpointSource = Callable[[], Iterable[EndpointState]]
 
@@ -130,6 +157,21 @@ class PrometheusObserver(PDObserver):
             namespace=namespace,
             registry=r,
         )
+        self.migrations = p.Counter(
+            "decode_migrations",
+            "Decode streams that broke and continued on another decode endpoint.",
+            ["route", "via"],
+            namespace=namespace,
+            registry=r,
+        )
+        self.migration_pause = p.Histogram(
+            "decode_migration_pause_seconds",
+            "The caller's pause when its decode stream moved: last chunk before the cut to the first after it.",
+            ["route"],
+            namespace=namespace,
+            registry=r,
+            buckets=buckets,
+        )
         self._endpoints = _EndpointCollector(namespace)
         self._endpoints_registered: set[int] = set()
         self._lock = threading.Lock()
@@ -167,10 +209,14 @@ class PrometheusObserver(PDObserver):
 
     def on_call_end(self, call: CallView, trace: PDTrace) -> None:
         self.in_flight.labels(call.route).dec()
-        self.calls.labels(call.route, outcome_of(trace)).inc()
+        self.calls.labels(call.route, trace.outcome.value).inc()
         self.call_duration.labels(call.route).observe(time.perf_counter() - call.started)
         if trace.forwarded_tokens:
             self.forwarded_tokens.labels(call.route).inc(trace.forwarded_tokens)
+        for moved in trace.migrations:
+            self.migrations.labels(call.route, moved.route).inc()
+            if moved.pause_ms is not None:
+                self.migration_pause.labels(call.route).observe(moved.pause_ms / 1000)
 
 
 class _EndpointCollector(Collector):
