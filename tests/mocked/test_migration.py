@@ -355,3 +355,56 @@ async def test_a_bad_per_call_setting_is_a_400(mode: str, pool: FakeVLLM, bad: A
 def test_the_route_decision_is_one_threshold() -> None:
     assert migrate.continuation_route(migrate.REMOTE_PREFILL_MIN_TOKENS - 1) is migrate.Route.DECODE
     assert migrate.continuation_route(migrate.REMOTE_PREFILL_MIN_TOKENS) is migrate.Route.PREFILL_DECODE
+
+
+# -- metrics and spans ----------------------------------------------------------------------------
+
+
+async def test_prometheus_counts_migrations(mode: str, pool: FakeVLLM) -> None:
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from pdclient.metrics import PrometheusObserver
+
+    registry = prometheus_client.CollectorRegistry()
+    metrics = PrometheusObserver(registry)
+    pool.cuts = [3]
+    t = Twin(mode, decode_base_url=[DECODE, DECODE2], observers=[metrics])
+    assert text_of(await chunks(t)) == ANSWER
+    await t.close()
+    value = registry.get_sample_value
+    assert value("pdclient_decode_migrations_total", {"route": "chat", "via": "decode"}) == 1
+    assert value("pdclient_decode_migration_pause_seconds_count", {"route": "chat"}) == 1
+    assert value("pdclient_calls_total", {"route": "chat", "outcome": "disaggregated"}) == 1
+    decode_legs = {"leg": "decode", "endpoint": DECODE, "status": "error"}
+    assert value("pdclient_leg_duration_seconds_count", decode_legs) == 1
+    assert value("pdclient_leg_duration_seconds_count", {**decode_legs, "endpoint": DECODE2, "status": "200"}) == 1
+
+
+async def test_otel_shows_the_move(mode: str, pool: FakeVLLM) -> None:
+    pytest.importorskip("opentelemetry.sdk")
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from pdclient.otel import OTelObserver
+
+    spans = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    pool.cuts = [4]
+    t = Twin(mode, decode_base_url=[DECODE, DECODE2], observers=[OTelObserver(tracer_provider=provider)])
+    assert text_of(await chunks(t)) == ANSWER
+    await t.close()
+    finished = {s.name: s for s in spans.get_finished_spans() if s.name != "pdclient.decode"}
+    decode_spans = [s for s in spans.get_finished_spans() if s.name == "pdclient.decode"]
+    assert [(s.attributes or {})["pdclient.attempt"] for s in decode_spans] == [1, 2]
+    assert [(s.attributes or {}).get("url.full", "").split("/")[2] for s in decode_spans] == [
+        "decode.test:8200",
+        "decode2.test:8200",
+    ]
+    call = finished["pdclient.chat"]
+    assert (call.attributes or {})["pdclient.migrations"] == 1
+    (event,) = call.events
+    attributes = event.attributes or {}
+    assert event.name == "pdclient.migration" and attributes["pdclient.after_tokens"] == 3
+    assert (attributes["pdclient.from_url"], attributes["pdclient.to_url"]) == (DECODE, DECODE2)
+    provider.shutdown()
