@@ -61,6 +61,7 @@ MAX_EVENT_BYTES = 4 << 20
 _TRUE = msgspec.Raw(b"true")
 _TOKEN_IDS = b',"token_ids":'
 _PROMPT_TOKEN_IDS = b',"prompt_token_ids":'
+_PROMPT_KEY = b'"prompt_token_ids":'
 _DONE = b"[DONE]"
 # Request fields whose vLLM implementation makes a continuation differ from the answer
 # the server would have given, or whose value is compared below.
@@ -505,6 +506,14 @@ class Tracker:
         if payload == _DONE:
             self.done = True
             return self._flush() + event
+        original = event
+        if not self.want_prompt_ids and _PROMPT_KEY in payload:
+            # The first chunk's prompt ids (thousands, with a long prompt) are cut out of the
+            # bytes before parsing: pdclient has them already.
+            cut = _cut(event, _PROMPT_TOKEN_IDS)
+            if cut:
+                event = cut
+                payload = event[5:].strip()
         try:
             obj = orjson.loads(payload)
         except orjson.JSONDecodeError:
@@ -520,7 +529,7 @@ class Tracker:
         if "error" in obj:
             self._stop("the decode reported an error in the stream")
         if choice is None:
-            return self._flush() + self._output(event, obj, None, None)
+            return self._flush() + self._output(original, event, obj, None, None)
         ids = choice.get("token_ids")
         finish = choice.get("finish_reason")
         if self.chat:
@@ -542,7 +551,7 @@ class Tracker:
             if visible:
                 self._stop("the decode sent text without its token ids")
             ids = None
-        out = self._output(event, obj, choice, delta)
+        out = self._output(original, event, obj, choice, delta)
         if not out:
             return b""
         if self.stopped is None and ids and not visible and finish is None:
@@ -554,11 +563,13 @@ class Tracker:
             self.ids.extend(ids)
         return flushed + out if flushed else out
 
-    def _output(self, event: bytes, obj: dict[str, Any], choice: dict[str, Any] | None, delta: Any) -> bytes:
+    def _output(
+        self, original: bytes, event: bytes, obj: dict[str, Any], choice: dict[str, Any] | None, delta: Any
+    ) -> bytes:
         if self._splice is not None:
             return self._splice.rewrite(obj, choice, delta)
         if self.keep_ids:
-            return event
+            return original
         out = event
         if choice is not None and "token_ids" in choice:
             out = _cut(out, _TOKEN_IDS)
