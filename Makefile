@@ -14,7 +14,7 @@ VENV_OPENAI2 = $(shell tools/venv.sh requirements-openai2.txt)
 PYTEST = -m pytest -ra -p no:cacheprovider
 
 .PHONY: test install install-openai2 lint typecheck test-client test-openai2 test-server-patch test-fast demo \
-        bench-client-overhead bench-decode-ttft
+        bench-client-overhead bench-decode-ttft bench-migration
 
 # Every tier, in the order a failure is cheapest to find (docs/ARCHITECTURE.md, "Tests").
 test: lint typecheck test-client test-openai2 test-server-patch
@@ -61,3 +61,8 @@ bench-client-overhead: install
 # ARGS="--prefill URL --decode URL ..." for another pair; see the script's docstring.
 bench-decode-ttft: install
 	$(VENV)/bin/python benchmarks/bench_decode_ttft.py $(ARGS)
+
+# Decode migration: the caller's pause when a decode server is SIGKILLed mid-answer, against
+# a full retry, on a trio it starts (~20 min; wrap it in `vllm-slot --exclusive` on a shared host).
+bench-migration: install
+	$(VENV)/bin/python benchmarks/bench_migration.py $(ARGS)
