@@ -31,6 +31,7 @@ import httpx
 import openai
 import orjson
 
+from . import _migrate as migrate
 from . import _retry as retry
 from . import _wire as wire
 from ._discovery import request_overrides
@@ -177,6 +178,8 @@ class Call:
         self._prefill_body: bytes | None = None
         self._decode_body: bytes | None = None
         self._prompt_text: str | None = None
+        self.migration: migrate.CallMigration | None = None
+        """Whether and how the decode stream may move to another endpoint (issue 15, ``_migrate``)."""
         # openai's `timeout` bounds each read; the prefill phase (retries included) gets it,
         # or the shorter prefill_timeout, as a total.
         bounds = [(request.extensions.get("timeout") or {}).get("read"), context.options.retries.prefill_timeout]
@@ -292,6 +295,8 @@ class Call:
     def decode_request(self) -> httpx.Request:
         """The next decode attempt; raises ``AllEndpointsOpen`` when no endpoint is admitted."""
         self.phase = Phase.DECODE
+        if self.migration is not None and self.migration.pending is not None:
+            return self.decode.start(self.migration.continuation_request(self))  # a migrated decode
         if self.fallback_url is not None:
             base = self.decode.use(self.fallback_url)
         else:
@@ -301,7 +306,8 @@ class Call:
         cpu_start = time.thread_time()
         first = self._decode_body is None
         if self._decode_body is None:
-            self._decode_body = wire.decode_body(self.plan, self.prefill_result)
+            self.migration = migrate.arm(self)
+            self._decode_body = self.migration.decode_body(self.plan, self.prefill_result)
         signed_with = self._sign(base, self._decode_body)  # a fresh nonce per attempt
         if first:
             self.cpu_seconds += time.thread_time() - cpu_start
@@ -350,15 +356,19 @@ class Call:
         self.observers.first_byte(self)
 
     def broken_stream(
-        self, error: httpx.TransportError | httpx.DecodingError, received: int
+        self, error: httpx.TransportError | httpx.DecodingError, received: int, not_moved: str | None = None
     ) -> openai.APIConnectionError:
         """A decode stream cut mid-way, as the openai error a caller already handles.
 
         openai 3.x maps an httpx error during iteration to APIConnectionError itself, 2.x
         lets the raw httpx error through; raising the openai error here makes both alike.
+        ``not_moved``: why it did not move to another decode endpoint (default: the call's).
         """
         self.outcome = Outcome.FAILED
         self.error = f"decode stream broke after {received} bytes: {type(error).__name__}: {error}"
+        not_moved = not_moved or (self.migration.refused if self.migration is not None else None)
+        if not_moved:
+            self.error += f"; not migrated: {not_moved}"
         self.decode.end(self.decode.status, error)
         message = f"pdclient: {self.error} (decode {self.decode.url}, request {self.request_id})"
         return openai.APIConnectionError(message=message, request=self.request)  # type: ignore[arg-type]
@@ -452,6 +462,9 @@ class Call:
         fallback = self.fallback
         if fallback is None and ids_skipped is not None:
             fallback = f"ids not forwarded: {ids_skipped}"
+        moved = self.migration.summary() if self.migration is not None else None
+        if moved:
+            fallback = f"{fallback}; {moved}" if fallback else moved
         return PDTrace(
             request_id=self.request_id,
             route=self.route,
@@ -470,6 +483,7 @@ class Call:
             failed_leg=self.failed_leg,
             prefill_route=str(self.prefill.decision) if self.prefill.decision else None,
             decode_route=str(self.decode.decision) if self.decode.decision else None,
+            migrations=self.migration.records() if self.migration is not None else (),
         )
 
     def _json_error(self, status: int, message: str, leg: str) -> httpx.Response:

@@ -68,6 +68,7 @@ class _PDClient:
         load_signals: ScrapeSettings | bool | openai.NotGiven | None = _NOT_GIVEN,
         health_checks: HealthSettings | bool | openai.NotGiven | None = _NOT_GIVEN,
         discovery: DiscoverySettings | bool | openai.NotGiven | None = _NOT_GIVEN,
+        max_decode_migrations: int | openai.NotGiven = _NOT_GIVEN,
         base_url: str | httpx.URL | openai.NotGiven | None = _NOT_GIVEN,
         http_client: httpx.Client | httpx.AsyncClient | None = None,
         **kwargs: Any,
@@ -127,6 +128,7 @@ class _PDClient:
         load_signals: ScrapeSettings | bool | openai.NotGiven | None = _NOT_GIVEN,
         health_checks: HealthSettings | bool | openai.NotGiven | None = _NOT_GIVEN,
         discovery: DiscoverySettings | bool | openai.NotGiven | None = _NOT_GIVEN,
+        max_decode_migrations: int | openai.NotGiven = _NOT_GIVEN,
         **kwargs: Any,
     ) -> Self:
         """The openai client's ``copy`` (and ``with_options``), keeping or changing the P/D options."""

@@ -76,7 +76,8 @@ class LegView(Protocol):
 
     @property
     def attempt(self) -> int:
-        """1 for the first attempt of this leg in this call, 2 for its first retry, ..."""
+        """1 for the first attempt of this leg in this call, 2 for its first retry or the
+        continuation after a decode migration, ..."""
         ...
 
     @property

@@ -93,6 +93,12 @@ def _check_fleet_options(options: PDOptions) -> None:
     set_(options, "discovery", _check_settings("discovery", options.discovery, DiscoverySettings))
 
 
+def check_migrations(value: object, source: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise PDConfigError(f"{source} must be an int >= 0 (0 turns decode migration off), got {value!r}")
+    return value
+
+
 def _check_type(name: str, value: object, expected: type) -> None:
     if not isinstance(value, expected):
         raise PDConfigError(f"{name} must be a {expected.__name__}, got {type(value).__name__}: {value!r}")
@@ -143,6 +149,9 @@ class PDOptions:
     discovery: DiscoverySettings | bool | None = None
     """Re-resolve base URLs that are DNS names into one member per address, in the
     background (``DiscoverySettings``; True: the defaults). Off by default."""
+    max_decode_migrations: int = 1
+    """How many times one streamed call may move to another decode endpoint after its stream
+    broke, continuing the answer token for token (pdclient/_migrate.py); 0 turns it off."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -168,6 +177,7 @@ class PDOptions:
                 raise PDConfigError(f"observers: {observer!r} is not a PDObserver (subclass pdclient.PDObserver)")
         set_(self, "observers", tuple(self.observers))
         _check_fleet_options(self)
+        check_migrations(self.max_decode_migrations, "max_decode_migrations")
 
     @property
     def prefill_urls(self) -> tuple[str, ...]:
@@ -211,12 +221,15 @@ class CallOptions:
     """An explicit affinity key (a user or conversation id) instead of the conversation's opening."""
     forward_ids: bool = True
     """False sends the decode leg no ids (it renders and tokenizes the prompt itself): for A/B checks."""
+    max_decode_migrations: int | None = None
+    """This call's bound on decode migrations (``PDOptions.max_decode_migrations``)."""
 
 
 _CALL_OPTION_TYPES: Mapping[str, tuple[type, ...]] = {
     "on_prefill_failure": (str,),
     "session": (str, int),
     "forward_ids": (bool,),
+    "max_decode_migrations": (int,),
 }
 
 
@@ -242,4 +255,6 @@ def parse_call_options(value: object) -> CallOptions:
         )
     if "session" in options:
         options["session"] = str(options["session"])
+    if "max_decode_migrations" in options:
+        check_migrations(options["max_decode_migrations"], f"{CALL_OPTIONS_KEY}.max_decode_migrations")
     return CallOptions(**options)

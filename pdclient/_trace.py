@@ -32,6 +32,26 @@ class Outcome(str, enum.Enum):
     """Not a chat or completions call: sent to a decode endpoint as it was."""
 
 
+class Migration(BaseModel):
+    """One move of a call's decode stream to another decode endpoint after it broke (issue 15)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    from_url: str
+    """The decode endpoint whose stream broke."""
+    to_url: str
+    """The decode endpoint the continuation streamed from."""
+    after_tokens: int
+    """Generated token ids carried into the continuation's prompt: the answer's tokens the caller had."""
+    pause_ms: float | None = None
+    """From the caller's last chunk before the cut to its first chunk after it (None: none came)."""
+    route: str = "decode"
+    """``decode`` (the decode endpoint computed the continuation's prompt itself) or
+    ``prefill+decode`` (a prefill endpoint computed it and its KV was handed over)."""
+    cause: str = ""
+    """What broke the stream, in words."""
+
+
 class PDTrace(BaseModel):
     """What one chat or completions call did. Times are milliseconds measured on the client."""
 
@@ -69,11 +89,14 @@ class PDTrace(BaseModel):
     ``policy[/rule][ name=value ...]``, e.g. ``cache_aware/cache match=1536 prompt=2048``."""
     decode_route: str | None = None
     """How the decode endpoint was chosen, e.g. ``load_aware/load score=2`` or ``least_outstanding``."""
+    migrations: tuple[Migration, ...] = ()
+    """Each time the decode stream broke and the answer continued on another decode endpoint
+    (``max_decode_migrations``), in order. Not in the response headers: known only later."""
 
     def to_headers(self) -> dict[str, str]:
         """The fields known when the decode response starts, as ``x-pd-*`` headers (ASCII)."""
         headers: dict[str, str] = {}
-        for name, value in self.model_dump(exclude={"decode_first_byte_ms"}, mode="json").items():
+        for name, value in self.model_dump(exclude={"decode_first_byte_ms", "migrations"}, mode="json").items():
             if value is not None:
                 headers[HEADER_PREFIX + name.replace("_", "-")] = header_value(value)
         return headers

@@ -24,9 +24,9 @@ from ._call import Call, CallContext
 from ._endpoints import AllEndpointsOpen, URLArg
 from ._errors import PDConfigError
 from ._fleet import Fleet
+from ._migrate_stream import async_decode_stream, decode_stream
 from ._observe import Observers, TraceCallback
 from ._options import PDOptions
-from ._streams import AsyncDecodeStream, DecodeStream
 from ._wire import Refusal
 
 # The openai SDK's own pool limits, kept for the legs so a drop-in client pools alike.
@@ -159,7 +159,7 @@ class PDTransport(_TransportBase, httpx.BaseTransport):
             self._release(call)
             raise
         try:
-            return call.decode_response(response, DecodeStream(response, call))
+            return call.decode_response(response, decode_stream(response, call, self))
         except BaseException:
             response.close()
             raise
@@ -266,7 +266,7 @@ class AsyncPDTransport(_TransportBase, httpx.AsyncBaseTransport):
             await self._release(call)
             raise
         try:
-            return call.decode_response(response, AsyncDecodeStream(response, call))
+            return call.decode_response(response, async_decode_stream(response, call, self))
         except BaseException:
             await response.aclose()
             raise

@@ -221,6 +221,23 @@ def prefill_body(plan: Plan) -> bytes:
     return encode_fields(fields)
 
 
+def prefill_body_for_ids(plan: Plan, ids: bytes) -> bytes:
+    """A prefill leg whose prompt is given as token ids (a JSON array), not rendered.
+
+    Chat: the ids ride in ``kv_transfer_params.prompt_token_ids`` next to
+    ``do_remote_decode`` (vLLM 0.27+ honours them on this leg too); completions: the
+    ``prompt`` is the ids. Used by a migrated decode (pdclient/_migrate.py).
+    """
+    fields = _one_token(plan.fields)
+    fields["return_token_ids"] = _TRUE
+    if plan.kind is Kind.CHAT:
+        fields["kv_transfer_params"] = msgspec.Raw(_with_ids(bytes(_PREFILL_KV_RAW), ids))
+    else:
+        fields["prompt"] = msgspec.Raw(ids)
+        fields["kv_transfer_params"] = _PREFILL_KV_RAW
+    return encode_fields(fields)
+
+
 @dataclass(frozen=True)
 class PrefillResult:
     """What the decode leg needs from the prefill response, as bytes."""

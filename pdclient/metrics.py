@@ -29,6 +29,11 @@ Metrics (``namespace`` prefix, ``pdclient`` by default; times in seconds):
 ``pdclient_routed_prompt_chars_total``  counter    cache-aware routing: prompt characters routed, by ``leg``
 ``pdclient_routed_match_chars_total``   counter    of those, the characters the chosen server was sent
                                                   before (match / prompt: the predicted prefix-cache hit rate)
+``pdclient_decode_migrations_total``   counter    decode streams moved to another endpoint after
+                                                  they broke, by ``route`` and ``via`` (decode,
+                                                  prefill+decode): ``max_decode_migrations``
+``pdclient_decode_migration_pause_seconds`` histogram  the caller's pause at each move (last chunk
+                                                  before the cut to the first after it)
 ``pdclient_endpoint_state``            gauge      1 for each endpoint's current breaker ``state``
                                                   (closed, open, half-open), 0 for the others
 ``pdclient_endpoint_in_flight``        gauge      requests in flight per endpoint
@@ -181,6 +186,21 @@ class PrometheusObserver(PDObserver):
             namespace=namespace,
             registry=r,
         )
+        self.migrations = p.Counter(
+            "decode_migrations",
+            "Decode streams that broke and continued on another decode endpoint.",
+            ["route", "via"],
+            namespace=namespace,
+            registry=r,
+        )
+        self.migration_pause = p.Histogram(
+            "decode_migration_pause_seconds",
+            "The caller's pause when its decode stream moved: last chunk before the cut to the first after it.",
+            ["route"],
+            namespace=namespace,
+            registry=r,
+            buckets=buckets,
+        )
         self._endpoints = _EndpointCollector(namespace)
         self._endpoints_registered: set[int] = set()
         self._lock = threading.Lock()
@@ -232,6 +252,10 @@ class PrometheusObserver(PDObserver):
         self.call_duration.labels(call.route).observe(time.perf_counter() - call.started)
         if trace.forwarded_tokens:
             self.forwarded_tokens.labels(call.route).inc(trace.forwarded_tokens)
+        for moved in trace.migrations:
+            self.migrations.labels(call.route, moved.route).inc()
+            if moved.pause_ms is not None:
+                self.migration_pause.labels(call.route).observe(moved.pause_ms / 1000)
 
 
 class _EndpointCollector(Collector):

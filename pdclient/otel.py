@@ -6,6 +6,12 @@ Every chat or completions call records::
     ├── pdclient.prefill          one span per prefill attempt (retries show as siblings)
     └── pdclient.decode           from sending the decode request until its body is closed
 
+A decode stream that broke and moved to another endpoint (``max_decode_migrations``) shows
+as a second ``pdclient.decode`` span (its ``pdclient.attempt`` one higher, after a prefill
+span when the continuation took a prefill); the call span counts the moves in
+``pdclient.migrations`` and has one ``pdclient.migration`` event per move (from, to, after
+how many tokens, the pause in ms, the route and the cause).
+
 The call span nests under whatever span is current when the call is made, e.g. the
 ``chat <model>`` span of ``opentelemetry-instrumentation-openai-v2``, which still sees one
 call: the split into legs happens below the openai SDK. Pass-through requests (models,
@@ -95,8 +101,12 @@ class OTelObserver(PDObserver):
         span = call.data.pop(self, None)
         if span is None:
             return
-        for name, value in trace.model_dump(exclude_none=True, mode="json").items():
+        for name, value in trace.model_dump(exclude_none=True, exclude={"migrations"}, mode="json").items():
             span.set_attribute(ATTRIBUTE_PREFIX + name, value)
+        span.set_attribute(ATTRIBUTE_PREFIX + "migrations", len(trace.migrations))
+        for moved in trace.migrations:
+            attributes = {ATTRIBUTE_PREFIX + k: v for k, v in moved.model_dump(exclude_none=True).items()}
+            span.add_event("pdclient.migration", attributes=attributes)
         if trace.outcome in (Outcome.FAILED, Outcome.REFUSED):
             span.set_status(self._trace.Status(self._trace.StatusCode.ERROR, trace.error or trace.outcome.value))
         span.end()

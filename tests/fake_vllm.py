@@ -9,6 +9,11 @@
 - any other chat or completions body is a decode: the answer's text, streamed (SSE, a
   role chunk first, a finish chunk last, a usage chunk when ``stream_options.include_usage``)
   or not; a tool call instead when tools are offered and no tool result came back yet.
+  ``return_token_ids: true`` adds each chunk's ids (``choices[0].token_ids``: the answer's
+  token ``i`` is ``ANSWER_ID + i``, the end of the answer ``EOS_ID``) and the prompt's in the
+  first chunk, as vLLM 0.32 does. A prompt that ends with the answer's first ``k`` ids (a
+  continuation: ``kv_transfer_params.prompt_token_ids`` on chat, an id ``prompt`` on
+  completions) is answered from token ``k`` on; ``max_tokens`` bounds what a decode sends.
 
 Two ways to serve it, one behaviour:
 
@@ -31,8 +36,14 @@ import httpx
 
 PREFILL = "http://prefill.test:8100/v1"
 DECODE = "http://decode.test:8200/v1"
+DECODE2 = "http://decode2.test:8200/v1"
 MODEL = "stub-model"
 VOCAB = 151_000  # ids in the range of a real tokenizer, so the JSON has realistic widths
+ANSWER_ID = 160_000
+"""The answer's token ``i`` has id ``ANSWER_ID + i``: outside every prompt's ids, so a
+continuation's prompt shows how much of the answer it already holds."""
+EOS_ID = 2
+BAD_CONTINUATION = "<<not a continuation of this answer>>"
 NIXL_BLOCK_SIZE = 16
 NIXL_PARAMS: dict[str, Any] = {
     "do_remote_prefill": True,
@@ -68,6 +79,21 @@ def forwarded_ids(path: str, body: Body) -> list[Any] | None:
         prompt = body.get("prompt")
         ids = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) else None
     return ids if isinstance(ids, list) else None
+
+
+def answer_resume(ids: list[Any] | None) -> int | None:
+    """How many of the answer's tokens a prompt ends with (0: none); None if its answer ids are not a prefix."""
+    if not ids:
+        return 0
+    answer = [i - ANSWER_ID for i in ids if isinstance(i, int) and i >= ANSWER_ID]
+    if not answer:
+        return 0
+    k = len(answer)
+    return k if answer == list(range(k)) and ids[-k:] == [ANSWER_ID + i for i in range(k)] else None
+
+
+def wants_ids(body: Body) -> bool:
+    return body.get("return_token_ids") is True
 
 
 # -- what the ids and the answer are, per configuration ------------------------------------
@@ -109,7 +135,8 @@ class VLLMAnswers:
     tool_arguments: dict[str, Any] = field(default_factory=lambda: {"city": "Paris"})
 
     def prefill(self, path: str, body: Body, request_id: str = "req-p") -> Body:
-        ids = self.ids(body)
+        # Ids given as the prompt (chat: next to do_remote_decode) are used as they are.
+        ids = forwarded_ids(path, body) or self.ids(body)
         usage = {"prompt_tokens": len(ids), "completion_tokens": 1, "total_tokens": len(ids) + 1}
         base = {"id": f"cmpl-{request_id}", "created": 1, "model": body.get("model", MODEL), "usage": usage}
         kv = self.kv_params(request_id, len(ids))
@@ -141,8 +168,20 @@ class VLLMAnswers:
     def usage(self, path: str, body: Body) -> dict[str, int]:
         ids = forwarded_ids(path, body)
         prompt = len(ids) if ids else 16
-        completion = len(self.pieces(self.text(body)))
+        completion = len(self._answer(path, body)[0]) if wants_ids(body) else len(self.pieces(self.text(body)))
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def _answer(self, path: str, body: Body) -> tuple[list[tuple[int, str]], str]:
+        """The (token id, text) pieces this decode sends, and its finish reason."""
+        pieces = self.pieces(self.text(body))
+        resume = answer_resume(forwarded_ids(path, body))
+        if resume is None:
+            return [(0, BAD_CONTINUATION)], "stop"
+        tokens = [(ANSWER_ID + i, piece) for i, piece in enumerate(pieces)][resume:]
+        limit = body.get("max_completion_tokens") or body.get("max_tokens")
+        if isinstance(limit, int) and len(tokens) > limit:
+            return tokens[:limit], "length"
+        return tokens, "stop"
 
     def decode(self, path: str, body: Body) -> Body:
         chat = path.endswith("/chat/completions")
@@ -174,17 +213,21 @@ class VLLMAnswers:
             "model": body.get("model", MODEL),
         }
 
-        def event(delta: Body | str, finish: str | None = None) -> Body:
+        ids = wants_ids(body)
+
+        def event(delta: Body | str, finish: str | None = None, token_ids: list[int] | None = None) -> Body:
             if chat:
                 choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
             else:
                 choice = {"index": 0, "text": delta, "finish_reason": finish, "logprobs": None}
+            if ids and token_ids is not None:
+                choice["token_ids"] = token_ids
             return {**base, "choices": [choice]}
 
         call = self.tool_call(body) if chat else None
         if call is not None:
             events = [event({"role": "assistant", "tool_calls": [{"index": 0, **call}]}), event({}, "tool_calls")]
-        else:
+        elif not ids:
             pieces = self.pieces(self.text(body))
             if chat:
                 events = [event({"role": "assistant", "content": pieces[0]})]
@@ -192,6 +235,19 @@ class VLLMAnswers:
                 events.append(event({}, "stop"))
             else:
                 events = [event(piece) for piece in pieces] + [event("", "stop")]
+        else:
+            # As vLLM streams with return_token_ids: a role chunk with the prompt's ids, one
+            # chunk per token (its text may be empty), the finish chunk with the last id.
+            tokens, finish = self._answer(path, body)
+            prompt_ids = forwarded_ids(path, body) or self.ids(body)
+            end = [EOS_ID] if finish == "stop" else []
+            if chat:
+                events = [{**event({"role": "assistant", "content": ""}), "prompt_token_ids": prompt_ids}]
+                events += [event({"content": piece}, None, [token]) for token, piece in tokens]
+                events.append(event({}, finish, end))
+            else:
+                events = [event(piece, None, [token]) for token, piece in tokens] + [event("", finish, end)]
+                events[0]["choices"][0]["prompt_token_ids"] = prompt_ids
         options = body.get("stream_options")
         if isinstance(options, dict) and options.get("include_usage"):
             events.append({**base, "choices": [], "usage": self.usage(path, body)})
@@ -202,8 +258,30 @@ class VLLMAnswers:
         return {"object": "list", "data": [{"id": MODEL, "object": "model", "created": 0, "owned_by": "fake-vllm"}]}
 
 
+def sse_frames(events: list[Body]) -> list[bytes]:
+    """One SSE frame per event, compact as vLLM writes them, then ``[DONE]``."""
+    return [b"data: " + json.dumps(e, separators=(",", ":")).encode() + b"\n\n" for e in events] + [b"data: [DONE]\n\n"]
+
+
 def sse_events(events: list[Body]) -> bytes:
     return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+
+
+class CutStream(httpx.SyncByteStream, httpx.AsyncByteStream):
+    """A response body that sends ``frames`` and then breaks, as a decode server that died mid-answer."""
+
+    def __init__(self, frames: list[bytes], error: Exception | None = None) -> None:
+        self.frames = frames
+        self.error = error or httpx.RemoteProtocolError("peer closed connection without sending complete message body")
+
+    def __iter__(self) -> Iterator[bytes]:
+        yield from self.frames
+        raise self.error
+
+    async def __aiter__(self) -> Any:
+        for frame in self.frames:
+            yield frame
+        raise self.error
 
 
 # -- in process, through respx ---------------------------------------------------------------
@@ -216,6 +294,10 @@ class FakeVLLM:
     answers: VLLMAnswers = field(default_factory=VLLMAnswers)
     prefill_bodies: list[Body] = field(default_factory=list)
     decode_bodies: list[Body] = field(default_factory=list)
+    decode_urls: list[str] = field(default_factory=list)
+    """The base URL each decode body went to."""
+    cuts: list[int] = field(default_factory=list)
+    """Streamed decodes to break, in order: each sends this many SSE frames, then its connection drops."""
     router: Any = None
     """The respx router: change a route's answer in a test with ``router.routes["decode"].mock(...)``."""
 
@@ -230,14 +312,21 @@ class FakeVLLM:
             self.prefill_bodies.append(body)
             return httpx.Response(200, json=self.answers.prefill(path, body))
         self.decode_bodies.append(body)
+        self.decode_urls.append(str(request.url).rsplit(path.removeprefix("/v1"), 1)[0])
         if body.get("stream"):
             events = self.answers.decode_events(path, body)
-            return httpx.Response(200, content=sse_events(events), headers={"content-type": "text/event-stream"})
+            headers = {"content-type": "text/event-stream"}
+            if self.cuts:
+                return httpx.Response(200, stream=CutStream(sse_frames(events)[: self.cuts.pop(0)]), headers=headers)
+            return httpx.Response(200, content=sse_events(events), headers=headers)
         return httpx.Response(200, json=self.answers.decode(path, body))
 
     @contextlib.contextmanager
-    def routes(self, prefill_url: str, decode_url: str) -> Iterator[Any]:
-        """respx routes ``prefill`` and ``decode`` (chat and completions) and ``models``; yields the router."""
+    def routes(self, prefill_url: str, decode_url: str, *more_decode_urls: str) -> Iterator[Any]:
+        """respx routes ``prefill`` and ``decode`` (chat and completions) and ``models``; yields the router.
+
+        ``more_decode_urls``: further decode endpoints answering alike (routes ``decode2``, ...).
+        """
         import respx
 
         with respx.mock(assert_all_called=False) as router:
@@ -246,6 +335,9 @@ class FakeVLLM:
             router.post(f"{decode_url}/chat/completions", name="decode").mock(side_effect=self.respond)
             router.post(f"{prefill_url}/completions", name="prefill_completions").mock(side_effect=self.respond)
             router.post(f"{decode_url}/completions", name="decode_completions").mock(side_effect=self.respond)
+            for n, url in enumerate(more_decode_urls, start=2):
+                router.post(f"{url}/chat/completions", name=f"decode{n}").mock(side_effect=self.respond)
+                router.post(f"{url}/completions", name=f"decode{n}_completions").mock(side_effect=self.respond)
             router.get(f"{decode_url}/models", name="models").mock(
                 return_value=httpx.Response(200, json=self.answers.models())
             )

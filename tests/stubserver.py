@@ -64,12 +64,13 @@ import argparse
 import contextlib
 import select
 import socket
+import struct
 import sys
 import threading
 import time
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -115,6 +116,9 @@ class Fault:
     """Close the connection without answering."""
     drop_after_events: int | None = None
     """Streamed decode: send this many SSE events, then close the connection mid-body."""
+    reset: bool = False
+    """With ``drop`` or ``drop_after_events``: reset the connection (RST, "connection reset
+    by peer", as a killed server's kernel does) instead of closing it."""
     event_delay: float = 0.0
     """Streamed decode: seconds between SSE events."""
     drop_after_done: bool = False
@@ -271,8 +275,11 @@ class StubServer:
         step_per_running: float = 0.0,
         prefix_cache: PrefixCacheModel | None = None,
         preprocess_ms_per_1k_tokens: float = 0.0,
+        words: Sequence[str] = DECODE_WORDS,
     ) -> None:
         self.prompt_tokens = prompt_tokens
+        self.words = tuple(words)
+        """The decode's answer, one token per item."""
         self.record = record
         self.preprocess_ms_per_1k_tokens = preprocess_ms_per_1k_tokens
         self.counts: dict[str, int] = {}
@@ -472,8 +479,8 @@ class StubServer:
     def answers(self) -> VLLMAnswers:
         return VLLMAnswers(
             ids=self.prompt_ids,
-            text=lambda body: "".join(DECODE_WORDS),
-            pieces=lambda text: list(DECODE_WORDS),
+            text=lambda body: "".join(self.words),
+            pieces=lambda text: list(self.words),
             kv_params=self._kv_params,
         )
 
@@ -560,8 +567,13 @@ class _Handler(BaseHTTPRequestHandler):
     def _error(self, status: int, message: str) -> None:
         self._send(status, {"error": {"message": message, "type": "stub_error", "code": status}})
 
-    def _drop(self) -> None:
+    def _drop(self, reset: bool = False) -> None:
         self.close_connection = True
+        if reset:
+            with contextlib.suppress(OSError):
+                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                self.connection.close()
+            return
         with contextlib.suppress(OSError):
             self.connection.shutdown(socket.SHUT_RDWR)
 
@@ -577,7 +589,7 @@ class _Handler(BaseHTTPRequestHandler):
         frames.append(b"data: [DONE]\n\n")
         for i, frame in enumerate(frames):
             if fault is not None and fault.drop_after_events is not None and i >= fault.drop_after_events:
-                self._drop()
+                self._drop(fault.reset)
                 self.stub._stream_ended(request_id, i, "dropped")
                 return
             if i and self.stub.step_delay():
@@ -717,7 +729,7 @@ class _Handler(BaseHTTPRequestHandler):
         if fault.delay:
             time.sleep(fault.delay)
         if fault.drop:
-            self._drop()
+            self._drop(fault.reset)
             return True
         if fault.status is not None:
             self._error(fault.status, f"injected HTTP {fault.status}")

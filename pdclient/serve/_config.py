@@ -189,6 +189,8 @@ _CLIENT_HELP: Mapping[str, str] = {
     "backoff_max": "largest retry backoff, seconds",
     "prefill_timeout": "bound on the whole prefill phase, retries included, seconds ('none': only --timeout)",
     "reuse_secret": "HMAC secret signing kv_transfer_params (servers with the guard)",
+    "max_decode_migrations": "times one streamed call may move to another decode endpoint after its stream broke "
+    "(0: never)",
 }
 
 
