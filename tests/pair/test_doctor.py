@@ -9,8 +9,7 @@ import os
 import subprocess
 import sys
 
-from pdclient._doctor import run_doctor
-
+from pdclient.cli.doctor import run_doctor
 from pdclient.local import PDServers
 from pdclient.local._server import free_port
 

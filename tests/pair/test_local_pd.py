@@ -13,9 +13,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from pdclient._handoff import PREFILL_KV_TRANSFER_PARAMS
 
 from pdclient import PDSetupError
+from pdclient._wire import PREFILL_KV_TRANSFER_PARAMS
 from pdclient.local import LocalPD, PDServers
 from pdclient.local._pair import assign_cpus
 from pdclient.local._server import VLLMServer, free_port

@@ -14,9 +14,9 @@ from collections.abc import Iterator
 
 import openai
 import pytest
-from pdclient._doctor import run_doctor
 
 from pdclient import PDChatClient, PDTrace
+from pdclient.cli.doctor import run_doctor
 from pdclient.local import PDServers, _prepare
 from pdclient.local._server import VLLMServer, free_port
 
