@@ -20,11 +20,12 @@ import httpx
 import openai
 import pytest
 
-from pdclient.local import LocalPD, _prepare
+from pdclient.local import PDServers, _prepare
 from tests.serve.process import NODE_PROJECT, ServeProcess, metric_samples, node_modules
 
 from .helpers import metric, user
 
+REPO = Path(__file__).resolve().parents[2]
 PROMPT = "Write one sentence about the sea."
 MAX_TOKENS = 16
 CHAT_CALLS = ("pdclient_calls_total", (("outcome", "disaggregated"), ("route", "chat")))
@@ -33,7 +34,7 @@ KV_USAGE = "vllm:kv_cache_usage_perc"
 
 
 @pytest.fixture(scope="module")
-def serve(pd: LocalPD) -> Iterator[ServeProcess]:
+def serve(pd: PDServers) -> Iterator[ServeProcess]:
     process = ServeProcess("--prefill", pd.prefill_url, "--decode", pd.decode_url, "--log-format", "json")
     try:
         yield process
@@ -42,7 +43,7 @@ def serve(pd: LocalPD) -> Iterator[ServeProcess]:
 
 
 @pytest.fixture(scope="module")
-def reference(pd: LocalPD, plain: openai.OpenAI) -> str:
+def reference(pd: PDServers, plain: openai.OpenAI) -> str:
     """The decode server's own answer to PROMPT, greedy: what every client must get through the proxy."""
     answer = plain.chat.completions.create(model=pd.model, messages=user(PROMPT), temperature=0, max_tokens=MAX_TOKENS)  # type: ignore[arg-type]
     text = answer.choices[0].message.content or ""
@@ -75,7 +76,7 @@ class Handoffs:
         assert self.tokens >= calls * 8, f"{self.tokens} ids forwarded in {calls} calls"
 
 
-def test_node_openai_streams_a_chat_through_the_proxy(pd: LocalPD, serve: ServeProcess, reference: str) -> None:
+def test_node_openai_streams_a_chat_through_the_proxy(pd: PDServers, serve: ServeProcess, reference: str) -> None:
     node, modules = node_modules()
     env = {
         **os.environ,
@@ -99,7 +100,7 @@ def test_node_openai_streams_a_chat_through_the_proxy(pd: LocalPD, serve: ServeP
     seen.assert_each_forwarded_ids(1)
 
 
-def test_curl_streams_a_chat_through_the_proxy(pd: LocalPD, serve: ServeProcess, reference: str) -> None:
+def test_curl_streams_a_chat_through_the_proxy(pd: PDServers, serve: ServeProcess, reference: str) -> None:
     curl = shutil.which("curl")
     if curl is None:
         pytest.skip("curl is not installed (apt-get install curl)")
@@ -117,7 +118,7 @@ def test_curl_streams_a_chat_through_the_proxy(pd: LocalPD, serve: ServeProcess,
     seen.assert_each_forwarded_ids(1)
 
 
-def test_langchain_chat_openai_through_the_proxy(pd: LocalPD, serve: ServeProcess, reference: str) -> None:
+def test_langchain_chat_openai_through_the_proxy(pd: PDServers, serve: ServeProcess, reference: str) -> None:
     langchain_openai = pytest.importorskip("langchain_openai")
     llm = langchain_openai.ChatOpenAI(
         base_url=serve.url + "/v1", api_key="-", model=pd.model, temperature=0, max_tokens=MAX_TOKENS, max_retries=0
@@ -128,16 +129,30 @@ def test_langchain_chat_openai_through_the_proxy(pd: LocalPD, serve: ServeProces
     seen.assert_each_forwarded_ids(2)
 
 
-def test_llamaindex_through_the_proxy() -> None:
-    pytest.importorskip(
-        "llama_index.llms.openai_like",
-        reason="llama-index-llms-openai 0.8.3 (the newest, checked 2026-12-01; OpenAILike needs it) pins "
-        "openai<3, and pdclient's test venvs run openai 3.x",
-    )
-    pytest.fail("LlamaIndex installs beside openai 3.x now: write this test")
+def test_llamaindex_through_the_proxy(pd: PDServers, serve: ServeProcess, reference: str) -> None:
+    """LlamaIndex's OpenAILike, chat and streamed chat, from a venv of its own (it pins openai<3)."""
+    venv = subprocess.run(
+        [str(REPO / "tools" / "venv.sh"), str(REPO / "requirements-llamaindex.txt")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    script = Path(__file__).parents[1] / "serve" / "llamaindex_chat.py"
+    with Handoffs(serve) as seen:
+        done = subprocess.run(
+            [f"{venv}/bin/python", str(script), serve.url + "/v1", pd.model, PROMPT, str(MAX_TOKENS)],
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+    assert done.returncode == 0, done.stderr[-2000:]
+    answer = json.loads(done.stdout.splitlines()[-1])
+    assert answer["chat"] == reference
+    assert "".join(answer["stream"]) == reference and len(answer["stream"]) > 1, "streamed in pieces"
+    seen.assert_each_forwarded_ids(2)
 
 
-def test_vllm_bench_client_through_the_proxy(pd: LocalPD, serve: ServeProcess, tmp_path: Path) -> None:
+def test_vllm_bench_client_through_the_proxy(pd: PDServers, serve: ServeProcess, tmp_path: Path) -> None:
     """vLLM's own benchmark client (its module, from the server environment) against the proxy."""
     script = (
         "import argparse, sys; from vllm.benchmarks import serve; p = argparse.ArgumentParser(); "
@@ -164,7 +179,7 @@ def test_vllm_bench_client_through_the_proxy(pd: LocalPD, serve: ServeProcess, t
     assert seen.calls >= prompts and seen.tokens >= prompts * 128, (seen.calls, seen.tokens)
 
 
-def test_caller_leaving_mid_stream_frees_the_kv_on_both_servers(pd: LocalPD, serve: ServeProcess) -> None:
+def test_caller_leaving_mid_stream_frees_the_kv_on_both_servers(pd: PDServers, serve: ServeProcess) -> None:
     """A long answer, one chunk read, then the caller closes its connection: the proxy closes
     the decode's, vLLM aborts the request, and neither server holds KV for it afterwards."""
 
