@@ -13,7 +13,7 @@ VENV = $(shell tools/venv.sh requirements-frameworks.txt)
 VENV_OPENAI2 = $(shell tools/venv.sh requirements-openai2.txt)
 PYTEST = -m pytest -ra -p no:cacheprovider
 
-.PHONY: test install install-openai2 lint typecheck test-client test-openai2 test-server-patch test-fast demo \
+.PHONY: test install system-packages install-openai2 lint typecheck test-client test-openai2 test-server-patch test-fast demo \
         bench-client-overhead bench-decode-ttft bench-proxies bench-migration
 
 # Every tier, in the order a failure is cheapest to find (docs/ARCHITECTURE.md, "Tests").
@@ -23,6 +23,10 @@ test: lint typecheck test-client test-openai2 test-server-patch
 # benchmarks import it as a user does. Seconds; redone each run because CI clones afresh.
 install:
 	$(VENV)/bin/pip install -q --disable-pip-version-check --no-deps -e .
+
+# Node.js, npm and curl for the real-pair tier's other-language clients (Debian packages).
+system-packages:
+	tools/system-packages.sh
 
 install-openai2:
 	$(VENV_OPENAI2)/bin/pip install -q --disable-pip-version-check --no-deps -e .
@@ -37,7 +41,7 @@ typecheck: install
 # Unit, mocked (respx), loopback stubs (faults, soak), the proxy (`pdclient serve` against
 # stubs, Node's openai, curl), then the real local vLLM pair (parity, KV, frameworks,
 # examples, notebook, the proxy), which starts once for the session.
-test-client: install
+test-client: install system-packages
 	$(VENV)/bin/python $(PYTEST) tests/unit tests/mocked tests/stubs tests/serve tests/pair
 
 test-openai2: install-openai2
