@@ -1,6 +1,6 @@
 """Start and stop LocalPD N times in a row; print each start's outcome and timings, then a summary.
 
-    PYTHONPATH=. python tools/local_pd_starts.py [-n 10] [--decode-servers 1] [--prefill-servers 1]
+    python tools/local_pd_starts.py [-n 10] [--decode-servers 1] [--prefill-servers 1]
 
 Not part of ``make test``: it takes N times a pair's start (~1-2 min each here). Run it
 alone on the machine (e.g. under ``vllm-slot --exclusive``) when the figures matter.
