@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     samples: list[Sample] = []
     with LocalPD(extra_server_args=TOOL_ARGS) as pd:
-        d2 = ExtraDecode(pd.prefill_url, cpu=0)
+        d2 = ExtraDecode(pd.prefill_url, cpu=pd.cpus[-1])  # the decode core, as LocalPD places decodes
         try:
             for round_ in range(2 * args.rounds):
                 d2.ensure_running()

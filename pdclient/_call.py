@@ -424,7 +424,12 @@ class Call:
         self.phase = Phase.ENDED
         trace = self.trace()
         if self.kind is not None:
-            if trace.outcome not in (Outcome.DISAGGREGATED, Outcome.PASSTHROUGH) or trace.fallback:
+            if trace.outcome in (Outcome.FAILED, Outcome.REFUSED):
+                # The caller gets this as an error already; a warning would say it twice.
+                logger.info("P/D call %s %s: %s", self.request_id, trace.outcome.value, trace.error)
+            elif trace.outcome is not Outcome.DISAGGREGATED or trace.fallback:
+                # An answer that came back degraded (decode-only, a fallback server, a migration):
+                # nothing else tells the caller, so it is never silent.
                 logger.warning(
                     "P/D call %s %s: %s", self.request_id, trace.outcome.value, trace.fallback or trace.error
                 )

@@ -28,7 +28,7 @@ TOOL_ARGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
 
 
 class ExtraDecode:
-    def __init__(self, prefill_url: str, *, cpu: int | None = 0, extra_args: Sequence[str] = TOOL_ARGS) -> None:
+    def __init__(self, prefill_url: str, *, cpu: int | None, extra_args: Sequence[str] = TOOL_ARGS) -> None:
         self.prefill_url = prefill_url
         self.cpu = cpu
         self.extra_args = tuple(extra_args)

@@ -19,7 +19,7 @@ import pytest
 
 from pdclient import AsyncPDChatClient, PDChatClient, PDTrace, RouteRequest
 from pdclient import _migrate as migrate
-from pdclient.local import LocalPD
+from pdclient.local import PDServers
 
 from .extra_decode import ExtraDecode
 
@@ -75,19 +75,23 @@ class Answer:
 
 
 @pytest.fixture(scope="module")
-def d2(pd: LocalPD) -> Iterator[ExtraDecode]:
-    server = ExtraDecode(pd.prefill_url, cpu=0).start()
+def d2(pd: PDServers) -> Iterator[ExtraDecode]:
+    # On the session decode's core, as LocalPD places a second decode server: a decode server
+    # polls while it waits for remote KV, and on the prefill's core it would starve the very
+    # prefill it waits for (the prefill's engine then dies of an execute_model timeout).
+    cpu = pd.local.cpus[-1] if pd.local is not None else None
+    server = ExtraDecode(pd.prefill_url, cpu=cpu).start()
     yield server
     server.stop()
 
 
 @pytest.fixture
-def trio(pd: LocalPD, d2: ExtraDecode) -> ExtraDecode:
+def trio(pd: PDServers, d2: ExtraDecode) -> ExtraDecode:
     """D2 running (started again if a test before killed it)."""
     return d2.ensure_running()
 
 
-def reference(pd: LocalPD) -> Answer:
+def reference(pd: PDServers) -> Answer:
     """The survivor's own uninterrupted answer, through the same P/D handoff."""
     answer = Answer()
     with pd.client() as client:
@@ -132,7 +136,7 @@ def killer(d2: ExtraDecode, answer: Answer) -> Any:
     return take
 
 
-def test_sigkill_mid_answer_sync_decode_route(pd: LocalPD, trio: ExtraDecode) -> None:
+def test_sigkill_mid_answer_sync_decode_route(pd: PDServers, trio: ExtraDecode) -> None:
     traces: list[PDTrace] = []
     migrated = Answer()
     take = killer(trio, migrated)
@@ -156,7 +160,7 @@ def test_sigkill_mid_answer_sync_decode_route(pd: LocalPD, trio: ExtraDecode) ->
 
 
 async def test_sigkill_mid_answer_async_prefill_route(
-    pd: LocalPD, trio: ExtraDecode, monkeypatch: pytest.MonkeyPatch
+    pd: PDServers, trio: ExtraDecode, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The continuation through the prefill server (its KV handed to D1 over NIXL)."""
     monkeypatch.setattr(migrate, "REMOTE_PREFILL_MIN_TOKENS", 1)
@@ -183,7 +187,7 @@ async def test_sigkill_mid_answer_async_prefill_route(
     check_against(migrated, reference(pd), trace)
 
 
-def test_the_session_pair_is_untouched(pd: LocalPD) -> None:
+def test_the_session_pair_is_untouched(pd: PDServers) -> None:
     """Whatever this module killed, the session pair still serves (for the tests after it)."""
     with pd.client() as client:
         answer = client.chat.completions.create(
