@@ -84,4 +84,11 @@ def test_idle_agent_sleeps_instead_of_spinning(vllm_version: str) -> None:
 def test_without_the_variable_nixl_is_left_as_it_is(vllm_version: str) -> None:
     applied, cpu = _idle_agent_cpu(None)
     assert applied.startswith("off"), applied
-    assert cpu > 0.3, f"NIXL's progress thread no longer spins ({cpu:.0%}): is the patch still needed?"
+    # Against the patched agent measured just after, not a fixed share of a core: on a shared
+    # machine a spinning thread gets what the scheduler leaves it (a quarter of a core at a
+    # load average of 8 here), while the sleeping one stays near zero whatever the load.
+    _, sleeping = _idle_agent_cpu("1000")
+    assert cpu > max(0.1, 3 * sleeping), (
+        f"NIXL's progress thread no longer spins ({cpu:.0%} of a core, patched {sleeping:.0%}): "
+        "is the patch still needed?"
+    )
