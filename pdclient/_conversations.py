@@ -317,6 +317,8 @@ class _Turn:
     answer_tokens: int | None
     """The answer's ids that the next prompt reuses, when known and reusable."""
     answer_chars: int
+    chars_per_token: float | None
+    """This conversation's own ratio, from its last prompt's text and length."""
     endpoint: str
 
 
@@ -377,10 +379,18 @@ class ConversationMemory:
             return min(initial, learned)
         return learned
 
-    def tokens_for(self, chars: int, messages: int) -> int:
-        """Estimated tokens of ``chars`` characters of text in ``messages`` messages."""
+    def tokens_for(self, chars: int, messages: int, own_ratio: float | None = None) -> int:
+        """Estimated tokens of ``chars`` characters of text in ``messages`` messages.
+
+        ``own_ratio``: the conversation's own chars per token, measured on its last
+        prefill (its language and style), used instead of the learned one, and capped
+        by the initial ratio like it until warm.
+        """
         with self._lock:
             ratio = self._chars_per_token()
+            if own_ratio is not None:
+                warm = self._ratio.seen >= self.settings.ratio_warmup
+                ratio = own_ratio if warm else min(own_ratio, self.settings.initial_chars_per_token)
         return math.ceil(chars / ratio) + messages * self.settings.overhead_tokens_per_message
 
     # -- conversations ------------------------------------------------------------------
@@ -405,6 +415,8 @@ class ConversationMemory:
         if not isinstance(messages, list):
             return
         reusable = answer.content is not None and not answer.tool_calls and not answer.reasoning
+        chars = rendered_chars(messages, body.get("tools"))
+        own_ratio = chars / prompt_tokens if prompt_tokens and chars > 0 else None
         answer_digest = _answer_digest(answer.content, answer.tool_calls)
         turn = _Turn(
             digests=_messages_digest(messages) + _shape_digest(body) + answer_digest,
@@ -413,6 +425,7 @@ class ConversationMemory:
             cached_floor=max(0, cached_floor),
             answer_tokens=answer.completion_tokens if reusable else None,
             answer_chars=rendered_chars([{"content": answer.content, "tool_calls": list(answer.tool_calls) or None}]),
+            chars_per_token=own_ratio,
             endpoint=decode_endpoint,
         )
         key_digest = _key_digest(key)
@@ -466,15 +479,16 @@ class ConversationMemory:
     def _extension(self, turn: _Turn, messages: Sequence[object], answered: bool) -> Estimate:
         block = self.settings.block_size
         match = Match.EXTENDS_ANSWER if answered else Match.EXTENDS_PROMPT
+        ratio = turn.chars_per_token
         if turn.prompt_tokens is None:
             # The previous prompt's length is unknown: what is known to be cached, and the
             # whole call estimated from its text (an over-estimate) as the total.
             cached = (turn.cached_floor // block) * block
-            total = max(self.tokens_for(rendered_chars(messages), len(messages) + 1), cached + 1)
+            total = max(self.tokens_for(rendered_chars(messages), len(messages) + 1, ratio), cached + 1)
             return Estimate(total, total - cached, turn.endpoint, match)
         new = messages[turn.messages + 1 :] if answered else messages[turn.messages :]
         # +1: the generation prompt that ends the call (the previous one is in its prompt).
-        new_tokens = self.tokens_for(rendered_chars(new), len(new) + 1) if new else 0
+        new_tokens = self.tokens_for(rendered_chars(new), len(new) + 1, ratio) if new else 0
         if answered and turn.answer_tokens is not None:
             # The template re-renders the answer to the ids that were generated; the last
             # one (the end-of-turn token, or the last before the length cap) was never
@@ -483,7 +497,7 @@ class ConversationMemory:
             total = turn.prompt_tokens + turn.answer_tokens + new_tokens
         else:
             reused = turn.prompt_tokens
-            answer = self.tokens_for(turn.answer_chars, 1) if answered else 0
+            answer = self.tokens_for(turn.answer_chars, 1, ratio) if answered else 0
             total = turn.prompt_tokens + answer + new_tokens
         # Whole blocks only, and vLLM computes at least a prompt's last token itself.
         cached = (min(reused, total - 1) // block) * block

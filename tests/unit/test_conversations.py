@@ -50,9 +50,17 @@ def memory(**settings: Any) -> ConversationMemory:
     return ConversationMemory(ConversationSettings(**settings))
 
 
-def new_tokens(mem: ConversationMemory, *messages: dict[str, Any]) -> int:
+def new_tokens(mem: ConversationMemory, *messages: dict[str, Any], ratio: float | None = None) -> int:
     """What the memory estimates for new messages, the generation prompt included."""
-    return mem.tokens_for(rendered_chars(list(messages)), len(messages) + 1)
+    return mem.tokens_for(rendered_chars(list(messages)), len(messages) + 1, ratio)
+
+
+def own(request: dict[str, Any], prompt_tokens: int) -> float:
+    """A conversation's own chars per token, from its last prompt."""
+    return rendered_chars(request["messages"], request.get("tools")) / prompt_tokens
+
+
+OWN = own(body(SYSTEM, USER), 1328)
 
 
 def first_turn(mem: ConversationMemory, *, prompt_tokens: int = 1328, answer_tokens: int = 150) -> dict[str, Any]:
@@ -74,7 +82,7 @@ def test_an_extension_is_uncached_only_in_its_new_messages_and_the_partial_block
     assert estimate.match is Match.EXTENDS_ANSWER
     assert estimate.endpoint == D1
     assert estimate.cached_tokens == 1408  # floor((1328 + 150 - 1) / 128) * 128
-    assert estimate.total_tokens == 1328 + 150 + new_tokens(mem, FOLLOW_UP)
+    assert estimate.total_tokens == 1328 + 150 + new_tokens(mem, FOLLOW_UP, ratio=OWN)
     assert estimate.uncached_tokens == estimate.total_tokens - 1408
 
 
@@ -99,7 +107,7 @@ def test_an_edited_answer_keeps_only_the_previous_prompt_cached() -> None:
         estimate = mem.estimate(key_of(turn2), turn2, ADMITTED)
         assert estimate.match is Match.EXTENDS_PROMPT
         assert estimate.cached_tokens == 1280  # the previous prompt's 10 whole blocks
-        assert estimate.total_tokens == 1328 + new_tokens(mem, answer, FOLLOW_UP)
+        assert estimate.total_tokens == 1328 + new_tokens(mem, answer, FOLLOW_UP, ratio=OWN)
 
 
 def test_an_answer_of_unknown_length_is_not_counted_as_cached() -> None:
@@ -111,7 +119,7 @@ def test_an_answer_of_unknown_length_is_not_counted_as_cached() -> None:
     estimate = mem.estimate(key_of(turn2), turn2, ADMITTED)
     assert estimate.match is Match.EXTENDS_ANSWER
     assert estimate.cached_tokens == 1280
-    assert estimate.total_tokens == 1328 + mem.tokens_for(len(STORY), 1) + new_tokens(mem, FOLLOW_UP)
+    assert estimate.total_tokens == 1328 + mem.tokens_for(len(STORY), 1, OWN) + new_tokens(mem, FOLLOW_UP, ratio=OWN)
 
 
 def test_a_repeated_call_recomputes_its_last_token() -> None:
@@ -157,7 +165,8 @@ def test_tool_calls_and_their_results_extend_the_conversation() -> None:
     # The template renders tool calls its own way: only the prompt's blocks are counted.
     assert estimate.cached_tokens == 640
     answer_chars = rendered_chars([{"tool_calls": [WEATHER_CALL]}])
-    assert estimate.total_tokens == 700 + mem.tokens_for(answer_chars, 1) + new_tokens(mem, result)
+    ratio = own(turn1, 700)
+    assert estimate.total_tokens == 700 + mem.tokens_for(answer_chars, 1, ratio) + new_tokens(mem, result, ratio=ratio)
 
 
 def test_a_different_tool_call_id_is_not_the_answer() -> None:
@@ -239,7 +248,7 @@ def test_an_unknown_prompt_length_counts_only_what_was_known_cached() -> None:
     turn2 = body(SYSTEM, USER, {"role": "assistant", "content": STORY}, FOLLOW_UP)
     estimate = mem.estimate(key_of(turn2), turn2, ADMITTED)
     assert (estimate.match, estimate.cached_tokens) == (Match.EXTENDS_ANSWER, 1280)
-    assert estimate.total_tokens == max(new_tokens(mem, *turn2["messages"]), 1281)
+    assert estimate.total_tokens == max(new_tokens(mem, *turn2["messages"]), 1281)  # no ratio of its own
 
 
 def test_estimates_never_count_more_cached_than_the_prompt_minus_one() -> None:
@@ -356,6 +365,24 @@ def test_the_ratio_counts_what_the_template_renders() -> None:
         + 2
     )
     assert rendered_chars([USER], TOOLS) > rendered_chars([USER])
+
+
+def test_each_conversation_is_estimated_with_its_own_ratio() -> None:
+    mem = memory(ratio_warmup=1)
+    for _ in range(4):
+        mem.learn(sample(4000), 1000)  # the client's traffic: English, 4 chars per token
+    english = body({"role": "user", "content": "a" * 396})
+    chinese = body({"role": "user", "content": "你" * 396})  # 400 chars, 800 ids: 0.5 chars per token
+    mem.remember(key_of(english), english, Answer("ok", completion_tokens=2), D1, prompt_tokens=100)
+    mem.remember(key_of(chinese), chinese, Answer("好", completion_tokens=2), D1, prompt_tokens=800)
+    question = {"role": "user", "content": "x" * 100}
+    totals = {}
+    for name, turn in (("english", english), ("chinese", chinese)):
+        answer = {"role": "assistant", "content": "ok" if name == "english" else "好"}
+        follow = body(*turn["messages"], answer, question)
+        totals[name] = mem.estimate(key_of(follow), follow, ADMITTED).total_tokens
+    assert totals["english"] == 100 + 2 + math.ceil(104 / 4.0) + 16
+    assert totals["chinese"] == 800 + 2 + math.ceil(104 / 0.5) + 16
 
 
 def test_samples_without_text_or_ids_are_ignored() -> None:
