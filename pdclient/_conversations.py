@@ -22,14 +22,15 @@ benchmarks/CONVERSATIONS.md has the figures):
 The prefill server holds only the previous prompt's blocks: through P/D the next turn
 prefills the answer and the new message there.
 
-The memory keeps, per conversation (the affinity key), digests instead of text: about
+The memory keeps, per conversation (the affinity key), digests instead of text: under
 400 bytes an entry whatever the conversation's length, so the default 10,000 entries stay
-under 4 MB (tests/unit/test_conversations.py measures it).
+under 4 MB (tests/unit/test_conversations.py measures it). Chat calls only.
 
 Without a tokenizer, token counts of text the servers have not counted yet come from a
 chars-per-token ratio learned from the client's own prefill responses (the text length
 of a call's messages against its ``len(prompt_token_ids)``), conservative (more tokens)
-until it has seen ``ratio_warmup`` calls.
+until it has seen ``ratio_warmup`` calls; a remembered conversation's new text is
+estimated with its own last prompt's ratio (its language, its style).
 """
 
 from __future__ import annotations
