@@ -4,48 +4,72 @@
 # pdclient/local/_prepare.py. The checkout itself gets no build output.
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
-export PYTHONPATH := $(CURDIR)
 export PYTHONDONTWRITEBYTECODE := 1
 
 # One venv for everything that runs in the client's process: pdclient's dependencies,
 # test tools, and the framework/observability/notebook packages (a superset of dev).
 VENV = $(shell tools/venv.sh requirements-frameworks.txt)
-# The client tier again on openai 2.x.
+# The client tiers again on openai 2.x.
 VENV_OPENAI2 = $(shell tools/venv.sh requirements-openai2.txt)
-CLIENT_TIER = tests/unit tests/test_transport.py tests/test_config.py tests/test_concurrency.py \
-              tests/test_resilience.py tests/test_signing.py tests/test_stubserver.py
+PYTEST = -m pytest -ra -p no:cacheprovider
 
-.PHONY: test lint typecheck test-client test-openai2 test-server-patch test-fast demo bench-decode-ttft
+.PHONY: test install install-openai2 lint typecheck test-client test-openai2 test-server-patch test-fast demo \
+        bench-client-overhead bench-decode-ttft bench-proxies bench-migration
 
+# Every tier, in the order a failure is cheapest to find (docs/ARCHITECTURE.md, "Tests").
 test: lint typecheck test-client test-openai2 test-server-patch
 
-lint:
-	$(VENV)/bin/ruff check pdclient tests benchmarks examples server_patch
-	$(VENV)/bin/ruff format --check pdclient tests benchmarks examples server_patch
+# pdclient installed into the venvs from this checkout (editable): tests, examples and
+# benchmarks import it as a user does. Seconds; redone each run because CI clones afresh.
+install:
+	$(VENV)/bin/pip install -q --disable-pip-version-check --no-deps -e .
 
-typecheck:
+install-openai2:
+	$(VENV_OPENAI2)/bin/pip install -q --disable-pip-version-check --no-deps -e .
+
+lint:
+	$(VENV)/bin/ruff check pdclient tests benchmarks examples server_patch tools
+	$(VENV)/bin/ruff format --check pdclient tests benchmarks examples server_patch tools
+
+typecheck: install
 	$(VENV)/bin/mypy --strict pdclient
 
-# Unit, respx, loopback stubs, soak, then the real local vLLM pair (e2e, frameworks,
-# examples, notebook), which starts once for the session.
-test-client:
-	$(VENV)/bin/python -m pytest tests -ra -p no:cacheprovider
+# Unit, mocked (respx), loopback stubs (faults, soak), the proxy (`pdclient serve` against
+# stubs, Node's openai, curl), then the real local vLLM pair (parity, KV, frameworks,
+# examples, notebook, the proxy), which starts once for the session.
+test-client: install
+	$(VENV)/bin/python $(PYTEST) tests/unit tests/mocked tests/stubs tests/serve tests/pair
 
-test-openai2:
-	$(VENV_OPENAI2)/bin/python -m pytest $(CLIENT_TIER) -ra -p no:cacheprovider
+test-openai2: install-openai2
+	$(VENV_OPENAI2)/bin/python $(PYTEST) tests/unit tests/mocked
 
 # Inside the vLLM server environment, once per vLLM version (0.20.2, 0.26.0, 0.32.0).
-test-server-patch:
+test-server-patch: install
 	$(VENV)/bin/python tests/server_patch/run.py
 
-# Everything that needs no vLLM: seconds, for the edit-test loop.
-test-fast:
-	$(VENV)/bin/python -m pytest tests -ra -p no:cacheprovider -m "not e2e" --ignore=tests/test_faults_stub.py
+# Everything that needs no vLLM and no soak: seconds, for the edit-test loop.
+test-fast: install
+	$(VENV)/bin/python $(PYTEST) tests/unit tests/mocked
 
-demo:
+demo: install
 	$(VENV)/bin/python examples/demo.py
+
+# Client CPU and latency against the same two calls written by hand, on loopback stubs.
+bench-client-overhead: install
+	$(VENV)/bin/python benchmarks/bench_client_overhead.py $(ARGS)
 
 # Decode TTFT with forwarded ids versus without, on a LocalPD pair it starts (~1.5 h here).
 # ARGS="--prefill URL --decode URL ..." for another pair; see the script's docstring.
-bench-decode-ttft:
+bench-decode-ttft: install
 	$(VENV)/bin/python benchmarks/bench_decode_ttft.py $(ARGS)
+
+# pdclient (in process, and as `pdclient serve`) against vllm-router and vLLM's toy proxy:
+# ARGS=pair (client TTFT on a LocalPD pair; nothing else on the cores) or ARGS=stubs
+# (added latency and throughput on loopback stubs). The peers: benchmarks/peers/README.md.
+bench-proxies: install
+	$(VENV)/bin/python benchmarks/bench_proxies.py $(ARGS)
+
+# Decode migration: the caller's pause when a decode server is SIGKILLed mid-answer, against
+# a full retry, on a trio it starts (~20 min; wrap it in `vllm-slot --exclusive` on a shared host).
+bench-migration: install
+	$(VENV)/bin/python benchmarks/bench_migration.py $(ARGS)

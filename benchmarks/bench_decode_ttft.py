@@ -7,7 +7,7 @@ Four arms, each call with its own prompt (a unique tag, then random words), so n
 cache hides work; the arms are interleaved, their order rotated every round:
 
 - ``pdclient ids``      PDTransport under an openai client: prefill leg, decode leg with ids
-- ``pdclient no ids``   the same, with ``prompt_token_ids`` dropped from the decode body
+- ``pdclient no ids``   the same, with the per-call option ``forward_ids: false`` (no ids in the decode body)
 - ``hand ids``          the two calls written by hand with the plain openai client
 - ``single``            one plain streamed call to the decode server (no P/D at all), every
                         ``--single-every`` rounds: it is a reference, and costs a whole prefill
@@ -16,7 +16,9 @@ There is no "by hand, no ids" arm: its decode request would be byte for byte the
 ``pdclient no ids``, and each arm costs a prefill (~35 s at 7.5k tokens on one core here).
 
 Per call: decode TTFT, from sending the decode request to the first byte of its stream
-(for ``single`` that includes the whole prefill), and client TTFT, from the start of the
+(``PDTrace.decode_first_byte_ms`` for the pdclient arms; a timing transport under the plain
+decode client for the others; for ``single`` it includes the whole prefill), and client
+TTFT, from the start of the
 call to the first content chunk. Printed: medians, p10-p90, and bootstrap 95 % intervals
 of the paired differences (no ids - pdclient ids, no ids - hand ids, pdclient ids - hand
 ids). Written: a PNG plot and every sample as JSON. The plot needs matplotlib (the
@@ -40,11 +42,11 @@ from typing import Any
 import httpx
 import openai
 
-from pdclient import PDTrace, PDTransport
+from pdclient import Outcome, PDOptions, PDTrace, PDTransport
 
-# The prompt generator, decode-leg timer and statistics of `pdclient bench`, shared so the
-# two report the same quantities the same way.
-from pdclient._cli_bench import Prompts, _DecodeTimer, bootstrap_ci, quantile
+# The prompt generator and statistics of `pdclient bench`, shared so the two report the
+# same quantities the same way.
+from pdclient.cli.bench import Prompts, bootstrap_ci, quantile
 
 ARMS = ("pdclient ids", "pdclient no ids", "hand ids", "single")
 PREFILL_KV = {
@@ -67,6 +69,38 @@ class Sample:
     client_ttft_ms: float
 
 
+class FirstByteTimer(httpx.BaseTransport):
+    """Under the plain decode client: from handing its request over to the first byte of the body."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.HTTPTransport()
+        self.sent_at: float | None = None
+        self.first_byte_at: float | None = None
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        self.sent_at, self.first_byte_at = time.perf_counter(), None
+        response = self.inner.handle_request(request)
+        return httpx.Response(response.status_code, headers=response.headers, stream=_Watched(response.stream, self))
+
+    def ms(self) -> float:
+        assert self.sent_at is not None and self.first_byte_at is not None
+        return (self.first_byte_at - self.sent_at) * 1000
+
+
+class _Watched(httpx.SyncByteStream):
+    def __init__(self, inner: Any, timer: FirstByteTimer) -> None:
+        self.inner, self.timer = inner, timer
+
+    def __iter__(self) -> Any:
+        for chunk in self.inner:
+            if self.timer.first_byte_at is None and chunk:
+                self.timer.first_byte_at = time.perf_counter()
+            yield chunk
+
+    def close(self) -> None:
+        self.inner.close()
+
+
 class Bench:
     def __init__(self, prefill: str, decode: str, model: str, max_tokens: int) -> None:
         self.model, self.max_tokens = model, max_tokens
@@ -74,19 +108,15 @@ class Bench:
         timeout = httpx.Timeout(180.0, connect=10.0)
         # pdclient, the public recipe: any openai client over an httpx client with PDTransport.
         self.traces: list[PDTrace] = []
-        self.pd_timer = _DecodeTimer(httpx.HTTPTransport(), [prefill.rstrip("/")])
-        transport = PDTransport(
-            prefill_base_url=prefill, decode_base_url=decode, on_trace=self.traces.append, leg_transport=self.pd_timer
-        )
+        transport = PDTransport(options=PDOptions(prefill, decode, on_trace=self.traces.append))
         self.pd = openai.OpenAI(
             base_url=decode,
             api_key="EMPTY",
             max_retries=0,
             http_client=httpx.Client(transport=transport, timeout=timeout),
         )  # type: ignore[arg-type]
-        # By hand: two plain clients. The decode one goes through the same timer (it also
-        # re-serializes every body, so no arm pays for that inside the timed span).
-        self.hand_timer = _DecodeTimer(httpx.HTTPTransport(), [])
+        # By hand: two plain clients; the decode one's requests are timed at its transport.
+        self.hand_timer = FirstByteTimer()
         self.prefill = openai.OpenAI(base_url=prefill, api_key="EMPTY", max_retries=0, timeout=timeout)
         self.decode = openai.OpenAI(
             base_url=decode,
@@ -116,13 +146,13 @@ class Bench:
         """(prompt tokens, decode TTFT ms, client TTFT ms) of one call in one arm."""
         started = time.perf_counter()
         if arm.startswith("pdclient"):
-            self.pd_timer.strip_ids = arm == "pdclient no ids"
             self.traces.clear()
-            first = self._stream(self.pd, prompt)
+            options = {"pdclient": {"forward_ids": arm == "pdclient ids"}}
+            first = self._stream(self.pd, prompt, options)
             trace = self.traces[-1]
-            if trace.fallback:
-                raise RuntimeError(f"the handoff degraded: {trace.fallback}")
-            return trace.forwarded_tokens, self._ms(self.pd_timer), (first - started) * 1000
+            if trace.outcome is not Outcome.DISAGGREGATED or trace.decode_first_byte_ms is None:
+                raise RuntimeError(f"the handoff degraded: {trace.fallback or trace.error}")
+            return trace.forwarded_tokens, trace.decode_first_byte_ms, (first - started) * 1000
         if arm.startswith("hand"):
             raw = self.prefill.chat.completions.with_raw_response.create(
                 model=self.model,
@@ -134,14 +164,9 @@ class Bench:
             ids = result["prompt_token_ids"]
             kv = dict(result["kv_transfer_params"], prompt_token_ids=ids)
             first = self._stream(self.decode, prompt, {"kv_transfer_params": kv})
-            return len(ids), self._ms(self.hand_timer), (first - started) * 1000
+            return len(ids), self.hand_timer.ms(), (first - started) * 1000
         first = self._stream(self.decode, prompt)
-        return 0, self._ms(self.hand_timer), (first - started) * 1000
-
-    @staticmethod
-    def _ms(timer: _DecodeTimer) -> float:
-        assert timer.sent_at is not None and timer.first_byte_at is not None
-        return (timer.first_byte_at - timer.sent_at) * 1000
+        return 0, self.hand_timer.ms(), (first - started) * 1000
 
 
 def measure(

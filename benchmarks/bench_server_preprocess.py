@@ -12,8 +12,10 @@ server venv's Python:
 
 For each prompt size it times, medians over ``--repeats`` runs after warm-up:
 ``render``: render_chat alone; ``parse+render``: the JSON body to pydantic request plus
-render_chat (a body with ids is bigger, so this is the fairer end-to-end figure). It also
-times the plugin's guard (HMAC check and signature strip of the same body) on 0.32.
+render_chat (a body with ids is bigger, so this is the fairer end-to-end figure). On 0.32
+it also times the plugin's guard on the same body signed (spec v2: HMAC over the whole
+body, no parse) and on an unsigned body without ``kv_transfer_params``, and pdclient's
+``signature()`` of that body, beside the template+tokenize cost they are set against.
 Prints a table of medians and ratios (template+tokenize / forwarded ids).
 """
 
@@ -105,7 +107,8 @@ def child(version: str, with_plugin: bool, sizes: list[int], repeats: int) -> di
         assert used["prompt_token_ids"] == ids and len(ids) > 0
         row = {"tokens": len(ids), **{k: statistics.median(v) * 1e3 for k, v in timings.items()}}
         if not with_plugin:
-            row["guard"] = guard_cost(forwarded, repeats)
+            plain_chat = json.dumps(base).encode()  # what a client without pdclient sends
+            row.update(bytes=len(forwarded), plain_bytes=len(plain_chat), **guard_cost(forwarded, plain_chat, repeats))
         rows.append(row)
     return {
         "version": version,
@@ -115,36 +118,64 @@ def child(version: str, with_plugin: bool, sizes: list[int], repeats: int) -> di
     }
 
 
-def guard_cost(body: bytes, repeats: int) -> float:
-    """Median ms the guard middleware adds to a signed request of this body."""
+def guard_cost(body: bytes, plain: bytes, repeats: int) -> dict[str, float]:
+    """Median ms the guard middleware adds to a request, and pdclient's signing of ``body``.
+
+    ``guard``: a signed request of ``body`` (header parse, expiry, HMAC over the whole
+    body, nonce memory; no parse of the body). ``guard_unsigned``: an unsigned body without
+    ``kv_transfer_params`` (``plain``: one scan for the key). ``client_sign``: pdclient's
+    ``signature()`` over ``body`` (loaded from its file: pdclient is not installed here).
+    Each run gets a fresh nonce (made outside the timing), on one event loop, as a server has.
+    """
     import asyncio
+    import importlib.util
 
     from pdclient_server_patch import _guard
-    from pdclient_server_patch._signing import SIGNATURE_KEY, sign_kv_transfer_params
+    from pdclient_server_patch._signing import SIGNATURE_HEADER
 
-    payload = json.loads(body)
-    kv = payload["kv_transfer_params"]
-    kv[SIGNATURE_KEY] = sign_kv_transfer_params(kv, "bench")
-    signed = json.dumps(payload).encode()
+    spec = importlib.util.spec_from_file_location("client_signing", REPO / "pdclient" / "_signing.py")
+    assert spec is not None and spec.loader is not None
+    client = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(client)
+    path = "/v1/chat/completions"
+    reached = []
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
-        await receive()
+        reached.append((await receive())["body"] is not None)
 
     async def send(message: Any) -> None:
-        pass
+        raise AssertionError(f"the guard refused a benchmark request: {message}")
 
     middleware = _guard.PDClientMiddleware(app, "bench")
-    scope = {"type": "http", "method": "POST", "headers": [(b"content-type", b"application/json")]}
-    times = []
-    for _ in range(repeats + 3):
+    loop = asyncio.new_event_loop()
+
+    def timed(content: bytes, headers: list[tuple[bytes, bytes]]) -> float:
+        scope = {"type": "http", "method": "POST", "path": path, "root_path": "", "headers": headers}
 
         async def receive() -> dict[str, Any]:
-            return {"type": "http.request", "body": signed, "more_body": False}
+            return {"type": "http.request", "body": content, "more_body": False}
 
         start = time.perf_counter()
-        asyncio.run(middleware(scope, receive, send))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[3:]) * 1e3
+        loop.run_until_complete(middleware(scope, receive, send))
+        return time.perf_counter() - start
+
+    json_type = (b"content-type", b"application/json")
+    times: dict[str, list[float]] = {"guard": [], "guard_unsigned": [], "client_sign": []}
+    for i in range(repeats + 3):
+        header = client.signature("bench", "POST", path, body).encode()
+        sample = {
+            "guard": timed(body, [json_type, (SIGNATURE_HEADER.encode(), header)]),
+            "guard_unsigned": timed(plain, [json_type]),
+        }
+        start = time.perf_counter()
+        client.signature("bench", "POST", path, body)
+        sample["client_sign"] = time.perf_counter() - start
+        if i >= 3:
+            for key, value in sample.items():
+                times[key].append(value)
+    loop.close()
+    assert len(reached) == 2 * (repeats + 3)  # every request went through
+    return {key: statistics.median(values) * 1e3 for key, values in times.items()}
 
 
 def main() -> int:
@@ -193,9 +224,21 @@ def main() -> int:
                 f"| {row['tok_parse']:.2f} | {row['ids_parse']:.2f} | {row['tok_parse'] / row['ids_parse']:.1f}x |"
             )
     native = results[-1]
-    print("\nguard (PDCLIENT_REUSE_SECRET set): HMAC check + signature strip of the signed forwarded-ids body")
+    print(
+        "\nguard (PDCLIENT_REUSE_SECRET set) on the forwarded-ids body, and pdclient's signing of it, medians (ms);"
+        "\nratio = vLLM 0.32's template+tokenize that the forwarded ids save / the guard's check of a signed body"
+    )
+    print(
+        "| tokens | body KB | guard: signed (v2 HMAC, no parse) | unsigned chat body without the key (KB): guard "
+        "| client signature() | template+tokenize | ratio |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     for row in native["rows"]:
-        print(f"  {row['tokens']} tokens: {row['guard']:.2f} ms")
+        print(
+            f"| {row['tokens']} | {row['bytes'] / 1024:.0f} | {row['guard']:.3f} "
+            f"| ({row['plain_bytes'] / 1024:.0f}) {row['guard_unsigned']:.3f} "
+            f"| {row['client_sign']:.3f} | {row['tok']:.2f} | {row['tok'] / row['guard']:.0f}x |"
+        )
     return 0
 
 

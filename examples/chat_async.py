@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
 from _pair import pd_pair
 
@@ -18,10 +19,10 @@ async def ask(client: AsyncPDChatClient, model: str, question: str) -> str:
     return response.choices[0].message.content or ""
 
 
-async def run(prefill_url: str, decode_url: str, model: str) -> None:
+async def run(prefill_urls: Sequence[str], decode_urls: Sequence[str], model: str) -> None:
     traces: list[PDTrace] = []
     async with AsyncPDChatClient(
-        prefill_base_url=prefill_url, decode_base_url=decode_url, api_key="EMPTY", on_trace=traces.append
+        prefill_base_url=prefill_urls, decode_base_url=decode_urls, api_key="EMPTY", on_trace=traces.append
     ) as client:
         answers = await asyncio.gather(*(ask(client, model, q) for q in QUESTIONS))
     for question, answer in zip(QUESTIONS, answers, strict=True):
@@ -31,7 +32,7 @@ async def run(prefill_url: str, decode_url: str, model: str) -> None:
 
 def main() -> None:
     with pd_pair() as pair:
-        asyncio.run(run(pair.prefill_url, pair.decode_url, pair.model))
+        asyncio.run(run(pair.prefill_urls, pair.decode_urls, pair.model))
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@ def main() -> None:
     traces: list[PDTrace] = []
     with pd_pair() as pair:
         client = PDChatClient(
-            prefill_base_url=pair.prefill_url,
-            decode_base_url=pair.decode_url,
+            prefill_base_url=pair.prefill_urls,
+            decode_base_url=pair.decode_urls,
             api_key="EMPTY",
             on_trace=traces.append,  # called once per call, when its decode response is closed
         )

@@ -42,7 +42,7 @@ def main() -> int:
         print("\n")
         print(f"answer={''.join(parts).strip()!r}")
         # on_trace fires once the decode stream is closed, with the first-byte time.
-        for name, value in traces[-1].model_dump().items():
+        for name, value in traces[-1].model_dump(mode="json").items():
             print(f"{name}={value}")
         print()
     return 0

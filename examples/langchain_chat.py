@@ -17,7 +17,7 @@ from pdclient import AsyncPDChatClient, PDChatClient
 
 def main() -> None:
     with pd_pair() as pair:
-        urls = {"prefill_base_url": pair.prefill_url, "decode_base_url": pair.decode_url, "api_key": "EMPTY"}
+        urls = {"prefill_base_url": pair.prefill_urls, "decode_base_url": pair.decode_urls, "api_key": "EMPTY"}
         sync, async_ = PDChatClient(**urls), AsyncPDChatClient(**urls)
         llm = ChatOpenAI(
             model=pair.model,

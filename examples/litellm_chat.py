@@ -19,7 +19,7 @@ from pdclient import AsyncPDChatClient, PDChatClient
 
 def main() -> None:
     with pd_pair() as pair:
-        urls = {"prefill_base_url": pair.prefill_url, "decode_base_url": pair.decode_url, "api_key": "EMPTY"}
+        urls = {"prefill_base_url": pair.prefill_urls, "decode_base_url": pair.decode_urls, "api_key": "EMPTY"}
         messages = [{"role": "user", "content": "What is the capital of Germany?"}]
         reply = litellm.completion(
             model=f"openai/{pair.model}", messages=messages, max_tokens=16, client=PDChatClient(**urls)

@@ -10,6 +10,7 @@ decides to call a tool: a real model would call get_weather here.)
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
 from _pair import pd_pair
 from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
@@ -25,11 +26,11 @@ def get_weather(city: str) -> str:
     return f"sunny and 21 C in {city}"
 
 
-async def run(prefill_url: str, decode_url: str, model: str) -> None:
+async def run(prefill_urls: Sequence[str], decode_urls: Sequence[str], model: str) -> None:
     set_tracing_disabled(True)  # the SDK's own tracing would export to OpenAI's servers
     traces: list[PDTrace] = []
     client = AsyncPDChatClient(
-        prefill_base_url=prefill_url, decode_base_url=decode_url, api_key="EMPTY", on_trace=traces.append
+        prefill_base_url=prefill_urls, decode_base_url=decode_urls, api_key="EMPTY", on_trace=traces.append
     )
     agent = Agent(
         name="weather",
@@ -45,7 +46,7 @@ async def run(prefill_url: str, decode_url: str, model: str) -> None:
 
 def main() -> None:
     with pd_pair(extra_server_args=TOOL_SERVER_ARGS) as pair:
-        asyncio.run(run(pair.prefill_url, pair.decode_url, pair.model))
+        asyncio.run(run(pair.prefill_urls, pair.decode_urls, pair.model))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """OpenTelemetry spans for P/D calls (``pip install 'pdclient[otel]'``, plus an SDK to export).
 
-``instrument(client)`` adds a ``pdclient.chat`` span per call with ``pdclient.prefill`` and
+``OTelObserver`` adds a ``pdclient.chat`` span per call with ``pdclient.prefill`` and
 ``pdclient.decode`` children and the PDTrace fields as attributes. With the official openai
 instrumentation also on, each call is still one ``chat <model>`` generation span, with the
-pdclient spans under it.
+pdclient spans under it. (``instrument(client)`` returns an instrumented copy of an existing
+client, the same way.)
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from pdclient import PDChatClient
-from pdclient.otel import instrument
+from pdclient.otel import OTelObserver
 
 
 def main() -> None:
@@ -22,8 +23,12 @@ def main() -> None:
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     with pd_pair() as pair:
-        client = PDChatClient(prefill_base_url=pair.prefill_url, decode_base_url=pair.decode_url, api_key="EMPTY")
-        instrument(client, tracer_provider=provider)
+        client = PDChatClient(
+            prefill_base_url=pair.prefill_urls,
+            decode_base_url=pair.decode_urls,
+            api_key="EMPTY",
+            observers=[OTelObserver(tracer_provider=provider)],
+        )
         client.chat.completions.create(
             model=pair.model, messages=[{"role": "user", "content": "Say hi."}], max_tokens=8, temperature=0
         )

@@ -9,7 +9,7 @@ from pdclient import PDChatClient, PDTrace
 
 def main() -> None:
     with pd_pair() as pair:
-        client = PDChatClient(prefill_base_url=pair.prefill_url, decode_base_url=pair.decode_url, api_key="EMPTY")
+        client = PDChatClient(prefill_base_url=pair.prefill_urls, decode_base_url=pair.decode_urls, api_key="EMPTY")
         raw = client.chat.completions.with_raw_response.create(
             model=pair.model, messages=[{"role": "user", "content": "Say hello."}], max_tokens=16, temperature=0
         )

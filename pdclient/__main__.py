@@ -1,7 +1,7 @@
-"""`python -m pdclient ...`: see pdclient._cli."""
+"""`python -m pdclient ...`: see pdclient.cli."""
 
 import sys
 
-from ._cli import main
+from .cli import main
 
 sys.exit(main())

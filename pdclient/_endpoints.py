@@ -1,26 +1,27 @@
 """Endpoint pools: where each leg goes, which member is healthy, and who is busy.
 
 A pool holds one leg's endpoints (prefill or decode). Choosing a member is two steps:
-the circuit breakers drop the members that failed recently, then a routing policy picks
-among the rest. Policies are small objects behind one interface (``RoutingPolicy``); a
-user may pass their own.
+the circuit breakers drop the members that failed recently, then a routing policy
+(``_routing``) picks among the rest.
 """
 
 from __future__ import annotations
 
-import hashlib
-import itertools
 import os
-import random
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 import httpx
 
-from ._errors import PDConfigError, PDHandoffError
+from ._errors import PDConfigError, PDError
+from ._routing import LeastOutstanding, RouteDecision, RouteRequest, decide
+
+if TYPE_CHECKING:
+    from ._load import LoadSample
+    from ._routing import RoutingPolicy
 
 PREFILL_ENV = "PDCLIENT_PREFILL_BASE_URL"
 DECODE_ENV = "PDCLIENT_DECODE_BASE_URL"
@@ -58,8 +59,8 @@ def normalise_url(item: object, source: str) -> str:
     return str(url).rstrip("/")
 
 
-class AllEndpointsOpen(PDHandoffError):
-    """Every endpoint of a pool has its circuit breaker open."""
+class AllEndpointsOpen(PDError):
+    """Every endpoint of a pool has its circuit breaker open (internal: the caller gets a 503)."""
 
 
 @dataclass(frozen=True)
@@ -69,13 +70,25 @@ class BreakerSettings:
     failures: int = 3
     cooldown: float = 5.0
 
+    def __post_init__(self) -> None:
+        if not (isinstance(self.failures, int) and self.failures >= 1):
+            raise PDConfigError(f"breaker.failures must be an int >= 1, got {self.failures!r}")
+        if not (isinstance(self.cooldown, int | float) and self.cooldown >= 0):
+            raise PDConfigError(f"breaker.cooldown must be a number of seconds >= 0, got {self.cooldown!r}")
+
 
 class Endpoint:
     """One server of a pool: its URL, its in-flight count and its circuit breaker."""
 
-    def __init__(self, url: str, breaker: BreakerSettings, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, url: str, breaker: BreakerSettings, clock: Callable[[], float], *, host_name: str | None = None
+    ) -> None:
         self.url = url
+        self.host_name = host_name
+        """When ``url`` holds one address of a DNS name (discovery): the name, for the Host header and TLS SNI."""
         self.in_flight = 0
+        self.load: LoadSample | None = None
+        """The server's own load as its last /metrics scrape said (``_load.LoadScraper`` writes it)."""
         self._breaker = breaker
         self._clock = clock
         self._failures = 0
@@ -112,80 +125,28 @@ class Endpoint:
                 self._failures = 0
                 self._opened_at = None
             elif ok is False:
-                self._failures += 1
-                if self._failures >= self._breaker.failures or self._opened_at is not None:
-                    self._opened_at = self._clock()
+                self._count_failure()
 
+    def note_failure(self) -> None:
+        """A failure seen outside a request (a health probe): it counts as a failed request does."""
+        with self._lock:
+            self._count_failure()
 
-class RoutingPolicy(Protocol):
-    """Chooses one of the admitted endpoints (never empty) for a request."""
+    def trip(self) -> None:
+        """Open the breaker now, or restart its cool-down: the server is known to be down."""
+        with self._lock:
+            self._opened_at = self._clock()
 
-    def choose(self, endpoints: Sequence[Endpoint], affinity_key: str | None) -> Endpoint: ...
+    def reset_breaker(self) -> None:
+        """Close the breaker: the server is known to be back."""
+        with self._lock:
+            self._failures = 0
+            self._opened_at = None
 
-
-class RoundRobin:
-    def __init__(self) -> None:
-        self._turn = itertools.count()
-
-    def choose(self, endpoints: Sequence[Endpoint], affinity_key: str | None) -> Endpoint:
-        # next() on itertools.count is atomic under the GIL: safe across threads and tasks.
-        return endpoints[next(self._turn) % len(endpoints)]
-
-
-class LeastOutstanding:
-    """The endpoint with the fewest requests in flight from this client (ties: first listed)."""
-
-    def choose(self, endpoints: Sequence[Endpoint], affinity_key: str | None) -> Endpoint:
-        return min(endpoints, key=lambda e: e.in_flight)
-
-
-class PowerOfTwoChoices:
-    """Two endpoints at random, the less busy one: near least-outstanding, no herding."""
-
-    def __init__(self, rng: random.Random | None = None) -> None:
-        self._rng = rng or random.Random()
-
-    def choose(self, endpoints: Sequence[Endpoint], affinity_key: str | None) -> Endpoint:
-        if len(endpoints) == 1:
-            return endpoints[0]
-        first, second = self._rng.sample(list(endpoints), 2)
-        return first if first.in_flight <= second.in_flight else second
-
-
-class Affinity:
-    """The same conversation (or session key) goes to the same endpoint, so its prefix cache is reused.
-
-    Rendezvous hashing: each key ranks the endpoints by hash; the best admitted one wins,
-    so a key moves only when its endpoint is down. Requests without a key use ``fallback``.
-    """
-
-    def __init__(self, fallback: RoutingPolicy | None = None) -> None:
-        self._fallback = fallback or LeastOutstanding()
-
-    def choose(self, endpoints: Sequence[Endpoint], affinity_key: str | None) -> Endpoint:
-        if affinity_key is None:
-            return self._fallback.choose(endpoints, None)
-        return max(endpoints, key=lambda e: hashlib.blake2b(f"{affinity_key}|{e.url}".encode(), digest_size=8).digest())
-
-
-POLICIES: dict[str, Callable[[], RoutingPolicy]] = {
-    "round_robin": RoundRobin,
-    "least_outstanding": LeastOutstanding,
-    "power_of_two": PowerOfTwoChoices,
-    "affinity": Affinity,
-}
-
-
-def make_policy(value: str | RoutingPolicy | None) -> RoutingPolicy:
-    if value is None:
-        return LeastOutstanding()
-    if isinstance(value, str):
-        if value not in POLICIES:
-            raise PDConfigError(f"routing must be one of {sorted(POLICIES)} or a RoutingPolicy, got {value!r}")
-        return POLICIES[value]()
-    if not callable(getattr(value, "choose", None)):
-        raise PDConfigError(f"routing must be one of {sorted(POLICIES)} or a RoutingPolicy, got {value!r}")
-    return value
+    def _count_failure(self) -> None:
+        self._failures += 1
+        if self._failures >= self._breaker.failures or self._opened_at is not None:
+            self._opened_at = self._clock()
 
 
 @dataclass(eq=False)
@@ -198,18 +159,54 @@ class EndpointPool:
     breaker: BreakerSettings = field(default_factory=BreakerSettings)
     clock: Callable[[], float] = time.monotonic
     endpoints: tuple[Endpoint, ...] = field(init=False)
+    _membership: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.endpoints = tuple(Endpoint(url, self.breaker, self.clock) for url in self.urls)
 
-    def pick(self, affinity_key: str | None = None, avoid: Sequence[Endpoint] = ()) -> Endpoint:
-        """An admitted endpoint, preferring ones not in ``avoid`` (those already tried by this call)."""
-        admitted = [e for e in self.endpoints if e.admits()]
+    def set_members(self, members: Sequence[tuple[str, str | None]]) -> tuple[list[Endpoint], list[Endpoint]]:
+        """Make the pool's members these ``(url, host_name)``; returns (added, removed).
+
+        A member that stays keeps its Endpoint (breaker, in-flight count, load). A removed
+        one leaves the pool, not the calls that hold it: they finish on it and release it
+        as usual; the policy's ``on_removed`` (if any) is told, so it can forget it.
+        ``urls`` (what the caller configured) does not change.
+        """
+        wanted = dict(members)
+        if not wanted:
+            raise ValueError(f"a {self.leg} pool needs at least one member")
+        with self._membership:
+            current = {e.url: e for e in self.endpoints}
+            endpoints = tuple(
+                current.get(url) or Endpoint(url, self.breaker, self.clock, host_name=name)
+                for url, name in wanted.items()
+            )
+            added = [e for e in endpoints if e.url not in current]
+            removed = [e for e in self.endpoints if e.url not in wanted]
+            self.endpoints = endpoints  # one assignment: pick() sees the old or the new tuple
+        on_removed = getattr(self.policy, "on_removed", None)
+        if on_removed is not None:
+            for endpoint in removed:
+                on_removed(endpoint)
+        return added, removed
+
+    def pick(self, request: RouteRequest, avoid: Sequence[Endpoint] = ()) -> Endpoint:
+        """An admitted endpoint chosen by the pool's policy, preferring ones not in ``avoid`` (tried by this call)."""
+        return route(self, self.policy, request, avoid)
+
+    def decide(self, request: RouteRequest, avoid: Sequence[Endpoint] = ()) -> RouteDecision:
+        """``pick``, with the policy's reason."""
+        return route_decision(self, self.policy, request, avoid)
+
+    def candidates(self, avoid: Sequence[Endpoint] = ()) -> list[Endpoint]:
+        """The admitted endpoints not in ``avoid`` (all admitted ones if that leaves none)."""
+        members = self.endpoints  # read once: discovery may swap the tuple meanwhile
+        admitted = [e for e in members if e.admits()]
         if not admitted:
-            states = ", ".join(f"{e.url} ({e.state})" for e in self.endpoints)
+            states = ", ".join(f"{e.url} ({e.state})" for e in members)
             raise AllEndpointsOpen(f"every {self.leg} endpoint has its circuit breaker open: {states}")
         fresh = [e for e in admitted if e not in avoid]
-        return self.policy.choose(fresh or admitted, affinity_key)
+        return fresh or admitted
 
     def base_of(self, url: str) -> str | None:
         """The pool URL that ``url`` lies under, if any."""
@@ -217,3 +214,19 @@ class EndpointPool:
             if url == base or url.startswith(base + "/"):
                 return base
         return None
+
+
+def route(pool: EndpointPool, policy: RoutingPolicy, request: RouteRequest, avoid: Sequence[Endpoint] = ()) -> Endpoint:
+    """Choose among the pool's candidates with ``policy``, then tell the policy (its optional ``on_routed``)."""
+    return route_decision(pool, policy, request, avoid).endpoint
+
+
+def route_decision(
+    pool: EndpointPool, policy: RoutingPolicy, request: RouteRequest, avoid: Sequence[Endpoint] = ()
+) -> RouteDecision:
+    """``route``, with the policy's reason."""
+    decision = decide(policy, pool.candidates(avoid), request)
+    on_routed = getattr(policy, "on_routed", None)
+    if on_routed is not None:
+        on_routed(decision.endpoint, request)
+    return decision

@@ -2,14 +2,16 @@
 
     Exception
     ├── PDError                      base of everything pdclient raises itself
-    │   ├── PDConfigError (ValueError)   bad constructor or per-call settings, raised at once
-    │   ├── PDSetupError                 preparing or starting a local prefill+decode pair
-    │   └── PDHandoffError               the P/D handoff could not be completed, with no fallback
-    └── (openai.APIError family)     failures of either leg seen through the openai SDK
+    │   ├── PDConfigError (ValueError)   a bad argument, raised at once, naming it
+    │   └── PDSetupError                 preparing or starting a local prefill+decode pair
+    └── (openai.APIError family)     failures of either leg, seen through the openai SDK
 
-A leg that answers with an HTTP error status is handed back to the openai SDK as that
-response, so callers see the usual ``openai.APIStatusError`` subclasses, with the leg
-named in the ``x-pd-failed-leg`` response header.
+A call never raises a pdclient exception: a leg that answers with an HTTP error status
+is handed back to the openai SDK as that response (the leg named in the
+``x-pd-failed-leg`` header), a request that cannot take a P/D handoff is a 400 naming
+why, and a pool with no admitted endpoint a 503 naming each member; the SDK turns them
+into its usual ``openai.APIStatusError`` subclasses, and transport failures into
+``openai.APIConnectionError``. A missing optional extra is an ``ImportError`` naming it.
 """
 
 from __future__ import annotations
@@ -25,7 +27,3 @@ class PDConfigError(PDError, ValueError):
 
 class PDSetupError(PDError):
     """A local prefill+decode pair could not be prepared or started; the message names the log."""
-
-
-class PDHandoffError(PDError):
-    """The P/D handoff failed and the failure policy says to raise."""

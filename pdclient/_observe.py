@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import httpx
 
 if TYPE_CHECKING:
+    from ._routing import RouteDecision
     from ._trace import PDTrace
 
 logger = logging.getLogger("pdclient")
@@ -75,11 +76,17 @@ class LegView(Protocol):
 
     @property
     def attempt(self) -> int:
-        """1 for the first attempt of this leg in this call, 2 for its first retry, ..."""
+        """1 for the first attempt of this leg in this call, 2 for its first retry or the
+        continuation after a decode migration, ..."""
         ...
 
     @property
     def request(self) -> httpx.Request: ...
+    @property
+    def decision(self) -> RouteDecision | None:
+        """How the routing policy chose this attempt's endpoint (None for a fallback URL outside the pools)."""
+        ...
+
     @property
     def sent_at(self) -> float:
         """``time.perf_counter()`` when the request was handed to the leg transport."""

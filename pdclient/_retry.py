@@ -15,11 +15,14 @@ whole call after a transport error, 408, 409, 429 or 5xx)::
 from __future__ import annotations
 
 import email.utils
+import math
 import time
 from dataclasses import dataclass
 
 import httpx
 import tenacity
+
+from ._errors import PDConfigError
 
 RETRYABLE_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 MAX_RETRY_AFTER = 10.0
@@ -36,6 +39,19 @@ class RetrySettings:
     bounds it). openai's default timeout is 600 s: far too long to wait for a hung
     prefill before the failure policy takes over."""
 
+    def __post_init__(self) -> None:
+        for name in ("prefill_attempts", "decode_attempts"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise PDConfigError(f"retries.{name} must be an int >= 1, got {value!r}")
+        for name in ("backoff_initial", "backoff_max"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+                raise PDConfigError(f"retries.{name} must be a number of seconds >= 0, got {value!r}")
+        timeout = self.prefill_timeout
+        if timeout is not None and not (isinstance(timeout, int | float) and timeout > 0):
+            raise PDConfigError(f"retries.prefill_timeout must be seconds > 0 or None, got {timeout!r}")
+
 
 class RetryableStatus(Exception):
     """A leg answered with a status worth retrying elsewhere; carries the response."""
@@ -43,6 +59,11 @@ class RetryableStatus(Exception):
     def __init__(self, response: httpx.Response) -> None:
         super().__init__(f"HTTP {response.status_code}")
         self.response = response
+
+
+# A body that cannot be decoded (a wrong content-encoding) is the server's fault: retried
+# on another endpoint, then the failure policy, like a transport error.
+PREFILL_RETRYABLE = (httpx.TransportError, httpx.DecodingError, RetryableStatus)
 
 
 def is_transient_status(status: int) -> bool:
@@ -63,24 +84,25 @@ def counts_against_server(status: int | None) -> bool | None:
 
 
 def retry_after_seconds(response: httpx.Response) -> float | None:
-    """The server's ``Retry-After`` (seconds or HTTP date), capped; None when absent or bad."""
-    value = response.headers.get("retry-after-ms")
-    if value is not None:
+    """The server's ``Retry-After-Ms`` / ``Retry-After`` (seconds or HTTP date), or None.
+
+    As the openai SDK does, a value that is not a finite number of seconds >= 0 is ignored
+    (the backoff applies), never slept on; a longer one is capped at ``MAX_RETRY_AFTER``.
+    """
+    for name, scale in (("retry-after-ms", 0.001), ("retry-after", 1.0)):
+        value = response.headers.get(name)
+        if value is None:
+            continue
         try:
-            return min(float(value) / 1000, MAX_RETRY_AFTER)
+            seconds = float(value) * scale
         except ValueError:
-            return None
-    value = response.headers.get("retry-after")
-    if value is None:
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        parsed = email.utils.parsedate_tz(value)
-        if parsed is None:
-            return None
-        seconds = email.utils.mktime_tz(parsed) - time.time()
-    return max(0.0, min(seconds, MAX_RETRY_AFTER))
+            parsed = email.utils.parsedate_tz(value) if scale == 1.0 else None
+            if parsed is None:
+                continue
+            seconds = max(0.0, email.utils.mktime_tz(parsed) - time.time())  # a date in the past means "now"
+        if math.isfinite(seconds) and seconds >= 0:
+            return min(seconds, MAX_RETRY_AFTER)
+    return None
 
 
 class _WaitRetryAfterOrBackoff(tenacity.wait.wait_base):
@@ -114,7 +136,7 @@ def prefill_policy(settings: RetrySettings, deadline: float) -> dict[str, object
     return {
         "stop": tenacity.stop_after_attempt(settings.prefill_attempts) | _stop_at(deadline),
         "wait": _WaitRetryAfterOrBackoff(settings),
-        "retry": tenacity.retry_if_exception_type((httpx.TransportError, RetryableStatus)),
+        "retry": tenacity.retry_if_exception_type(PREFILL_RETRYABLE),
         "reraise": True,
     }
 

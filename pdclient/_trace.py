@@ -1,81 +1,130 @@
-"""Per-call facts of a P/D handoff, carried back as response headers and to ``on_trace``."""
+"""``PDTrace``: what one call did, for programs (fields) and for people (``fallback`` text).
+
+A call's trace reaches the caller's observers at its end (``on_trace`` is one), and its
+fields known when the decode response starts travel as ``x-pd-*`` response headers, so
+``with_raw_response`` users can read them with ``PDTrace.from_headers``.
+"""
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Mapping
+import enum
+from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
-
-logger = logging.getLogger("pdclient")
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 HEADER_PREFIX = "x-pd-"
 
 
-class PDTrace(BaseModel):
-    """What one chat or completions call did.
+class Outcome(str, enum.Enum):
+    """How a call ended, machine-readable. ``PDTrace.fallback`` says why in words."""
 
-    ``fallback`` is None when the handoff went as planned; otherwise it says how it
-    degraded (for example ``"ids not forwarded: media"`` or ``"prefill failed: ..."``).
-    Times are milliseconds measured on the client.
-    """
+    DISAGGREGATED = "disaggregated"
+    """Prefill on a prefill server, decode on a decode server (``ids_skipped`` says if no ids went along)."""
+    PREFILL_FAILED = "prefill_failed"
+    """The prefill leg failed for good and the failure policy sent the call on without it
+    (to a decode server, or to the fallback URL); ``fallback`` names the cause."""
+    REFUSED = "refused"
+    """The request could not take a P/D handoff (a 400 naming why); no server was called."""
+    FAILED = "failed"
+    """The call ended in an error: a leg's error status, no admitted endpoint, a broken stream, an exception."""
+    PASSTHROUGH = "passthrough"
+    """Not a chat or completions call: sent to a decode endpoint as it was."""
+
+
+class Migration(BaseModel):
+    """One move of a call's decode stream to another decode endpoint after it broke (issue 15)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    from_url: str
+    """The decode endpoint whose stream broke."""
+    to_url: str
+    """The decode endpoint the continuation streamed from."""
+    after_tokens: int
+    """Generated token ids carried into the continuation's prompt: the answer's tokens the caller had."""
+    pause_ms: float | None = None
+    """From the caller's last chunk before the cut to its first chunk after it (None: none came)."""
+    route: str = "decode"
+    """``decode`` (the decode endpoint computed the continuation's prompt itself) or
+    ``prefill+decode`` (a prefill endpoint computed it and its KV was handed over)."""
+    cause: str = ""
+    """What broke the stream, in words."""
+
+
+class PDTrace(BaseModel):
+    """What one chat or completions call did. Times are milliseconds measured on the client."""
 
     model_config = ConfigDict(frozen=True)
 
     request_id: str
     route: str
-    """``chat``, ``completions`` or ``passthrough`` (any other request, sent to decode)."""
+    """``chat``, ``completions`` or ``passthrough``."""
+    outcome: Outcome = Outcome.DISAGGREGATED
     prefill_url: str | None = None
     decode_url: str | None = None
     prefill_ms: float | None = None
+    """From the call's start to the prefill leg's answer (retries included)."""
+    prefill_attempts: int = 0
     decode_headers_ms: float | None = None
     """From sending the decode request to its response status and headers."""
     decode_first_byte_ms: float | None = None
     """From sending the decode request to the first byte of its body."""
     forwarded_tokens: int = 0
+    """How many prompt token ids went to the decode leg (0 when none did)."""
+    ids_skipped: str | None = None
+    """Why no ids went to the decode leg of a disaggregated call: ``media``, ``echo``,
+    ``forward_ids off``, or what was wrong with the prefill's answer."""
     handoff_cpu_ms: float | None = None
-    """Client CPU time spent reading the prefill result and building the decode body."""
+    """Client CPU time spent reading the prefill result and building (and signing) the decode body."""
     fallback: str | None = None
+    """How the call degraded, in words (the prefill failed and the policy took over, or no
+    ids went along); None when it went as planned."""
+    error: str | None = None
+    """Why the call was refused or failed, in words (``outcome`` refused or failed)."""
+    failed_leg: str | None = None
+    """``client`` (refused), ``prefill`` or ``decode``: whose answer the caller got as an error."""
+    prefill_route: str | None = None
+    """How the prefill endpoint was chosen (its last attempt's ``RouteDecision``):
+    ``policy[/rule][ name=value ...]``, e.g. ``cache_aware/cache match=1536 prompt=2048``."""
+    decode_route: str | None = None
+    """How the decode endpoint was chosen, e.g. ``load_aware/load score=2`` or ``least_outstanding``."""
+    migrations: tuple[Migration, ...] = ()
+    """Each time the decode stream broke and the answer continued on another decode endpoint
+    (``max_decode_migrations``), in order. Not in the response headers: known only later."""
 
     def to_headers(self) -> dict[str, str]:
-        """The fields known when the decode response starts, as ``x-pd-*`` headers."""
+        """The fields known when the decode response starts, as ``x-pd-*`` headers (ASCII)."""
         headers: dict[str, str] = {}
-        for name, value in self.model_dump(exclude={"decode_first_byte_ms"}).items():
+        for name, value in self.model_dump(exclude={"decode_first_byte_ms", "migrations"}, mode="json").items():
             if value is not None:
-                headers[HEADER_PREFIX + name.replace("_", "-")] = _format(value)
+                headers[HEADER_PREFIX + name.replace("_", "-")] = header_value(value)
         return headers
 
     @classmethod
     def from_headers(cls, headers: Mapping[str, str]) -> PDTrace:
-        """Rebuild a trace from a raw response's headers (``with_raw_response``)."""
-        fields: dict[str, Any] = {}
+        """Rebuild a trace from a raw response's headers (``with_raw_response``).
+
+        A header that does not hold a valid value for its field is left out.
+        """
+        fields: dict[str, Any] = {"request_id": "", "route": ""}
         for name in cls.model_fields:
             value = headers.get(HEADER_PREFIX + name.replace("_", "-"))
             if value is not None:
                 fields[name] = value
-        return cls.model_validate(fields)
+        while True:
+            try:
+                return cls.model_validate(fields)
+            except ValidationError as exc:
+                for error in exc.errors():
+                    fields.pop(str(error["loc"][0]), None)
 
 
-def _format(value: object) -> str:
+def header_value(value: object) -> str:
+    """A header value any HTTP stack accepts: ASCII, one line; other characters escaped."""
     if isinstance(value, float):
         return f"{value:.3f}"
-    # Header values must be latin-1; a reason may quote a server's message.
-    return str(value).encode("latin-1", "replace").decode("latin-1").replace("\n", " ")
-
-
-TraceCallback = Callable[[PDTrace], None]
-
-
-def deliver(trace: PDTrace, callback: TraceCallback | None) -> None:
-    """Hand a finished trace to the caller's callback; its failure never fails the call."""
-    if trace.fallback is not None:
-        logger.warning("P/D handoff %s degraded: %s", trace.request_id, trace.fallback)
-    else:
-        logger.debug("P/D handoff %s: %s", trace.request_id, trace)
-    if callback is None:
-        return
-    try:
-        callback(trace)
-    except Exception:
-        logger.exception("on_trace callback raised for request %s", trace.request_id)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    text = " ".join(str(value).split())  # no CR/LF: a header value cannot start a new header
+    return text.encode("ascii", "backslashreplace").decode("ascii")

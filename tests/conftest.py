@@ -1,107 +1,36 @@
-"""Shared fixtures: fake vLLM prefill/decode responses for respx, sync/async twins, and
-the one real local pair that tests/e2e, tests/frameworks and tests/test_examples.py share."""
+"""Fixtures shared by the tiers, and the tiers themselves: one directory each.
+
+    tests/unit/          pure functions, no I/O
+    tests/mocked/        the clients and transports against the fake vLLM through respx (in process)
+    tests/stubs/         the same against the fake vLLM on real loopback sockets: faults, soak
+    tests/serve/         `pdclient serve` against the stub, real clients (Node's openai, curl), processes
+    tests/pair/          a real prefill+decode vLLM pair (started once per session): marked ``pair``
+    tests/server_patch/  the vLLM plugin, inside the vLLM environment (tests/server_patch/run.py)
+
+The directory is the tier: tests under tests/pair are marked ``pair`` here, so
+``pytest -m "not pair"`` runs everything that needs no vLLM.
+"""
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
-from pdclient.local import LocalPD
+from tests.fake_vllm import DECODE, PREFILL, FakeVLLM
 
-PREFILL = "http://prefill.test:8100/v1"
-DECODE = "http://decode.test:8200/v1"
-NIXL_PARAMS = {
-    "do_remote_prefill": True,
-    "do_remote_decode": False,
-    "remote_block_ids": [3, 4],
-    "remote_engine_id": "engine-p",
-    "remote_request_id": "req-p",
-    "remote_host": "127.0.0.1",
-    "remote_port": 5600,
-    "tp_size": 1,
-}
+PAIR_TIER = Path(__file__).parent / "pair"
 
 
-def ids_for(text: str) -> list[int]:
-    """Deterministic fake token ids of a prompt, distinct for distinct prompts."""
-    return [ord(c) for c in text]
-
-
-def last_user_text(body: dict[str, Any]) -> str:
-    if "messages" in body:
-        return str(body["messages"][-1]["content"])
-    return str(body["prompt"])
-
-
-def prefill_json(body: dict[str, Any], *, kv_params: dict[str, Any] | None = NIXL_PARAMS) -> dict[str, Any]:
-    ids = ids_for(last_user_text(body))
-    base: dict[str, Any] = {"id": "cmpl-p", "created": 1, "model": body.get("model", "m"), "usage": None}
-    if "messages" in body:
-        message = {"role": "assistant", "content": "x"}
-        choice = {"index": 0, "message": message, "finish_reason": "length"}
-        return {
-            **base,
-            "object": "chat.completion",
-            "choices": [choice],
-            "prompt_token_ids": ids,
-            "kv_transfer_params": kv_params,
-        }
-    choice = {"index": 0, "text": "x", "finish_reason": "length", "prompt_token_ids": ids}
-    return {**base, "object": "text_completion", "choices": [choice], "kv_transfer_params": kv_params}
-
-
-def chat_json(content: str, model: str = "m") -> dict[str, Any]:
-    return {
-        "id": "cmpl-d",
-        "object": "chat.completion",
-        "created": 1,
-        "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
-    }
-
-
-def chat_chunk(content: str, model: str = "m") -> bytes:
-    chunk = {
-        "id": "cmpl-d",
-        "object": "chat.completion.chunk",
-        "created": 1,
-        "model": model,
-        "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": None}],
-    }
-    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
-
-
-def sse(*pieces: str) -> bytes:
-    return b"".join(chat_chunk(p) for p in pieces) + b"data: [DONE]\n\n"
-
-
-def decode_answer(request: httpx.Request) -> httpx.Response:
-    """A decode server that answers with the text it was given, streamed or not."""
-    body = json.loads(request.content)
-    answer = f"echo:{last_user_text(body)}"
-    if body.get("stream"):
-        return httpx.Response(200, content=sse(answer[:3], answer[3:]), headers={"content-type": "text/event-stream"})
-    return httpx.Response(200, json=chat_json(answer))
-
-
-def prefill_answer(request: httpx.Request) -> httpx.Response:
-    return httpx.Response(200, json=prefill_json(json.loads(request.content)))
-
-
-@pytest.fixture
-def pd_routes() -> Iterator[Any]:
-    """respx with named ``prefill`` and ``decode`` routes answering like vLLM."""
-    import respx
-
-    with respx.mock(assert_all_called=False) as router:
-        router.post(f"{PREFILL}/chat/completions", name="prefill").mock(side_effect=prefill_answer)
-        router.post(f"{DECODE}/chat/completions", name="decode").mock(side_effect=decode_answer)
-        yield router
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if PAIR_TIER in Path(str(item.path)).parents:
+            item.add_marker(pytest.mark.pair)
+            # Bound the test bodies, not the server starts: those have their own deadlines
+            # (LocalPD's startup_timeout) and take minutes when the 2 cores are contended.
+            item.add_marker(pytest.mark.timeout(300, func_only=True))
 
 
 @pytest.fixture(params=["sync", "async"])
@@ -110,34 +39,15 @@ def mode(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-class AttachedPair(LocalPD):
-    """An already running pair (``PDCLIENT_E2E_PAIR=prefill_url,decode_url``): no start, no stop.
-
-    For iterating on the real-pair tests without a server restart per run, or for running
-    them against another deployment serving the same model.
-    """
-
-    def __init__(self, prefill_url: str, decode_url: str) -> None:
-        super().__init__()
-        self._urls = (prefill_url.strip().rstrip("/"), decode_url.strip().rstrip("/"))
-
-    @property
-    def prefill_url(self) -> str:
-        return self._urls[0]
-
-    @property
-    def decode_url(self) -> str:
-        return self._urls[1]
+@pytest.fixture
+def fake() -> Iterator[FakeVLLM]:
+    """The fake vLLM pair at PREFILL / DECODE through respx; ``fake.router`` has its named routes."""
+    vllm = FakeVLLM()
+    with vllm.routes(PREFILL, DECODE):
+        yield vllm
 
 
-@pytest.fixture(scope="session")
-def pd() -> Iterator[LocalPD]:
-    """The real pair, started once per session (~7 GB, ~30 s) by its first user."""
-    attach = os.environ.get("PDCLIENT_E2E_PAIR")
-    if attach:
-        prefill_url, decode_url = attach.split(",")
-        yield AttachedPair(prefill_url, decode_url)
-        return
-    # Tool calling on, so the framework and example tests can share this one pair.
-    with LocalPD(extra_server_args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes")) as pair:
-        yield pair
+@pytest.fixture
+def pd_routes(fake: FakeVLLM) -> Any:
+    """The respx router of ``fake``: routes ``prefill``, ``decode`` and ``models``."""
+    return fake.router

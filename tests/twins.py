@@ -7,8 +7,7 @@ from typing import Any
 import openai
 
 from pdclient import AsyncPDChatClient, PDChatClient
-
-from .conftest import DECODE, PREFILL
+from tests.fake_vllm import DECODE, PREFILL
 
 
 class Twin:
@@ -32,10 +31,10 @@ class Twin:
         return await self.call(client.chat.completions.create, **kwargs)
 
     async def stream_text(self, client: Any = None, **kwargs: Any) -> list[str]:
+        """The content pieces of a streamed answer, one per chunk that carried content."""
         stream = await self.chat(client, stream=True, **kwargs)
-        if self.mode == "sync":
-            return [c.choices[0].delta.content or "" for c in stream if c.choices]
-        return [c.choices[0].delta.content or "" async for c in stream if c.choices]
+        chunks = list(stream) if self.mode == "sync" else [c async for c in stream]
+        return [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content is not None]
 
     async def close(self) -> None:
         await self.call(self.client.close)

@@ -1,11 +1,14 @@
-"""A real prefill/decode vLLM pair on this machine, no GPU needed.
+"""Real prefill/decode vLLM servers on this machine, no GPU needed.
 
-``LocalPD`` starts two vLLM servers on loopback (prefill pinned to core 0, decode to
-core 1, KV moved between them by NIXL on CPU buffers) and stops them on exit. Everything
-it needs is prepared on first use and cached under ``~/.cache/pdclient``
-(``PDCLIENT_CACHE_DIR`` overrides).
+``LocalPD`` starts a prefill and a decode vLLM server on loopback (or more of each:
+``LocalPD(decode_servers=2)``), each pinned to a core, KV moved between them by NIXL on
+CPU buffers, and stops them on exit. ``pair_from_env_or_local`` yields the servers named
+by ``PDCLIENT_PREFILL_BASE_URL`` / ``PDCLIENT_DECODE_BASE_URL``, or else those of a LocalPD
+it starts. Everything LocalPD needs is prepared on first use and cached under
+``~/.cache/pdclient`` (``PDCLIENT_CACHE_DIR`` overrides).
 """
 
-from ._pair import LocalPD
+from ._from_env import PDServers, pair_from_env_or_local
+from ._pair import LocalPD, StartStats
 
-__all__ = ["LocalPD"]
+__all__ = ["LocalPD", "PDServers", "StartStats", "pair_from_env_or_local"]

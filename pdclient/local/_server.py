@@ -22,10 +22,11 @@ from typing import Any
 import httpx
 
 from .._errors import PDSetupError
+from ._logscan import LogScanner
+from ._ports import HOST, claim_ports
 
 logger = logging.getLogger("pdclient.local")
 
-HOST = "127.0.0.1"
 SERVED_MODEL_NAME = "smollm2"
 
 # kv_both: every server can send and receive KV, so one config serves either role.
@@ -47,10 +48,14 @@ _POLL_S = 0.5
 
 
 def free_port() -> int:
-    """A loopback port the kernel just handed out (free now; the server binds it soon after)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
+    """A loopback port outside the kernel's ephemeral range, free now (see ``_ports``).
+
+    Not claimed: for a port a test binds at once, or one where nothing must listen.
+    LocalPD claims its own ports with ``_ports.claim_ports`` until the pair stops.
+    """
+    (claim,) = claim_ports(1)
+    claim.release()
+    return claim.port
 
 
 def check_port_free(port: int, what: str) -> None:
@@ -61,6 +66,15 @@ def check_port_free(port: int, what: str) -> None:
             raise PDSetupError(
                 f"{what} port {HOST}:{port} is in use ({exc.strerror}); pick another port or stop what holds it"
             ) from None
+
+
+class ServerStartError(PDSetupError):
+    """A server exited, or logged a fatal error, while starting or warming up."""
+
+    def __init__(self, message: str, *, port_collision: bool) -> None:
+        super().__init__(message)
+        self.port_collision = port_collision
+        """The log says a port it was given was taken: a start with other ports may work."""
 
 
 def _tail(path: Path, lines: int = 25) -> str:
@@ -96,12 +110,14 @@ class VLLMServer:
             )
         self.name = name
         self.port = port
+        self.nixl_side_channel_port = nixl_side_channel_port
         self.log_path = log_path
         self.kv_connector = kv_connector
         self._workdir = workdir
         self._proc: subprocess.Popen[bytes] | None = None
         self._pid: int | None = None
         self._started_at = 0.0
+        self._scanner = LogScanner(log_path)
 
         self.argv = [
             str(python), "-m", "vllm.entrypoints.openai.api_server",
@@ -189,16 +205,36 @@ class VLLMServer:
             )
         self._pid = self._proc.pid
         self._started_at = time.monotonic()
+        self._scanner = LogScanner(self.log_path)
 
-    def poll_ready(self, client: httpx.Client) -> bool:
-        """True once /health and /v1/models answer; PDSetupError if the process died."""
+    @property
+    def ports(self) -> str:
+        """The ports this server binds, for messages."""
+        side = f", NIXL side channel {self.nixl_side_channel_port}" if self.nixl_side_channel_port else ""
+        return f"API port {self.port}{side}"
+
+    def check(self, doing: str = "starting") -> None:
+        """Raises ServerStartError if the process has exited or its log shows a fatal error.
+
+        Cheap (a waitpid and a read of what the log gained since the last call): call it
+        every poll while the server starts and while it serves the warm-up.
+        """
         assert self._proc is not None, "start() first"
         code = self._proc.poll()
-        if code is not None:
-            raise PDSetupError(
-                f"{self.name} server exited with code {code} while starting; log: {self.log_path}\n"
-                f"--- last lines ---\n{_tail(self.log_path)}"
-            )
+        fatal = self._scanner.scan()  # after the poll: an exited server's last words are in the file
+        if code is None and fatal is None:
+            return
+        what = f"exited with code {code}" if code is not None else "logged a fatal error"
+        line = f"\n  offending line: {fatal}" if fatal is not None else ""
+        raise ServerStartError(
+            f"{self.name} server {what} while {doing} ({self.ports}); log: {self.log_path}{line}\n"
+            f"--- last lines ---\n{_tail(self.log_path)}",
+            port_collision=fatal is not None and fatal.port_collision,
+        )
+
+    def poll_ready(self, client: httpx.Client) -> bool:
+        """True once /health and /v1/models answer; ServerStartError if it died or logged a fatal error."""
+        self.check()
         try:
             if client.get(f"{self.base_url}/health").status_code != 200:
                 return False
@@ -207,31 +243,74 @@ class VLLMServer:
             return False
 
     def wait_ready(self, deadline: float) -> None:
-        with httpx.Client(timeout=5.0) as client:
-            while not self.poll_ready(client):
-                if time.monotonic() > deadline:
-                    raise PDSetupError(
-                        f"{self.name} server did not answer /health within the startup timeout; "
-                        f"log: {self.log_path}\n--- last lines ---\n{_tail(self.log_path)}"
-                    )
-                time.sleep(_POLL_S)
-        logger.info("%s server ready in %.1f s", self.name, time.monotonic() - self._started_at)
+        wait_all_ready([self], deadline)
 
-    def stop(self) -> None:
-        """SIGTERM the process group, SIGKILL what is left after a grace period. Idempotent."""
+    def timeout_error(self) -> PDSetupError:
+        return PDSetupError(
+            f"{self.name} server did not answer /health within the startup timeout ({self.ports}); "
+            f"log: {self.log_path}\n--- last lines ---\n{_tail(self.log_path)}"
+        )
+
+    @property
+    def seconds_since_start(self) -> float:
+        return time.monotonic() - self._started_at
+
+    def stop(self, grace: float = _STOP_GRACE_S) -> None:
+        """SIGTERM the process group, SIGKILL what is left after ``grace`` seconds. Idempotent."""
+        stop_all([self], grace)
+
+    def _terminate(self) -> subprocess.Popen[bytes] | None:
         proc, self._proc = self._proc, None
         if proc is None:
-            return
+            return None
         if proc.poll() is None:
             logger.info("stopping %s server (pid %d)", self.name, proc.pid)
         # Signal the group even when the leader is gone: its engine processes may linger.
         _signal_group(proc.pid, signal.SIGTERM)
+        return proc
+
+    def _kill(self, proc: subprocess.Popen[bytes], deadline: float) -> None:
         try:
-            proc.wait(timeout=_STOP_GRACE_S)
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            logger.warning("%s server ignored SIGTERM for %.0f s; killing it", self.name, _STOP_GRACE_S)
+            logger.warning("%s server ignored SIGTERM; killing it", self.name)
         _signal_group(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def stop_all(servers: Sequence[VLLMServer], grace: float = _STOP_GRACE_S) -> None:
+    """Stops the servers together: SIGTERM to all, one shared grace period, then SIGKILL.
+
+    A server wedged at startup (an engine waiting for a dead NIXL listener) ignores
+    SIGTERM; stopping one after the other would wait the grace period once per server.
+    """
+    procs = [(srv, srv._terminate()) for srv in servers]
+    deadline = time.monotonic() + grace
+    for srv, proc in procs:
+        if proc is not None:
+            srv._kill(proc, deadline)
+
+
+def wait_all_ready(servers: Sequence[VLLMServer], deadline: float) -> None:
+    """Waits until every server answers, checking all of them (process and log) every poll.
+
+    A server that dies or logs a fatal error fails the wait at once, whichever server is
+    still loading: nothing waits for the timeout on a server that will never answer.
+    """
+    pending = list(servers)
+    with httpx.Client(timeout=5.0) as client:
+        while True:
+            for srv in servers:
+                srv.check()
+            for srv in list(pending):
+                if srv.poll_ready(client):
+                    pending.remove(srv)
+                    logger.info("%s server ready in %.1f s", srv.name, srv.seconds_since_start)
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                raise pending[0].timeout_error()
+            time.sleep(_POLL_S)
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:

@@ -7,7 +7,8 @@ name. Three independent parts, each described where it lives:
 - reuse (``_reuse.py``): on vLLM 0.20 - 0.26, honor ``kv_transfer_params["prompt_token_ids"]``
   on the chat path as vLLM 0.27+ does natively; on 0.27+ do nothing.
 - guard (``_guard.py``, ``_signing.py``): with ``PDCLIENT_REUSE_SECRET`` set, 403 for any
-  request whose ``kv_transfer_params`` are not signed with it.
+  request that carries ``kv_transfer_params`` without a valid ``X-PDClient-Signature``
+  (spec v2: an HMAC of the whole request, with expiry and nonce).
 - drift check (``_verify.py``): with ``PDCLIENT_REUSE_VERIFY_RATE`` > 0, re-render a sample of
   reused prompts in the background and count mismatches on /metrics.
 - NIXL on CPU (``_nixl_cpu.py``), for small CPU hosts: with ``PDCLIENT_NIXL_PROGRESS_DELAY_US``
@@ -28,15 +29,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ._signing import SIGNATURE_KEY, sign_kv_transfer_params, verify_kv_transfer_params
+from ._signing import DEFAULT_MAX_AGE, SIGNATURE_HEADER, signature, verify
 
-__all__ = ["SIGNATURE_KEY", "register", "sign_kv_transfer_params", "verify_kv_transfer_params"]
+__all__ = ["SIGNATURE_HEADER", "register", "signature", "verify"]
 __version__ = "0.1.0"
 
 logger = logging.getLogger("vllm.plugins.pdclient_reuse")
 
 SECRET_ENV = "PDCLIENT_REUSE_SECRET"
 VERIFY_RATE_ENV = "PDCLIENT_REUSE_VERIFY_RATE"
+MAX_AGE_ENV = "PDCLIENT_REUSE_MAX_AGE"
 NIXL_DELAY_ENV = "PDCLIENT_NIXL_PROGRESS_DELAY_US"
 NIXL_KV_CPUS_ENV = "PDCLIENT_NIXL_KV_CPUS"
 
@@ -150,9 +152,10 @@ def _register() -> None:
     else:
         from . import _guard
 
-        _guard.install(secret)
+        max_age = _max_age()
+        _guard.install(secret, max_age)
         applied["guard"] = (
-            f"on ({SECRET_ENV} set: kv_transfer_params must carry a valid {SIGNATURE_KEY})"
+            f"on ({SECRET_ENV} set: kv_transfer_params need a valid {SIGNATURE_HEADER} v2, max_age {max_age:g} s)"
             if secret
             else f"off ({SECRET_ENV} unset; middleware only records X-Request-Id for the drift check)"
         )
@@ -218,6 +221,10 @@ def _verify_rate() -> float:
     return _setting(VERIFY_RATE_ENV, _rate, 0.0)
 
 
+def _max_age() -> float:
+    return _setting(MAX_AGE_ENV, _seconds, float(DEFAULT_MAX_AGE))
+
+
 def _nixl_delay_us() -> int:
     return _setting(NIXL_DELAY_ENV, _microseconds, 0)
 
@@ -249,6 +256,16 @@ def _rate(raw: str) -> float:
     if not 0.0 <= rate <= 1.0:
         raise ValueError("not in 0..1")
     return rate
+
+
+def _seconds(raw: str) -> float:
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise ValueError("not a number of seconds") from None
+    if not 0 < seconds < 86400 * 366:
+        raise ValueError("not a positive number of seconds under a year")
+    return seconds
 
 
 def _microseconds(raw: str) -> int:

@@ -1,5 +1,8 @@
 """Live: a real vLLM 0.32 server (CPU) with the plugin installed, guard and drift check on.
 
+The server runs with ``--enable-scale-out`` (for ``/inference/v1/generate``); requests are
+signed by pdclient's own signer (``pdclient/_signing.py``, loaded from its file).
+
 One server per session (about a minute to start here). Skipped on the unpacked old
 versions, whose servers cannot run on this machine (FIELD_NOTES.md).
 """
@@ -20,28 +23,41 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pdclient_server_patch._signing import SIGNATURE_KEY, sign_kv_transfer_params
+from pdclient_server_patch._signing import SIGNATURE_HEADER
+from test_signing import client_signing
 
 pytestmark = pytest.mark.live
 
 SECRET = "live-test-secret"
 PARAM = "kv_transfer_params.prompt_token_ids"
+CHAT = "/v1/chat/completions"
+GENERATE = "/inference/v1/generate"
 HELLO = [{"role": "user", "content": "Hello!"}]
 OTHER = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
+ATTACK = {"do_remote_prefill": True, "remote_host": "203.0.113.7", "remote_port": 1, "remote_block_ids": [1]}
 
 
 class Server:
     def __init__(self, url: str, log: Path) -> None:
         self.url, self.log = url, log
 
-    def post(self, body: dict[str, Any], request_id: str | None = None) -> tuple[int, dict[str, Any]]:
+    def post(
+        self, body: dict[str, Any] | bytes, request_id: str | None = None, *, path: str = CHAT, signed: bool = False
+    ) -> tuple[int, dict[str, Any]]:
+        """POST ``body`` (bytes as they are, a dict as UTF-8 JSON); ``signed``: by pdclient's own signer."""
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
         headers = {"Content-Type": "application/json", **({"X-Request-Id": request_id} if request_id else {})}
-        request = urllib.request.Request(f"{self.url}/v1/chat/completions", json.dumps(body).encode(), headers)
+        if signed:
+            headers[SIGNATURE_HEADER] = sign(content, path)
+        return self.send(path, content, headers)
+
+    def send(self, path: str, content: bytes, headers: dict[str, str]) -> tuple[int, dict[str, Any]]:
+        request = urllib.request.Request(f"{self.url}{path}", content, {"Content-Type": "application/json", **headers})
         try:
             with urllib.request.urlopen(request, timeout=120) as response:
-                return response.status, json.load(response)
+                return response.status, _json(response.read())
         except urllib.error.HTTPError as err:
-            return err.code, json.load(err)
+            return err.code, _json(err.read())
 
     def metric(self, name: str) -> float:
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as response:
@@ -81,7 +97,7 @@ def server(vllm_version: str, model_dir: str, tmp_path_factory: Any) -> Iterator
     }
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir]
     cmd += ["--served-model-name", "smol", "--host", "127.0.0.1", "--port", str(port)]
-    cmd += ["--max-model-len", "2048", "--dtype", "bfloat16", "--enforce-eager"]
+    cmd += ["--max-model-len", "2048", "--dtype", "bfloat16", "--enforce-eager", "--enable-scale-out"]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -110,6 +126,18 @@ def server(vllm_version: str, model_dir: str, tmp_path_factory: Any) -> Iterator
             proc.wait()
 
 
+def _json(raw: bytes) -> dict[str, Any]:
+    try:
+        parsed = json.loads(raw)
+    except ValueError:
+        return {"raw": raw.decode("utf-8", "replace")[:500]}
+    return parsed if isinstance(parsed, dict) else {"raw": parsed}
+
+
+def sign(content: bytes, path: str = CHAT, **kwargs: Any) -> str:
+    return str(client_signing().signature(SECRET, "POST", path, content, **kwargs))
+
+
 def chat(messages: list[dict[str, Any]], kv: Any = None, **extra: Any) -> dict[str, Any]:
     body = {"model": "smol", "messages": messages, "max_tokens": 4, "temperature": 0, "return_token_ids": True}
     if kv is not None:
@@ -117,8 +145,8 @@ def chat(messages: list[dict[str, Any]], kv: Any = None, **extra: Any) -> dict[s
     return {**body, **extra}
 
 
-def signed(kv: dict[str, Any]) -> dict[str, Any]:
-    return {**kv, SIGNATURE_KEY: sign_kv_transfer_params(kv, SECRET)}
+def refused(status: int, body: dict[str, Any], why: str = "") -> bool:
+    return status == 403 and body["error"]["param"] == "kv_transfer_params" and why in body["error"]["message"]
 
 
 @pytest.fixture(scope="session")
@@ -140,22 +168,77 @@ def test_plugin_logged_what_it_applied(server: Server) -> None:
     assert "reuse: native" in api_line and "guard: on" in api_line and "drift check: on" in api_line
 
 
-def test_unsigned_and_tampered_are_403(server: Server, own_ids: dict[str, list[int]]) -> None:
-    kv = {"do_remote_prefill": True, "prompt_token_ids": own_ids["hello"]}
-    status, body = server.post(chat(HELLO, kv))
-    assert status == 403, body
-    assert body["error"]["param"] == f"kv_transfer_params.{SIGNATURE_KEY}"
-    tampered = signed(kv)
-    tampered["prompt_token_ids"] = own_ids["other"]
-    assert server.post(chat(HELLO, tampered))[0] == 403
-    wrong_key = {**kv, SIGNATURE_KEY: sign_kv_transfer_params(kv, "not-the-secret")}
-    assert server.post(chat(HELLO, wrong_key))[0] == 403
+@pytest.mark.parametrize("encoding", ["utf-8", "utf-16-le", "utf-16-be", "utf-32-le", "utf-32-be"])
+def test_unsigned_is_403_in_every_json_encoding(server: Server, encoding: str) -> None:
+    # Issue 13 item 1. The control: vLLM's route does read such a body (200 without the key).
+    assert server.post(json.dumps(chat(HELLO)).encode(encoding))[0] == 200
+    status, body = server.post(json.dumps(chat(HELLO, ATTACK)).encode(encoding))
+    assert refused(status, body, "no x-pdclient-signature header"), body
+
+
+def test_generate_extra_args_need_a_signature(server: Server) -> None:
+    # Issue 13 item 2, on the route --enable-scale-out adds.
+    plain = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2, "temperature": 0}}
+    assert server.post(plain, path=GENERATE)[0] == 200  # the route is there and reads the body
+    attack = {**plain, "sampling_params": {**plain["sampling_params"], "extra_args": {"kv_transfer_params": ATTACK}}}
+    status, body = server.post(attack, path=GENERATE)
+    assert refused(status, body), body
+    harmless = {**plain, "sampling_params": {**plain["sampling_params"], "extra_args": {"kv_transfer_params": {}}}}
+    status, body = server.post(harmless, path=GENERATE, signed=True)
+    assert status == 200, body
+
+
+def test_tampered_and_wrong_key_are_403(server: Server, own_ids: dict[str, list[int]]) -> None:
+    content = json.dumps(chat(HELLO, {"prompt_token_ids": own_ids["hello"]})).encode()
+    header = sign(content)
+    tampered = json.dumps(chat(HELLO, {"prompt_token_ids": own_ids["other"]})).encode()
+    assert refused(*server.send(CHAT, tampered, {SIGNATURE_HEADER: header}), "does not match")
+    wrong_key = client_signing().signature("not-the-secret", "POST", CHAT, content)
+    assert refused(*server.send(CHAT, content, {SIGNATURE_HEADER: wrong_key}), "does not match")
+
+
+def test_replayed_signature_is_403(server: Server, own_ids: dict[str, list[int]]) -> None:
+    # Issue 13 item 3: a captured request, sent again as it was.
+    content = json.dumps(chat(HELLO, {"prompt_token_ids": own_ids["hello"]})).encode()
+    header = {SIGNATURE_HEADER: sign(content)}
+    status, body = server.send(CHAT, content, header)
+    assert status == 200, body
+    assert refused(*server.send(CHAT, content, header), "nonce already used")
+
+
+@pytest.mark.parametrize(
+    "other", [{"messages": OTHER}, {"max_tokens": 16}, {"model": "other"}], ids=["messages", "max_tokens", "model"]
+)
+def test_captured_signature_with_another_request_is_403(
+    server: Server, own_ids: dict[str, list[int]], other: dict[str, Any]
+) -> None:
+    # Issue 13 item 3: the decode leg's signed params, reused with other messages, model or max_tokens.
+    kv = {"prompt_token_ids": own_ids["hello"]}
+    header = {SIGNATURE_HEADER: sign(json.dumps(chat(HELLO, kv)).encode())}
+    assert refused(*server.send(CHAT, json.dumps({**chat(HELLO, kv), **other}).encode(), header), "does not match")
+
+
+def test_expired_signature_is_403(server: Server, own_ids: dict[str, list[int]]) -> None:
+    content = json.dumps(chat(HELLO, {"prompt_token_ids": own_ids["hello"]})).encode()
+    header = {SIGNATURE_HEADER: sign(content, ttl=60, now=time.time() - 61)}
+    assert refused(*server.send(CHAT, content, header), "expired")
+
+
+def test_lone_surrogate_is_never_a_500(server: Server, own_ids: dict[str, list[int]]) -> None:
+    # Issue 13 item 4: v1's guard answered 500 to a signed body holding "\ud800".
+    body = chat([{"role": "user", "content": "Hello \ud800!"}], {"prompt_token_ids": own_ids["hello"]})
+    content = json.dumps(body).encode()
+    assert b"\\ud800" in content
+    status, answer = server.post(content, signed=True)
+    assert status < 500, answer
+    assert refused(*server.post(content))  # unsigned, the same body: refused, not a 500
 
 
 def test_signed_is_accepted_and_ids_are_reused(server: Server, own_ids: dict[str, list[int]]) -> None:
     checked = server.metric("pdclient_reuse_verify_checked_total")
     mismatched = server.metric("pdclient_reuse_verify_mismatch_total")
-    status, body = server.post(chat(HELLO, signed({"do_remote_prefill": False, "prompt_token_ids": own_ids["hello"]})))
+    kv = {"do_remote_prefill": False, "prompt_token_ids": own_ids["hello"]}
+    status, body = server.post(chat(HELLO, kv), signed=True)
     assert status == 200, body
     assert body["prompt_token_ids"] == own_ids["hello"]
     _wait_for(lambda: server.metric("pdclient_reuse_verify_checked_total") >= checked + 1)
@@ -165,8 +248,8 @@ def test_signed_is_accepted_and_ids_are_reused(server: Server, own_ids: dict[str
 def test_drift_check_counts_a_planted_mismatch(server: Server, own_ids: dict[str, list[int]]) -> None:
     mismatched = server.metric("pdclient_reuse_verify_mismatch_total")
     # Signed, so accepted; but the ids are OTHER's while the messages say HELLO.
-    kv = signed({"prompt_token_ids": own_ids["other"]})
-    status, body = server.post(chat(HELLO, kv), request_id="planted-drift-1")
+    kv = {"prompt_token_ids": own_ids["other"]}
+    status, body = server.post(chat(HELLO, kv), request_id="planted-drift-1", signed=True)
     assert status == 200, body
     assert body["prompt_token_ids"] == own_ids["other"]  # decode used the forwarded ids
     _wait_for(lambda: server.metric("pdclient_reuse_verify_mismatch_total") >= mismatched + 1)
@@ -175,7 +258,7 @@ def test_drift_check_counts_a_planted_mismatch(server: Server, own_ids: dict[str
 
 @pytest.mark.parametrize("ids", [[], [-1], [1.5], [10**9], [1] * 2049], ids=["empty", "neg", "float", "oov", "long"])
 def test_signed_bad_ids_are_400(server: Server, ids: list[Any]) -> None:
-    status, body = server.post(chat(HELLO, signed({"prompt_token_ids": ids})))
+    status, body = server.post(chat(HELLO, {"prompt_token_ids": ids}), signed=True)
     assert status == 400, body
     if len(ids) <= 2048:  # vLLM 0.32 names the parameter; too-long fails in get_max_tokens
         assert body["error"]["param"] == PARAM

@@ -53,6 +53,15 @@ def test_bad_verify_rate_is_ignored(plugin: Any, monkeypatch: pytest.MonkeyPatch
     assert plugin._verify_rate() == 0.25
 
 
+def test_max_age_setting(plugin: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert plugin._max_age() == 300.0  # unset: the spec's default
+    for raw in ("soon", "-5", "0", "nan", "inf", "40000000"):
+        monkeypatch.setenv(plugin.MAX_AGE_ENV, raw)
+        assert plugin._max_age() == 300.0, raw
+    monkeypatch.setenv(plugin.MAX_AGE_ENV, "30")
+    assert plugin._max_age() == 30.0
+
+
 @pytest.mark.parametrize(("allow", "loaded"), [(None, True), ("pdclient_reuse", True), ("some_other_plugin", False)])
 def test_vllm_finds_it_through_the_entry_point(
     plugin: Any, allow: str | None, loaded: bool, monkeypatch: pytest.MonkeyPatch

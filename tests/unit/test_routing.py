@@ -4,22 +4,16 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Sequence
 
 import httpx
 import pytest
 
-from pdclient._endpoints import (
-    Affinity,
-    AllEndpointsOpen,
-    BreakerSettings,
-    EndpointPool,
-    LeastOutstanding,
-    PowerOfTwoChoices,
-    RoundRobin,
-    make_policy,
-)
+from pdclient import PDOptions
+from pdclient._endpoints import AllEndpointsOpen, BreakerSettings, Endpoint, EndpointPool, route
 from pdclient._errors import PDConfigError
 from pdclient._retry import counts_against_server, is_transient_status, retry_after_seconds
+from pdclient._routing import Affinity, LeastOutstanding, PowerOfTwoChoices, RoundRobin, RouteRequest, make_policy
 
 URLS = ("http://a/v1", "http://b/v1", "http://c/v1")
 
@@ -34,12 +28,13 @@ class Clock:
 
 def pool(policy: object = None, failures: int = 2, cooldown: float = 10.0) -> tuple[EndpointPool, Clock]:
     clock = Clock()
-    return EndpointPool("decode", URLS, make_policy(policy), BreakerSettings(failures, cooldown), clock), clock  # type: ignore[arg-type]
+    policy = make_policy(policy or "least_outstanding")  # type: ignore[arg-type]
+    return EndpointPool("decode", URLS, policy, BreakerSettings(failures, cooldown), clock), clock
 
 
 def test_round_robin_takes_turns() -> None:
     p, _ = pool(RoundRobin())
-    assert [p.pick().url for _ in range(4)] == [*URLS, URLS[0]]
+    assert [p.pick(RouteRequest("decode")).url for _ in range(4)] == [*URLS, URLS[0]]
 
 
 def test_least_outstanding_takes_the_idlest() -> None:
@@ -47,9 +42,9 @@ def test_least_outstanding_takes_the_idlest() -> None:
     a, b, _c = p.endpoints
     a.acquire()
     b.acquire()
-    assert p.pick().url == URLS[2]
+    assert p.pick(RouteRequest("decode")).url == URLS[2]
     a.release(ok=True)
-    assert p.pick().url == URLS[0]
+    assert p.pick(RouteRequest("decode")).url == URLS[0]
 
 
 def test_power_of_two_never_takes_the_busiest_of_its_two() -> None:
@@ -57,32 +52,32 @@ def test_power_of_two_never_takes_the_busiest_of_its_two() -> None:
     busy = p.endpoints[0]
     for _ in range(5):
         busy.acquire()
-    picks = Counter(p.pick().url for _ in range(300))
+    picks = Counter(p.pick(RouteRequest("decode")).url for _ in range(300))
     assert URLS[0] not in picks and set(picks) == {URLS[1], URLS[2]}
 
 
 def test_affinity_is_stable_and_spreads_keys() -> None:
     p, _ = pool(Affinity())
-    chosen = {f"k{i}": p.pick(f"k{i}").url for i in range(60)}
-    assert all(p.pick(k).url == url for k, url in chosen.items())
+    chosen = {f"k{i}": p.pick(RouteRequest("decode", f"k{i}")).url for i in range(60)}
+    assert all(p.pick(RouteRequest("decode", k)).url == url for k, url in chosen.items())
     assert set(chosen.values()) == set(URLS)
 
 
 def test_affinity_moves_only_the_keys_of_a_down_endpoint() -> None:
     p, _ = pool(Affinity(), failures=1)
-    before = {f"k{i}": p.pick(f"k{i}").url for i in range(60)}
+    before = {f"k{i}": p.pick(RouteRequest("decode", f"k{i}")).url for i in range(60)}
     down = p.endpoints[0]
     down.acquire()
     down.release(ok=False)
-    after = {k: p.pick(k).url for k in before}
+    after = {k: p.pick(RouteRequest("decode", k)).url for k in before}
     assert all(after[k] == url for k, url in before.items() if url != down.url)
     assert down.url not in after.values()
 
 
 def test_pick_avoids_endpoints_already_tried_when_it_can() -> None:
     p, _ = pool(LeastOutstanding())
-    assert p.pick(avoid=p.endpoints[:2]).url == URLS[2]
-    assert p.pick(avoid=p.endpoints).url == URLS[0], "all tried: any admitted one"
+    assert p.pick(RouteRequest("decode"), avoid=p.endpoints[:2]).url == URLS[2]
+    assert p.pick(RouteRequest("decode"), avoid=p.endpoints).url == URLS[0], "all tried: any admitted one"
 
 
 def test_breaker_opens_after_consecutive_failures_and_half_opens_for_one_probe() -> None:
@@ -121,14 +116,14 @@ def test_all_open_names_every_endpoint() -> None:
         endpoint.acquire()
         endpoint.release(ok=False)
     with pytest.raises(AllEndpointsOpen, match=r"every decode endpoint .* http://a/v1 \(open\), http://b/v1 \(open\)"):
-        p.pick()
+        p.pick(RouteRequest("decode"))
 
 
 def test_unknown_policy_is_a_config_error() -> None:
     with pytest.raises(PDConfigError, match="routing must be one of"):
-        make_policy("fastest")
+        PDOptions("http://p/v1", "http://d/v1", routing="fastest")
     with pytest.raises(PDConfigError, match="routing must be one of"):
-        make_policy(42)  # type: ignore[arg-type]
+        PDOptions("http://p/v1", "http://d/v1", routing=42)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -161,7 +156,12 @@ def test_status_decisions(status: int | None, transient: bool | None, health: bo
         ({"retry-after": "999"}, 10.0),
         ({"retry-after-ms": "250"}, 0.25),
         ({"retry-after": "soon"}, None),
-        ({"retry-after": "-3"}, 0.0),
+        # Out of range, as the openai SDK reads them: ignored (the backoff applies), never slept on.
+        ({"retry-after": "-3"}, None),
+        ({"retry-after-ms": "-1"}, None),
+        ({"retry-after-ms": "nan"}, None),
+        ({"retry-after": "inf"}, None),
+        ({"retry-after-ms": "nan", "retry-after": "1"}, 1.0),
     ],
 )
 def test_retry_after(headers: dict[str, str], seconds: float | None) -> None:
@@ -175,3 +175,62 @@ def test_retry_after_http_date() -> None:
     when = email.utils.formatdate(time.time() + 3, usegmt=True)
     value = retry_after_seconds(httpx.Response(503, headers={"retry-after": when}))
     assert value is not None and 1.5 < value <= 3.0
+
+
+# -- the interfaces issue 12 builds on ------------------------------------------------
+
+
+def test_route_gives_the_policy_a_request_and_tells_it_the_choice() -> None:
+    class Recording:
+        def __init__(self) -> None:
+            self.seen: list[tuple[list[str], RouteRequest]] = []
+            self.routed: list[tuple[str, RouteRequest]] = []
+
+        def choose(self, endpoints: Sequence[Endpoint], request: RouteRequest) -> Endpoint:
+            self.seen.append(([e.url for e in endpoints], request))
+            return endpoints[-1]
+
+        def on_routed(self, endpoint: Endpoint, request: RouteRequest) -> None:
+            self.routed.append((endpoint.url, request))
+
+    p, _ = pool()
+    policy = Recording()
+    request = RouteRequest("prefill", affinity_key="k", prompt_text="<|user|>hi")
+    assert route(p, policy, request, avoid=p.endpoints[2:]).url == URLS[1]
+    assert policy.seen == [(list(URLS[:2]), request)]
+    assert policy.routed == [(URLS[1], request)]
+
+
+def test_probe_verdicts_feed_the_breaker() -> None:
+    p, clock = pool(failures=2, cooldown=10)
+    a = p.endpoints[0]
+    a.note_failure()
+    assert a.state == "closed" and a.in_flight == 0
+    a.acquire()
+    a.release(ok=False)
+    assert a.state == "open", "a probe failure and a request failure add up"
+    a.reset_breaker()
+    assert a.state == "closed"
+    a.trip()
+    assert a.state == "open"
+    clock.now = 9
+    a.trip()
+    clock.now = 12
+    assert a.state == "open", "trip() restarts the cool-down"
+    clock.now = 19
+    assert a.state == "half-open"
+
+
+def test_set_members_keeps_survivors_and_leaves_removed_ones_to_their_calls() -> None:
+    p, _ = pool()
+    a, b, c = p.endpoints
+    b.acquire()
+    added, removed = p.set_members([(URLS[0], None), ("http://10.0.0.4/v1", "svc"), (URLS[2], None)])
+    assert [e.url for e in removed] == [URLS[1]] and [e.url for e in added] == ["http://10.0.0.4/v1"]
+    assert p.endpoints[0] is a and p.endpoints[2] is c and p.endpoints[1].host_name == "svc"
+    assert all(p.pick(RouteRequest("decode")).url != URLS[1] for _ in range(5))
+    b.release(ok=True)  # the call that held it ends normally
+    assert b.in_flight == 0
+    assert p.urls == URLS, "what the caller configured does not change"
+    with pytest.raises(ValueError):
+        p.set_members([])

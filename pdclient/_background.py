@@ -1,0 +1,443 @@
+"""Background work for endpoint pools: load scrapes, health probes, DNS re-resolution.
+
+Each kind of work is a sans-I/O *core*: plain state that says what to do next and takes
+the result, without doing any I/O itself::
+
+    core.due(now)                 -> [Job]     what to fetch or look up now
+    core.next_due()               -> float     when it next wants to run (clock time)
+    core.apply(job, outcome, now)              what came back (Fetched or LookedUp)
+
+so the cores are unit-tested with a fake clock and hand-made outcomes. Two thin drivers
+run them, the same loop written twice (the second with ``await``):
+
+- ``BackgroundThread``: sync clients. One daemon thread, one ``httpx.Client``; the due
+  jobs run one after the other, so one hung server delays the others by at most its
+  job's timeout.
+- ``BackgroundTask``: async clients. One asyncio task, started on first use from the
+  running loop, with one ``httpx.AsyncClient``; the due jobs run concurrently.
+
+``Background`` is one fleet's work (``_fleet.Fleet.background``): its cores and the
+driver that runs them, chosen on first use: a task when an async client's first call
+comes from a running asyncio loop, else a thread (sync clients, and async ones under
+trio). Nothing here starts by itself: a ``Background`` exists only when a feature that
+needs one is on, its driver starts on the client's first call and stops on ``close()``
+/ ``aclose()`` (or when the fleet is garbage-collected unclosed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
+
+import anyio.to_thread
+import httpx
+
+from ._errors import PDConfigError
+
+logger = logging.getLogger("pdclient")
+
+
+def check_number(owner: str, name: str, value: object, *, low: float = 0.0, integer: bool = False) -> None:
+    """A settings field must be a number (an int if ``integer``) above ``low``: else a ``PDConfigError`` naming it."""
+    kind = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kind) or not value > low:
+        what = "an int" if integer else "a number"
+        raise PDConfigError(f"{owner}.{name} must be {what} > {low:g}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Fetch:
+    """A GET to make."""
+
+    url: str
+    timeout: float
+    host: str | None = None
+    """The DNS name to present (Host header, TLS SNI) when ``url`` holds an address."""
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """A DNS lookup to make: the addresses of ``host`` for ``port``."""
+
+    host: str
+    port: int
+
+
+@dataclass(frozen=True)
+class Job:
+    key: object
+    """The core's own tag for the job (an endpoint, a base URL)."""
+    action: Fetch | Lookup
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """What a Fetch got: a status and body, or the transport error instead."""
+
+    status: int | None
+    text: str = ""
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status is not None and 200 <= self.status < 300
+
+
+@dataclass(frozen=True)
+class LookedUp:
+    """What a Lookup got: the addresses in the resolver's order, or the error instead."""
+
+    addresses: tuple[str, ...] = ()
+    error: str | None = None
+
+
+Outcome = Fetched | LookedUp
+Resolver = Callable[[str, int], Sequence[str]]
+"""``resolver(host, port)`` -> the host's addresses; tests pass their own (several 127.0.0.x)."""
+
+
+class Core(Protocol):
+    def due(self, now: float) -> list[Job]: ...
+    def next_due(self) -> float: ...
+    def apply(self, job: Job, outcome: Outcome, now: float) -> None: ...
+
+
+M = TypeVar("M")
+
+
+class EveryMember(Generic[M]):
+    """A schedule for cores that visit every member of a pool every ``interval`` seconds.
+
+    ``members`` is read each time, so a member that discovery adds is due at once and a
+    removed one is no longer visited (its entry goes with the object: weak references).
+    A member is not due again while its last job is out.
+    """
+
+    def __init__(self, members: Callable[[], Sequence[M]], interval: float) -> None:
+        self.members = members
+        self.interval = interval
+        self._next: weakref.WeakKeyDictionary[M, float] = weakref.WeakKeyDictionary()
+        self._out: weakref.WeakSet[M] = weakref.WeakSet()
+
+    def due(self, now: float) -> list[M]:
+        due = [m for m in self.members() if m not in self._out and self._next.get(m, 0.0) <= now]
+        for member in due:
+            self._out.add(member)
+            self._next[member] = now + self.interval
+        return due
+
+    def done(self, member: M) -> None:
+        self._out.discard(member)
+
+    def next_due(self) -> float:
+        return min((self._next.get(m, 0.0) for m in self.members() if m not in self._out), default=float("inf"))
+
+
+def system_resolver(host: str, port: int) -> list[str]:
+    """The addresses ``getaddrinfo`` gives for a TCP connection, de-duplicated, in its order."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return list(dict.fromkeys(str(info[4][0]) for info in infos))
+
+
+def host_header(url: httpx.URL, name: str) -> str:
+    """The Host header for ``url`` when it holds an address that stands for ``name``."""
+    return name if url.port is None else f"{name}:{url.port}"
+
+
+def _fetch_args(action: Fetch) -> dict[str, object]:
+    if action.host is None:
+        return {"timeout": action.timeout}
+    url = httpx.URL(action.url)
+    extensions = {"sni_hostname": action.host} if url.scheme == "https" else {}
+    return {"timeout": action.timeout, "headers": {"host": host_header(url, action.host)}, "extensions": extensions}
+
+
+def fetch_sync(http: httpx.Client, action: Fetch) -> Fetched:
+    try:
+        response = http.get(action.url, **_fetch_args(action))  # type: ignore[arg-type]
+    except httpx.HTTPError as exc:
+        return Fetched(None, error=f"{type(exc).__name__}: {exc}")
+    return Fetched(response.status_code, response.text)
+
+
+async def fetch_async(http: httpx.AsyncClient, action: Fetch) -> Fetched:
+    try:
+        response = await http.get(action.url, **_fetch_args(action))  # type: ignore[arg-type]
+    except httpx.HTTPError as exc:
+        return Fetched(None, error=f"{type(exc).__name__}: {exc}")
+    return Fetched(response.status_code, response.text)
+
+
+def lookup_sync(resolver: Resolver, action: Lookup) -> LookedUp:
+    try:
+        return LookedUp(tuple(resolver(action.host, action.port)))
+    except (OSError, UnicodeError) as exc:
+        return LookedUp(error=f"{type(exc).__name__}: {exc}")
+
+
+async def lookup_async(resolver: Resolver, action: Lookup) -> LookedUp:
+    # getaddrinfo blocks: off the event loop, as asyncio's own loop.getaddrinfo does.
+    return await asyncio.to_thread(lookup_sync, resolver, action)
+
+
+class _Driver:
+    """What both drivers share: asking the cores for work, handing back results, sleeping."""
+
+    def __init__(
+        self,
+        cores: Sequence[Core],
+        *,
+        resolver: Resolver = system_resolver,
+        clock: Callable[[], float] = time.monotonic,
+        max_sleep: float = 1.0,
+    ) -> None:
+        self.cores = tuple(cores)
+        self._resolver = resolver
+        self._clock = clock
+        self._max_sleep = max_sleep
+
+    def _due(self) -> list[tuple[Core, Job]]:
+        now = self._clock()
+        jobs: list[tuple[Core, Job]] = []
+        for core in self.cores:
+            try:
+                jobs += [(core, job) for job in core.due(now)]
+            except Exception:  # a bug in one core must not stop the others
+                logger.exception("pdclient background: %r failed to plan its work", core)
+        return jobs
+
+    def _apply(self, core: Core, job: Job, outcome: Outcome) -> None:
+        try:
+            core.apply(job, outcome, self._clock())
+        except Exception:
+            logger.exception("pdclient background: %r failed to apply %r", core, outcome)
+
+    @staticmethod
+    def _failed(action: Fetch | Lookup, exc: BaseException) -> Outcome:
+        logger.debug("pdclient background: %r raised", action, exc_info=exc)
+        error = f"{type(exc).__name__}: {exc}"
+        return LookedUp(error=error) if isinstance(action, Lookup) else Fetched(None, error=error)
+
+    def _sleep_seconds(self) -> float:
+        wake = min((core.next_due() for core in self.cores), default=float("inf"))
+        return min(self._max_sleep, max(0.0, wake - self._clock()))
+
+
+class BackgroundThread(_Driver):
+    """Runs the cores in one daemon thread with one ``httpx.Client`` (sync clients)."""
+
+    def __init__(
+        self,
+        cores: Sequence[Core],
+        *,
+        resolver: Resolver = system_resolver,
+        clock: Callable[[], float] = time.monotonic,
+        http: Callable[[], httpx.Client] = httpx.Client,
+        max_sleep: float = 1.0,
+    ) -> None:
+        super().__init__(cores, resolver=resolver, clock=clock, max_sleep=max_sleep)
+        self._http = http
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        """Start the thread unless it runs already (idempotent, thread-safe)."""
+        with self._lock:
+            if self.running:
+                return
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._run, name="pdclient-background", daemon=True)
+            self._thread.start()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the thread and wait for it (a job in progress ends within its own timeout)."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+            self._stop.set()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def _run(self) -> None:
+        with self._http() as http:
+            while not self._stop.is_set():
+                for core, job in self._due():
+                    if self._stop.is_set():
+                        return
+                    self._apply(core, job, self._perform(http, job.action))
+                self._stop.wait(self._sleep_seconds())
+
+    def _perform(self, http: httpx.Client, action: Fetch | Lookup) -> Outcome:
+        try:
+            if isinstance(action, Lookup):
+                return lookup_sync(self._resolver, action)
+            return fetch_sync(http, action)
+        except Exception as exc:  # whatever a job raises is its outcome, never the loop's end
+            return self._failed(action, exc)
+
+
+class BackgroundTask(_Driver):
+    """Runs the cores in one asyncio task with one ``httpx.AsyncClient`` (async clients)."""
+
+    def __init__(
+        self,
+        cores: Sequence[Core],
+        *,
+        resolver: Resolver = system_resolver,
+        clock: Callable[[], float] = time.monotonic,
+        http: Callable[[], httpx.AsyncClient] = httpx.AsyncClient,
+        max_sleep: float = 1.0,
+    ) -> None:
+        super().__init__(cores, resolver=resolver, clock=clock, max_sleep=max_sleep)
+        self._http = http
+        self._stop: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def start(self) -> None:
+        """Start the task on the running loop unless it runs there already (call from the loop)."""
+        loop = asyncio.get_running_loop()
+        if self._task is not None and not self._task.done() and self._task.get_loop() is loop:
+            return
+        # A task left on another loop (an earlier asyncio.run) is dead with that loop.
+        self._stop = asyncio.Event()
+        self._task = loop.create_task(self._run(self._stop), name="pdclient-background")
+
+    def cancel(self) -> None:
+        """Stop the task without waiting for it; from any thread (its loop runs the cancel)."""
+        task, self._task = self._task, None
+        if task is None or task.done():
+            return
+        loop = task.get_loop()
+        try:
+            current = asyncio.get_running_loop()
+        except RuntimeError:
+            current = None
+        if current is loop:
+            task.cancel()
+            return
+        with contextlib.suppress(RuntimeError):  # its loop is closed: the task died with it
+            loop.call_soon_threadsafe(task.cancel)
+
+    async def aclose(self) -> None:
+        """Stop the task and wait for it."""
+        task, self._task = self._task, None
+        if self._stop is not None:
+            self._stop.set()
+        if task is None or task.done():
+            return
+        if task.get_loop() is not asyncio.get_running_loop():
+            task.cancel()  # another loop's task: it cannot be awaited from here
+            return
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    async def _run(self, stop: asyncio.Event) -> None:
+        async with self._http() as http:
+            while not stop.is_set():
+                due = self._due()
+                outcomes = await asyncio.gather(*(self._perform(http, job.action) for _, job in due))
+                for (core, job), outcome in zip(due, outcomes, strict=True):
+                    self._apply(core, job, outcome)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self._sleep_seconds())
+
+    async def _perform(self, http: httpx.AsyncClient, action: Fetch | Lookup) -> Outcome:
+        try:
+            if isinstance(action, Lookup):
+                return await lookup_async(self._resolver, action)
+            return await fetch_async(http, action)
+        except Exception as exc:  # whatever a job raises is its outcome, never the loop's end
+            return self._failed(action, exc)
+
+
+class Background:
+    """One fleet's background work: its cores, and the driver that runs them once started."""
+
+    def __init__(self, cores: Sequence[Core], *, asynchronous: bool, resolver: Resolver = system_resolver) -> None:
+        self.cores = tuple(cores)
+        self.asynchronous = asynchronous
+        """The fleet serves an async client: its driver is a task when started from an asyncio loop."""
+        self._resolver = resolver
+        self._driver: BackgroundThread | BackgroundTask | None = None
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"Background({list(self.cores)}, driver={self._driver!r})"
+
+    @property
+    def driver(self) -> BackgroundThread | BackgroundTask | None:
+        """The driver once started (a thread or a task), else None."""
+        return self._driver
+
+    @property
+    def running(self) -> bool:
+        return self._driver is not None and self._driver.running
+
+    def start(self) -> None:
+        """Start the driver unless it runs (the transports call this on every call: cheap once running).
+
+        An async client's task is started on the running loop; a later call from another
+        loop (a second ``asyncio.run``) starts it there, the first one having died with its loop.
+        """
+        driver = self._driver
+        if isinstance(driver, BackgroundThread):
+            if not driver.running:
+                driver.start()
+            return
+        if isinstance(driver, BackgroundTask):
+            driver.start()
+            return
+        with self._lock:
+            if self._closed:
+                return
+            if self._driver is None:
+                self._driver = self._new_driver()
+        self.start()
+
+    def _new_driver(self) -> BackgroundThread | BackgroundTask:
+        if self.asynchronous:
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:  # trio (or no loop at all): a thread serves any caller
+                pass
+            else:
+                return BackgroundTask(self.cores, resolver=self._resolver)
+        return BackgroundThread(self.cores, resolver=self._resolver)
+
+    def close(self, *, wait: bool = True) -> None:
+        """Stop for good: a thread is stopped (and joined if ``wait``), a task cancelled on its loop."""
+        with self._lock:
+            self._closed = True
+            driver, self._driver = self._driver, None
+        if isinstance(driver, BackgroundThread):
+            driver.close(timeout=5.0 if wait else 0.0)
+        elif isinstance(driver, BackgroundTask):
+            driver.cancel()
+
+    async def aclose(self) -> None:
+        """``close`` from async code: a task is awaited, a thread joined off the event loop."""
+        with self._lock:
+            self._closed = True
+            driver, self._driver = self._driver, None
+        if isinstance(driver, BackgroundTask):
+            await driver.aclose()
+        elif isinstance(driver, BackgroundThread):
+            await anyio.to_thread.run_sync(driver.close)

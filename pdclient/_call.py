@@ -1,0 +1,552 @@
+"""One call's state: its plan, its phase, its two legs, and how it ended.
+
+A ``Call`` is made per request by a transport and holds every decision about it; the
+transports only move bytes (send a leg, read a body, retry, sleep) and differ by
+``await``. Observers see the call and its legs through ``CallView`` / ``LegView``.
+
+    PLANNING --refused--> ENDED                   (400, no server called)
+        |
+        v
+    PREFILL --fails, policy "fail"--> ENDED       (the prefill's error, or 502/503)
+        |  (ok, or failed with policy "decode" / a fallback URL)
+        v
+    DECODE --no response--> ENDED                 (exception, or 503 when no endpoint is admitted)
+        |
+        v
+    STREAMING --body closed--> ENDED              (whole, abandoned by the caller, or broken)
+
+Pass-through requests go straight to DECODE with their body as sent.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import openai
+import orjson
+
+from . import _migrate as migrate
+from . import _retry as retry
+from . import _wire as wire
+from ._discovery import request_overrides
+from ._endpoints import AllEndpointsOpen, Endpoint, EndpointPool
+from ._fleet import Fleet
+from ._observe import Observers
+from ._options import CALL_OPTIONS_KEY, PREFILL_FAILURE_POLICIES, PDOptions
+from ._prefix_index import plan_text
+from ._routing import RouteDecision, RouteRequest
+from ._signing import SIGNATURE_HEADER, signature
+from ._trace import HEADER_PREFIX, Outcome, PDTrace
+
+logger = logging.getLogger("pdclient")
+
+# Hop-by-hop or derived headers that must not be copied onto a leg's new request.
+_DROPPED_REQUEST_HEADERS = ("host", "content-length", "transfer-encoding", "connection")
+# The one-token decode that frees an abandoned handoff's KV: bounded, so a caller that
+# is going away (Ctrl-C, a cancelled task) waits at most this long for it.
+RELEASE_TIMEOUT = 10.0
+# A leg that failed so never sent a byte to its server.
+_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
+# httpcore's trace event for the first bytes of a request going out (HTTP/1.1 and HTTP/2).
+_SENDING = ("http11.send_request_headers.started", "http2.send_request_headers.started")
+
+
+class Phase(enum.Enum):
+    PLANNING = "planning"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    STREAMING = "streaming"
+    ENDED = "ended"
+
+
+@dataclass(frozen=True)
+class CallContext:
+    """What every call of one transport shares."""
+
+    options: PDOptions
+    fleet: Fleet
+    observers: Observers
+
+
+class Leg:
+    """One leg of a call (prefill, decode, or the KV release): endpoints tried, the current attempt.
+
+    Observers see it as a ``LegView`` between ``on_leg_start`` and ``on_leg_end``.
+    """
+
+    def __init__(self, call: Call, name: str, pool: EndpointPool | None) -> None:
+        self._call = call
+        self.name = name
+        self.pool = pool
+        self.tried: list[Endpoint] = []
+        self.endpoint: Endpoint | None = None
+        self.decision: RouteDecision | None = None
+        self.url = ""
+        self.attempt = 0
+        self.request: httpx.Request = call.request
+        self.sent_at = 0.0
+        self.status: int | None = None
+        self._open = False
+
+    def pick(self, route: RouteRequest) -> str:
+        """An admitted endpoint this call has not tried yet if any; raises ``AllEndpointsOpen``."""
+        assert self.pool is not None
+        self.decision = self.pool.decide(route, avoid=self.tried)
+        endpoint = self.decision.endpoint
+        endpoint.acquire()
+        self.endpoint = endpoint
+        self.tried.append(endpoint)
+        self.url = endpoint.url
+        return endpoint.url
+
+    def use(self, url: str) -> str:
+        """A fixed URL outside any pool (the fallback server)."""
+        self.endpoint = self.decision = None
+        self.url = url
+        return url
+
+    def start(self, request: httpx.Request) -> httpx.Request:
+        if self.endpoint is not None and self.endpoint.host_name is not None:
+            headers, extensions = request_overrides(self.endpoint)  # a discovered address: its DNS name
+            request.headers.update(headers)
+            request.extensions = {**request.extensions, **extensions}
+        self.attempt += 1
+        self.request = request
+        self.status = None
+        self.sent_at = time.perf_counter()
+        self._open = True
+        self._call.observers.leg_start(self._call, self)
+        return request
+
+    def end(self, status: int | None, error: BaseException | None) -> None:
+        """The attempt is over: free the endpoint (its breaker learns the outcome), tell the observers."""
+        if not self._open:
+            return
+        self._open = False
+        self.status = status
+        if self.endpoint is not None:
+            self.endpoint.release(ok=_health(status, error))
+        self._call.observers.leg_end(self._call, self, status, error)
+
+
+def _health(status: int | None, error: BaseException | None) -> bool | None:
+    """What an attempt says of its server: a transport or decoding error counts against it, a cancel does not."""
+    if error is not None:
+        return False if isinstance(error, httpx.TransportError | httpx.DecodingError) else None
+    return retry.counts_against_server(status)
+
+
+class Call:
+    """One request through a P/D transport, from the caller's request to its trace."""
+
+    def __init__(self, context: CallContext, request: httpx.Request) -> None:
+        self.context = context
+        self.observers = context.observers
+        self.request = request
+        self.request_id = request.headers.get("x-request-id") or f"pd-{uuid.uuid4().hex}"
+        self.started = time.perf_counter()
+        self.data: dict[Any, Any] = {}
+        self.phase = Phase.PLANNING
+        fleet = context.fleet
+        url = str(request.url.copy_with(query=None))
+        base = fleet.decode.base_of(url)
+        self.relative_path = url[len(base) :] if base is not None else ""
+        self.kind = wire.route_kind(self.relative_path) if base is not None and request.method == "POST" else None
+        self.route = self.kind.value if self.kind else "passthrough"
+        self.plan: wire.Plan | None = None
+        self.prefill = Leg(self, "prefill", fleet.prefill)
+        self.decode = Leg(self, "decode", fleet.decode)
+        self.prefill_result: wire.PrefillResult | None = None
+        self.outcome = Outcome.DISAGGREGATED if self.kind else Outcome.PASSTHROUGH
+        self.fallback: str | None = None
+        self.error: str | None = None
+        self.failed_leg: str | None = None
+        self.fallback_url: str | None = None
+        self.decode_may_have_reached = False
+        self.cpu_seconds = 0.0
+        self.prefill_ms: float | None = None
+        self.decode_headers_ms: float | None = None
+        self.decode_first_byte_ms: float | None = None
+        self.pass_through_body: bytes | None = None
+        """A pass-through JSON body without pdclient's per-call options; None forwards the caller's stream."""
+        self._prefill_body: bytes | None = None
+        self._decode_body: bytes | None = None
+        self._prompt_text: str | None = None
+        self.migration: migrate.CallMigration | None = None
+        """Whether and how the decode stream may move to another endpoint (issue 15, ``_migrate``)."""
+        # openai's `timeout` bounds each read; the prefill phase (retries included) gets it,
+        # or the shorter prefill_timeout, as a total.
+        bounds = [(request.extensions.get("timeout") or {}).get("read"), context.options.retries.prefill_timeout]
+        given = [b for b in bounds if b is not None]
+        self.deadline = time.monotonic() + min(given) if given else None
+        self.observers.call_start(self)
+
+    # -- planning ----------------------------------------------------------------------
+
+    def plan_or_refuse(self) -> httpx.Response | None:
+        """Read the caller's body (already read); a 400 response if it cannot take a P/D handoff."""
+        assert self.kind is not None
+        try:
+            self.plan = wire.plan_call(self.kind, self.request.content)
+        except wire.Refusal as exc:
+            return self.refuse(str(exc))
+        policy = self.plan.options.on_prefill_failure
+        if policy not in (None, *PREFILL_FAILURE_POLICIES) and not self.context.options.allow_call_fallback_url:
+            return self.refuse(
+                f"{CALL_OPTIONS_KEY}.on_prefill_failure may be {' or '.join(PREFILL_FAILURE_POLICIES)} here, "
+                "not a fallback URL (allow_call_fallback_url is off)"
+            )
+        return None
+
+    def pass_through_content(self) -> bytes:
+        """A pass-through JSON body without pdclient's per-call options; raises ``Refusal``."""
+        return wire.without_call_options(self.request.content)
+
+    def refuse(self, message: str) -> httpx.Response:
+        self.outcome = Outcome.REFUSED
+        self.error = message
+        return self._end_early(self._json_error(400, message, "client"))
+
+    @property
+    def failure_policy(self) -> str:
+        assert self.plan is not None
+        return self.plan.options.on_prefill_failure or self.context.options.on_prefill_failure
+
+    def _route(self, leg: str) -> RouteRequest:
+        plan = self.plan
+        if plan is None:
+            return RouteRequest(leg=leg)
+        text = None
+        pool = self.context.fleet.prefill if leg == "prefill" else self.context.fleet.decode
+        if getattr(pool.policy, "wants_prompt_text", False):
+            if self._prompt_text is None:  # once per call, and only for a policy that reads it
+                self._prompt_text = plan_text(plan) or ""
+            text = self._prompt_text or None
+        return RouteRequest(leg=leg, affinity_key=plan.affinity_key, prompt_text=text)
+
+    # -- prefill -----------------------------------------------------------------------
+
+    def prefill_retrying(self) -> dict[str, object]:
+        self.phase = Phase.PREFILL
+        return retry.prefill_policy(self.context.options.retries, self.deadline or float("inf"))
+
+    def prefill_request(self) -> httpx.Request:
+        """The next prefill attempt, on an endpoint this call has not tried yet if any."""
+        assert self.plan is not None
+        base = self.prefill.pick(self._route("prefill"))
+        if self._prefill_body is None:
+            self._prefill_body = wire.prefill_body(self.plan)
+        request = self._leg_request(base, self._prefill_body, self._sign(base, self._prefill_body), self.deadline)
+        request.headers["accept"] = "application/json"
+        return self.prefill.start(request)
+
+    def check_prefill(self, response: httpx.Response) -> httpx.Response | None:
+        """Judge one prefill attempt, body read: raise to retry, return a response to end the call, or None."""
+        assert self.kind is not None
+        self.prefill.end(response.status_code, None)
+        if retry.is_transient_status(response.status_code):
+            raise retry.RetryableStatus(response)
+        self.prefill_ms = self._elapsed_ms()
+        if response.status_code >= 400:
+            # The request itself is wrong (bad model, messages, ...): the decode leg would
+            # refuse it too, so the caller gets the prefill's own error.
+            self.outcome = Outcome.FAILED
+            self.error = f"prefill answered HTTP {response.status_code}"
+            return self._end_with(response, "prefill")
+        cpu_start = time.thread_time()
+        self.prefill_result = wire.read_prefill(self.kind, response.content)
+        self.cpu_seconds += time.thread_time() - cpu_start
+        return None
+
+    def prefill_failed(self, error: BaseException) -> httpx.Response | None:
+        """The prefill leg failed for good: apply the failure policy."""
+        self.prefill_ms = self._elapsed_ms()
+        if isinstance(error, retry.RetryableStatus):
+            reason = f"HTTP {error.response.status_code}: {_text(error.response)[:200]}"
+        else:
+            reason = f"{type(error).__name__}: {error}"
+        attempts = self.prefill.attempt
+        reason = f"{reason} (after {attempts} attempt{'s' * (attempts != 1)})"
+        self.prefill_result = None
+        policy = self.failure_policy
+        if policy == "fail":
+            self.outcome = Outcome.FAILED
+            self.error = f"prefill failed: {reason}"
+            if isinstance(error, retry.RetryableStatus):
+                return self._end_with(error.response, "prefill")
+            status = 503 if isinstance(error, AllEndpointsOpen) else 502
+            return self._end_early(self._json_error(status, f"prefill leg failed: {reason}", "prefill"))
+        self.outcome = Outcome.PREFILL_FAILED
+        if policy == "decode":
+            self.fallback = f"prefill failed, decode-only: {reason}"
+        else:
+            self.fallback_url = policy
+            self.fallback = f"prefill failed, sent to {policy}: {reason}"
+        return None
+
+    # -- decode ------------------------------------------------------------------------
+
+    def decode_request(self) -> httpx.Request:
+        """The next decode attempt; raises ``AllEndpointsOpen`` when no endpoint is admitted."""
+        self.phase = Phase.DECODE
+        if self.migration is not None and self.migration.pending is not None:
+            return self.decode.start(self.migration.continuation_request(self))  # a migrated decode
+        if self.fallback_url is not None:
+            base = self.decode.use(self.fallback_url)
+        else:
+            base = self.decode.pick(self._route("decode"))
+        if self.plan is None:
+            return self.decode.start(self._leg_request(base, self.pass_through_body, None))
+        cpu_start = time.thread_time()
+        first = self._decode_body is None
+        if self._decode_body is None:
+            self.migration = migrate.arm(self)
+            self._decode_body = self.migration.decode_body(self.plan, self.prefill_result)
+        signed_with = self._sign(base, self._decode_body)  # a fresh nonce per attempt
+        if first:
+            self.cpu_seconds += time.thread_time() - cpu_start
+        return self.decode.start(self._leg_request(base, self._decode_body, signed_with))
+
+    def decode_attempt_failed(self, error: BaseException) -> None:
+        """Opening the decode leg raised; a request that may have reached its server is never released.
+
+        A transport error after the connection was made (a read timeout, a reset) says it
+        may have; a cancel says nothing, so ``decode_event`` watches the bytes going out.
+        """
+        if isinstance(error, httpx.TransportError) and not isinstance(error, _NOT_SENT):
+            self.decode_may_have_reached = True
+        self.decode.end(None, error)
+
+    def decode_event(self, event: str) -> None:
+        """httpcore's ``trace`` extension on the decode leg: once its request starts going out,
+        the server may run it (and, on vLLM 0.27+, frees the prefill's KV itself if it is aborted)."""
+        if event in _SENDING:
+            self.decode_may_have_reached = True
+
+    def decode_response(
+        self, response: httpx.Response, stream: httpx.SyncByteStream | httpx.AsyncByteStream
+    ) -> httpx.Response:
+        """The caller's response: the decode's status, headers (plus the trace's) and body stream."""
+        self.decode_may_have_reached = True
+        self.phase = Phase.STREAMING
+        self.decode.status = response.status_code
+        self.decode_headers_ms = (time.perf_counter() - self.decode.sent_at) * 1000
+        if response.status_code >= 400 and self.kind is not None:
+            self.outcome = Outcome.FAILED
+            self.error = f"decode answered HTTP {response.status_code}"
+            self.failed_leg = "decode"
+        headers = _without_trace_headers(response.headers)
+        if self.kind is not None:
+            headers.update(self.trace().to_headers())
+        return httpx.Response(response.status_code, headers=headers, stream=stream, extensions=response.extensions)
+
+    def decode_unavailable(self, error: AllEndpointsOpen) -> httpx.Response:
+        self.outcome = Outcome.FAILED
+        self.error = str(error)
+        return self._end_early(self._json_error(503, str(error), "decode"))
+
+    def first_byte(self) -> None:
+        self.decode_first_byte_ms = (time.perf_counter() - self.decode.sent_at) * 1000
+        self.observers.first_byte(self)
+
+    def broken_stream(
+        self, error: httpx.TransportError | httpx.DecodingError, received: int, not_moved: str | None = None
+    ) -> openai.APIConnectionError:
+        """A decode stream cut mid-way, as the openai error a caller already handles.
+
+        openai 3.x maps an httpx error during iteration to APIConnectionError itself, 2.x
+        lets the raw httpx error through; raising the openai error here makes both alike.
+        ``not_moved``: why it did not move to another decode endpoint (default: the call's).
+        """
+        self.outcome = Outcome.FAILED
+        self.error = f"decode stream broke after {received} bytes: {type(error).__name__}: {error}"
+        not_moved = not_moved or (self.migration.refused if self.migration is not None else None)
+        if not_moved:
+            self.error += f"; not migrated: {not_moved}"
+        self.decode.end(self.decode.status, error)
+        message = f"pdclient: {self.error} (decode {self.decode.url}, request {self.request_id})"
+        return openai.APIConnectionError(message=message, request=self.request)  # type: ignore[arg-type]
+
+    def decode_closed(self) -> None:
+        """The caller's response body was closed: read to its end, abandoned, or broken."""
+        self.decode.end(self.decode.status, None)
+        self.end()
+
+    # -- the KV release ----------------------------------------------------------------
+
+    def release_request(self) -> tuple[Leg, httpx.Request] | None:
+        """A one-token decode that frees the prefill's KV blocks, when the handoff was abandoned
+        before any decode request could have reached a server (never a second pull)."""
+        result = self.prefill_result
+        if (
+            self.plan is None
+            or result is None
+            or not result.holds_remote_kv
+            or self.fallback_url is not None
+            or self.decode_may_have_reached
+        ):
+            return None
+        leg = Leg(self, "release", self.context.fleet.decode)
+        try:
+            base = leg.pick(self._route("decode"))
+        except AllEndpointsOpen:
+            return None  # the blocks expire with the connector's lease
+        content = wire.release_body(self.plan, result)
+        request = self._leg_request(base, content, self._sign(base, content))
+        request.extensions = {
+            **request.extensions,
+            "timeout": dict.fromkeys(("connect", "read", "write", "pool"), RELEASE_TIMEOUT),
+        }
+        return leg, leg.start(request)
+
+    # -- ending ------------------------------------------------------------------------
+
+    def abandoned(self, error: BaseException) -> None:
+        """The call ends with an exception before its response was handed back."""
+        if self.phase is Phase.ENDED:
+            return
+        self.outcome = Outcome.FAILED if self.kind else self.outcome
+        self.error = self.error or f"{type(error).__name__}: {error}".rstrip(": ")
+        self.prefill.end(None, error)
+        self.decode.end(None, error)
+        self.end()
+
+    def end(self) -> None:
+        """Deliver the trace; exactly once per call."""
+        if self.phase is Phase.ENDED:
+            return
+        self.phase = Phase.ENDED
+        trace = self.trace()
+        if self.kind is not None:
+            if trace.outcome not in (Outcome.DISAGGREGATED, Outcome.PASSTHROUGH) or trace.fallback:
+                logger.warning(
+                    "P/D call %s %s: %s", self.request_id, trace.outcome.value, trace.fallback or trace.error
+                )
+            elif logger.isEnabledFor(logging.DEBUG):
+                logger.debug("P/D call %s: %s", self.request_id, trace)
+        self.observers.call_end(self, trace)
+
+    def _end_early(self, response: httpx.Response) -> httpx.Response:
+        self.end()
+        return response
+
+    def _end_with(self, response: httpx.Response, leg: str) -> httpx.Response:
+        """A leg's error response, body read, handed to the caller as the call's answer."""
+        self.failed_leg = leg
+        headers = _without_trace_headers(response.headers)
+        headers.update(self.trace().to_headers())
+        for name in ("content-length", "content-encoding", "transfer-encoding"):
+            headers.pop(name, None)
+        return self._end_early(httpx.Response(response.status_code, headers=headers, content=response.content))
+
+    # -- results -----------------------------------------------------------------------
+
+    @property
+    def forwarded_tokens(self) -> int:
+        result = self.prefill_result
+        if result is None or result.ids is None or self.plan is None or self.plan.ids_skipped is not None:
+            return 0
+        return result.count
+
+    def trace(self) -> PDTrace:
+        plan, result = self.plan, self.prefill_result
+        ids_skipped = None
+        if self.outcome is Outcome.DISAGGREGATED and plan is not None and result is not None:
+            ids_skipped = plan.ids_skipped or result.problem
+        fallback = self.fallback
+        if fallback is None and ids_skipped is not None:
+            fallback = f"ids not forwarded: {ids_skipped}"
+        moved = self.migration.summary() if self.migration is not None else None
+        if moved:
+            fallback = f"{fallback}; {moved}" if fallback else moved
+        return PDTrace(
+            request_id=self.request_id,
+            route=self.route,
+            outcome=self.outcome,
+            prefill_url=self.prefill.url or None,
+            decode_url=self.decode.url or None,
+            prefill_ms=self.prefill_ms,
+            prefill_attempts=self.prefill.attempt,
+            decode_headers_ms=self.decode_headers_ms,
+            decode_first_byte_ms=self.decode_first_byte_ms,
+            forwarded_tokens=self.forwarded_tokens,
+            ids_skipped=ids_skipped,
+            handoff_cpu_ms=self.cpu_seconds * 1000 if self.kind else None,
+            fallback=fallback,
+            error=self.error,
+            failed_leg=self.failed_leg,
+            prefill_route=str(self.prefill.decision) if self.prefill.decision else None,
+            decode_route=str(self.decode.decision) if self.decode.decision else None,
+            migrations=self.migration.records() if self.migration is not None else (),
+        )
+
+    def _json_error(self, status: int, message: str, leg: str) -> httpx.Response:
+        """A response the openai SDK turns into its usual APIStatusError, naming the cause
+        (the leg that failed is in the x-pd-failed-leg header)."""
+        self.failed_leg = leg
+        body = {"error": {"message": f"pdclient: {message}", "type": "pdclient_error", "code": status}}
+        headers = {**self.trace().to_headers(), "content-type": "application/json"}
+        return httpx.Response(status, headers=headers, content=orjson.dumps(body))
+
+    def _elapsed_ms(self) -> float:
+        return (time.perf_counter() - self.started) * 1000
+
+    def _sign(self, base: str, content: bytes) -> str | None:
+        """The leg's signature for servers whose server patch guards kv_transfer_params, if a secret is set."""
+        secret = self.context.options.reuse_secret
+        if not secret:
+            return None
+        return signature(secret, self.request.method, httpx.URL(base + self.relative_path).path, content)
+
+    def _leg_request(
+        self, base: str, content: bytes | None, signed_with: str | None, deadline: float | None = None
+    ) -> httpx.Request:
+        """A leg's request: the caller's method, path, query and headers, on ``base``.
+
+        ``content`` None forwards the caller's body stream as it is (pass-through: a
+        multipart upload is never read into memory here).
+        """
+        headers = self.request.headers.copy()
+        for name in _DROPPED_REQUEST_HEADERS:
+            headers.pop(name, None)
+        headers["x-request-id"] = self.request_id
+        url = self.request.url
+        if self.relative_path:
+            url = httpx.URL(base + self.relative_path, query=url.query or None)
+        headers["host"] = url.netloc.decode("ascii")
+        if signed_with is not None:
+            headers[SIGNATURE_HEADER] = signed_with
+        extensions = _timeout_within(self.request.extensions, deadline)
+        if content is None:
+            return httpx.Request(
+                self.request.method, url, headers=headers, stream=self.request.stream, extensions=extensions
+            )
+        return httpx.Request(self.request.method, url, headers=headers, content=content, extensions=extensions)
+
+
+def _timeout_within(extensions: dict[str, Any], deadline: float | None) -> dict[str, Any]:
+    """A copy of request extensions whose timeouts end no later than ``deadline`` (None: unchanged)."""
+    if deadline is None:
+        return dict(extensions)
+    remaining = max(0.001, deadline - time.monotonic())
+    timeouts = extensions.get("timeout") or {}
+    clipped = {k: remaining if v is None else min(v, remaining) for k, v in timeouts.items()}
+    return {**extensions, "timeout": clipped}
+
+
+def _without_trace_headers(headers: httpx.Headers) -> httpx.Headers:
+    """A server's response headers without any ``x-pd-*`` of its own: only pdclient writes those."""
+    return httpx.Headers([(k, v) for k, v in headers.multi_items() if not k.lower().startswith(HEADER_PREFIX)])
+
+
+def _text(response: httpx.Response) -> str:
+    try:
+        return response.text
+    except (UnicodeDecodeError, LookupError):
+        return repr(response.content[:200])

@@ -1,0 +1,97 @@
+"""The fleet a client talks to: its prefill and decode pools, shared by the client's copies.
+
+Made from the options that shape routing (the URLs, the routing policies, the breaker
+settings, the background features); a copy of a client whose options differ only
+elsewhere shares its fleet, so endpoint health, load and in-flight counts are one view
+per fleet, as openai copies share their connection pool.
+
+The fleet also owns the background work of its pools (load scrapes, health probes, DNS
+discovery; ``_background.Background``): none when those features are off, else one
+driver started on the first call and stopped by ``close()`` / ``aclose()``.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import httpx
+
+from ._background import Background, Core, system_resolver
+from ._discovery import DiscoverySettings, DnsDiscovery, is_address
+from ._endpoints import EndpointPool
+from ._health import HealthProber, HealthSettings
+from ._load import LoadScraper
+from ._options import PDOptions
+from ._routing import RoutingPolicy, make_policy
+
+_FLEET_FIELDS = (
+    "prefill_base_url",
+    "decode_base_url",
+    "routing",
+    "breaker",
+    "prefill_routing",
+    "decode_routing",
+    "load_signals",
+    "health_checks",
+    "discovery",
+)
+
+
+class Fleet:
+    def __init__(self, options: PDOptions, *, asynchronous: bool = False) -> None:
+        self._key = tuple(getattr(options, name) for name in _FLEET_FIELDS)
+        # Each pool gets its own policy object: policies may keep state (round robin's turn).
+        self.prefill = EndpointPool("prefill", options.prefill_urls, _policy(options, "prefill"), options.breaker)
+        self.decode = EndpointPool("decode", options.decode_urls, _policy(options, "decode"), options.breaker)
+        self.background = _background(options, self.pools, asynchronous)
+        """The pools' background work, or None when no feature needs any."""
+        if self.background is not None:  # a client dropped unclosed does not leave its driver running
+            weakref.finalize(self, self.background.close, wait=False).atexit = False
+
+    def serves(self, options: PDOptions) -> bool:
+        """Whether ``options`` route exactly as this fleet does."""
+        return all(
+            a is b or a == b for a, b in zip(self._key, (getattr(options, n) for n in _FLEET_FIELDS), strict=True)
+        )
+
+    @property
+    def pools(self) -> tuple[EndpointPool, EndpointPool]:
+        return self.prefill, self.decode
+
+    def start(self) -> None:
+        """Start the background work if there is any (called on every call; cheap once running)."""
+        if self.background is not None:
+            self.background.start()
+
+    def close(self) -> None:
+        """Stop the background work."""
+        if self.background is not None:
+            self.background.close()
+
+    async def aclose(self) -> None:
+        if self.background is not None:
+            await self.background.aclose()
+
+
+def _policy(options: PDOptions, leg: str) -> RoutingPolicy:
+    return make_policy(options.policy_for(leg), load_signals=options.load_settings_for(leg) is not None)
+
+
+def _background(options: PDOptions, pools: tuple[EndpointPool, ...], asynchronous: bool) -> Background | None:
+    """The cores the options turn on, in one ``Background``; None when every feature is off."""
+    discovery = options.discovery if isinstance(options.discovery, DiscoverySettings) else None
+    health = options.health_checks if isinstance(options.health_checks, HealthSettings) else None
+    cores: list[Core] = []
+    for pool in pools:
+        named = any(not is_address(httpx.URL(url).host) for url in pool.urls)
+        if discovery is not None and named:  # first: the members it adds are probed and scraped at once
+            cores.append(DnsDiscovery(pool, discovery))
+        if health is not None:
+            cores.append(HealthProber(lambda pool=pool: pool.endpoints, health, leg=pool.leg))  # type: ignore[misc]
+        scrape = options.load_settings_for(pool.leg)
+        if scrape is not None:
+            cores.append(LoadScraper(lambda pool=pool: pool.endpoints, scrape, leg=pool.leg))  # type: ignore[misc]
+    if not cores:
+        return None
+    resolver = (discovery.resolver if discovery is not None else None) or system_resolver
+    return Background(cores, asynchronous=asynchronous, resolver=resolver)

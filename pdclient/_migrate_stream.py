@@ -1,0 +1,340 @@
+"""The decode body of an armed call (``_migrate``): tracked, and moved when it breaks.
+
+``MigratingDecodeStream`` replaces ``_streams.DecodeStream`` for a call that may move. It
+passes the caller whole SSE events (``_migrate.Tracker``); when the decode stream breaks
+(a reset, a server gone, a read timeout between chunks) it asks the call whether it may
+move, opens a continuation on another decode endpoint (through a prefill endpoint first
+for a long prompt, ``_migrate.continuation_route``) and splices its events into the same
+body. A stream that may not move raises the openai error of ``_streams`` with the reason.
+
+Observers see each continuation as another decode leg attempt (and its prefill, if any,
+as another prefill attempt); the sync and async twins differ only by ``await``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import TYPE_CHECKING
+
+import anyio
+import httpx
+
+from ._call import Call, Leg
+from ._endpoints import AllEndpointsOpen
+from ._migrate import CallMigration, CannotMove, Continuation, Route
+from ._routing import RouteRequest
+from ._streams import _STREAM_ERRORS, AsyncDecodeStream, DecodeStream, _until_error, _until_error_async
+
+if TYPE_CHECKING:
+    from ._transport import AsyncPDTransport, PDTransport
+
+_ERROR_TEXT = 300
+
+
+def _movable(response: httpx.Response, call: Call) -> CallMigration | None:
+    migration = call.migration
+    if migration is None or not migration.armed or response.status_code != 200:
+        return None
+    content_type: str = response.headers.get("content-type", "")
+    return migration if content_type.startswith("text/event-stream") else None
+
+
+def decode_stream(response: httpx.Response, call: Call, transport: PDTransport) -> httpx.SyncByteStream:
+    """The caller's body: a ``MigratingDecodeStream`` if the call may move, else a plain ``DecodeStream``."""
+    migration = _movable(response, call)
+    if migration is None:
+        return DecodeStream(response, call)
+    return MigratingDecodeStream(response, call, migration, transport)
+
+
+def async_decode_stream(response: httpx.Response, call: Call, transport: AsyncPDTransport) -> httpx.AsyncByteStream:
+    migration = _movable(response, call)
+    if migration is None:
+        return AsyncDecodeStream(response, call)
+    return AsyncMigratingDecodeStream(response, call, migration, transport)
+
+
+def _cause(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}".rstrip(": ")
+
+
+def _release_leg(call: Call, migration: CallMigration, continuation: Continuation) -> tuple[Leg, httpx.Request] | None:
+    """A one-token decode that frees a continuation prefill's KV when its decode never went out."""
+    content = migration.release_body(continuation)
+    if content is None:
+        return None
+    leg = Leg(call, "release", call.context.fleet.decode)
+    try:
+        base = leg.pick(RouteRequest(leg="decode", affinity_key=migration.plan.affinity_key))
+    except AllEndpointsOpen:
+        return None
+    request = call._leg_request(base, content, call._sign(base, content))
+    request.headers["x-request-id"] = continuation.request_id
+    return leg, leg.start(request)
+
+
+class MigratingDecodeStream(httpx.SyncByteStream):
+    def __init__(self, response: httpx.Response, call: Call, migration: CallMigration, transport: PDTransport) -> None:
+        self._response = response
+        self._call = call
+        self._migration = migration
+        self._transport = transport
+        self._closed = False
+        self._drained = False
+
+    def __iter__(self) -> Iterator[bytes]:
+        if self._drained:
+            return
+        call, migration = self._call, self._migration
+        tracker = migration.tracker
+        assert tracker is not None
+        received = 0
+        first = True
+        while True:
+            chunks = iter(self._response.stream)  # type: ignore[arg-type]
+            try:
+                for chunk in chunks:
+                    received += len(chunk)
+                    out = tracker.feed(chunk)
+                    if tracker.done:
+                        # The answer is whole: read the body's end so the connection is reused.
+                        for rest in _until_error(chunks):
+                            out += rest
+                        self._drained = True
+                    if out:
+                        if first:
+                            first = False
+                            call.first_byte()
+                        migration.delivered(time.perf_counter())
+                        yield out
+                    if self._drained:
+                        return
+                rest = tracker.end()
+                self._drained = True
+                if rest:
+                    yield rest
+                return
+            except _STREAM_ERRORS as exc:
+                self._response = self._move(exc, received)
+
+    def _move(self, error: httpx.TransportError | httpx.DecodingError, received: int) -> httpx.Response:
+        """Open a continuation of the broken stream, or raise the openai error saying why not."""
+        call, migration = self._call, self._migration
+        assert migration.tracker is not None
+        migration.broke(time.perf_counter())
+        migration.tracker.cut()
+        with contextlib.suppress(Exception):
+            self._response.close()
+        call.decode.end(call.decode.status, error)
+        reason = migration.why_not(call)
+        if reason is not None:
+            raise call.broken_stream(error, received, reason) from error
+        try:
+            continuation = migration.begin(call, _cause(error))
+            if continuation.route is Route.PREFILL_DECODE:
+                self._prefill(continuation)
+            return self._open(continuation)
+        except (CannotMove, AllEndpointsOpen, *_STREAM_ERRORS) as failed:
+            raise call.broken_stream(error, received, f"the continuation failed: {_cause(failed)}") from error
+
+    def _prefill(self, continuation: Continuation) -> None:
+        call, migration = self._call, self._migration
+        try:
+            request = migration.prefill_request(call, continuation)
+        except AllEndpointsOpen as exc:
+            continuation.route, continuation.note = Route.DECODE, f"no prefill endpoint: {exc}"
+            return
+        try:
+            response = self._transport._legs.send(request, stream=True)
+            try:
+                response.read()
+            finally:
+                response.close()
+        except Exception as exc:
+            call.prefill.end(None, exc)
+            continuation.route, continuation.note = Route.DECODE, f"its prefill failed: {_cause(exc)}"
+            return
+        call.prefill.end(response.status_code, None)
+        migration.read_prefill(continuation, response)
+
+    def _open(self, continuation: Continuation) -> httpx.Response:
+        call, migration = self._call, self._migration
+        migration.pending = continuation
+        call.decode_may_have_reached = False
+        try:
+            response = self._transport._open_decode(call)
+        except BaseException:
+            if not call.decode_may_have_reached:
+                self._release(continuation)
+            raise
+        finally:
+            migration.pending = None
+        call.decode.status = response.status_code
+        if response.status_code != 200 or not response.headers.get("content-type", "").startswith("text/event-stream"):
+            try:
+                text = response.read()[:_ERROR_TEXT].decode("utf-8", "replace")
+            finally:
+                response.close()
+            call.decode.end(response.status_code, None)
+            raise CannotMove(f"{call.decode.url} answered HTTP {response.status_code}: {text}")
+        migration.moved(call, continuation)
+        return response
+
+    def _release(self, continuation: Continuation) -> None:
+        pending = _release_leg(self._call, self._migration, continuation)
+        if pending is None:
+            return
+        leg, request = pending
+        try:
+            response = self._transport._legs.send(request, stream=True)
+            try:
+                response.read()
+            finally:
+                response.close()
+            leg.end(response.status_code, None)
+        except Exception as exc:
+            leg.end(None, exc)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._response.close()
+        finally:
+            self._call.decode_closed()
+
+
+class AsyncMigratingDecodeStream(httpx.AsyncByteStream):
+    def __init__(
+        self, response: httpx.Response, call: Call, migration: CallMigration, transport: AsyncPDTransport
+    ) -> None:
+        self._response = response
+        self._call = call
+        self._migration = migration
+        self._transport = transport
+        self._closed = False
+        self._drained = False
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        if self._drained:
+            return
+        call, migration = self._call, self._migration
+        tracker = migration.tracker
+        assert tracker is not None
+        received = 0
+        first = True
+        while True:
+            chunks = aiter(self._response.stream)  # type: ignore[arg-type]
+            try:
+                async for chunk in chunks:
+                    received += len(chunk)
+                    out = tracker.feed(chunk)
+                    if tracker.done:
+                        async for rest in _until_error_async(chunks):
+                            out += rest
+                        self._drained = True
+                    if out:
+                        if first:
+                            first = False
+                            call.first_byte()
+                        migration.delivered(time.perf_counter())
+                        yield out
+                    if self._drained:
+                        return
+                rest = tracker.end()
+                self._drained = True
+                if rest:
+                    yield rest
+                return
+            except _STREAM_ERRORS as exc:
+                self._response = await self._move(exc, received)
+
+    async def _move(self, error: httpx.TransportError | httpx.DecodingError, received: int) -> httpx.Response:
+        call, migration = self._call, self._migration
+        assert migration.tracker is not None
+        migration.broke(time.perf_counter())
+        migration.tracker.cut()
+        with contextlib.suppress(Exception):
+            await self._response.aclose()
+        call.decode.end(call.decode.status, error)
+        reason = migration.why_not(call)
+        if reason is not None:
+            raise call.broken_stream(error, received, reason) from error
+        try:
+            continuation = migration.begin(call, _cause(error))
+            if continuation.route is Route.PREFILL_DECODE:
+                await self._prefill(continuation)
+            return await self._open(continuation)
+        except (CannotMove, AllEndpointsOpen, *_STREAM_ERRORS) as failed:
+            raise call.broken_stream(error, received, f"the continuation failed: {_cause(failed)}") from error
+
+    async def _prefill(self, continuation: Continuation) -> None:
+        call, migration = self._call, self._migration
+        try:
+            request = migration.prefill_request(call, continuation)
+        except AllEndpointsOpen as exc:
+            continuation.route, continuation.note = Route.DECODE, f"no prefill endpoint: {exc}"
+            return
+        try:
+            response = await self._transport._legs.send(request, stream=True)
+            try:
+                await response.aread()
+            finally:
+                await response.aclose()
+        except Exception as exc:
+            call.prefill.end(None, exc)
+            continuation.route, continuation.note = Route.DECODE, f"its prefill failed: {_cause(exc)}"
+            return
+        call.prefill.end(response.status_code, None)
+        migration.read_prefill(continuation, response)
+
+    async def _open(self, continuation: Continuation) -> httpx.Response:
+        call, migration = self._call, self._migration
+        migration.pending = continuation
+        call.decode_may_have_reached = False
+        try:
+            response = await self._transport._open_decode(call)
+        except BaseException:
+            if not call.decode_may_have_reached:
+                await self._release(continuation)
+            raise
+        finally:
+            migration.pending = None
+        call.decode.status = response.status_code
+        if response.status_code != 200 or not response.headers.get("content-type", "").startswith("text/event-stream"):
+            try:
+                text = (await response.aread())[:_ERROR_TEXT].decode("utf-8", "replace")
+            finally:
+                await response.aclose()
+            call.decode.end(response.status_code, None)
+            raise CannotMove(f"{call.decode.url} answered HTTP {response.status_code}: {text}")
+        migration.moved(call, continuation)
+        return response
+
+    async def _release(self, continuation: Continuation) -> None:
+        pending = _release_leg(self._call, self._migration, continuation)
+        if pending is None:
+            return
+        leg, request = pending
+        with anyio.CancelScope(shield=True):
+            try:
+                response = await self._transport._legs.send(request, stream=True)
+                try:
+                    await response.aread()
+                finally:
+                    await response.aclose()
+                leg.end(response.status_code, None)
+            except Exception as exc:
+                leg.end(None, exc)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._response.aclose()
+        finally:
+            self._call.decode_closed()

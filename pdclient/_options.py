@@ -1,0 +1,260 @@
+"""What the user gave: ``PDOptions`` per client, ``CallOptions`` per call.
+
+``PDOptions`` is frozen and validated when it is made: every bad argument is a
+``PDConfigError`` naming it, at construction, never at the first call. The clients, the
+transports, ``copy()`` and ``with_options()`` all take and derive from it
+(``options.replace(...)``), as httpx's ``Limits`` / ``Timeout`` are passed around.
+
+Per-call options travel in ``extra_body={"pdclient": {...}}``, are read and removed by
+pdclient and never reach a server; a misspelt key is a 400 naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ._discovery import DiscoverySettings
+from ._endpoints import DECODE_ENV, PREFILL_ENV, BreakerSettings, URLArg, normalise_url, resolve_urls
+from ._errors import PDConfigError
+from ._health import HealthSettings
+from ._load import ScrapeSettings
+from ._observe import PDObserver
+from ._retry import RetrySettings
+from ._routing import POLICIES, RoutingPolicy, legs_of, wants_load_signals
+from ._signing import SECRET_ENV
+
+if TYPE_CHECKING:
+    from ._trace import PDTrace
+
+PREFILL_FAILURE_POLICIES = ("decode", "fail")
+"""Besides these, ``on_prefill_failure`` may be the base URL of a fallback server."""
+
+CALL_OPTIONS_KEY = "pdclient"
+
+
+def check_failure_policy(value: object, source: str) -> str:
+    if value in PREFILL_FAILURE_POLICIES:
+        return str(value)
+    if isinstance(value, str) and value.startswith(("http://", "https://")):
+        return normalise_url(value, source)
+    raise PDConfigError(f"{source} must be one of {PREFILL_FAILURE_POLICIES} or a fallback base URL, got {value!r}")
+
+
+def _check_routing(value: object, name: str = "routing") -> str | RoutingPolicy:
+    if value is None:
+        return "least_outstanding"
+    if isinstance(value, str) and value in POLICIES:
+        return value
+    if not isinstance(value, str) and callable(getattr(value, "choose", None)):
+        return value  # type: ignore[return-value]
+    raise PDConfigError(f"{name} must be one of {sorted(POLICIES)} or a RoutingPolicy, got {value!r}")
+
+
+def _check_settings(name: str, value: object, kind: type, *, keep_false: bool = False) -> Any:
+    """A background feature's field: its settings, True for the defaults, False / None for off."""
+    if value is True:
+        return kind()
+    if value is None or isinstance(value, kind):
+        return value
+    if value is False:
+        return False if keep_false else None
+    raise PDConfigError(f"{name} must be a {kind.__name__}, True (the defaults), False or None, got {value!r}")
+
+
+def _check_fleet_options(options: PDOptions) -> None:
+    """Per-leg routing and the background features (load signals, health checks, discovery)."""
+    set_ = object.__setattr__
+    for leg in ("prefill", "decode"):
+        name = f"{leg}_routing"
+        if getattr(options, name) is not None:
+            set_(options, name, _check_routing(getattr(options, name), name))
+        policy = options.policy_for(leg)
+        if leg not in legs_of(policy):
+            given = name if getattr(options, name) is not None else "routing"
+            raise PDConfigError(
+                f"{given}={policy!r} routes the {' and '.join(legs_of(policy))} leg only; pass it as "
+                f"{legs_of(policy)[0]}_routing= and give the {leg} leg another policy (routing= or {name}=)"
+            )
+    set_(
+        options, "load_signals", _check_settings("load_signals", options.load_signals, ScrapeSettings, keep_false=True)
+    )
+    if options.load_signals is False:
+        for leg in ("prefill", "decode"):
+            if wants_load_signals(options.policy_for(leg)):
+                raise PDConfigError(
+                    f"load_signals=False, but the {leg} leg's routing ({options.policy_for(leg)!r}) reads the "
+                    "servers' /metrics; leave load_signals at None or choose another policy"
+                )
+    set_(options, "health_checks", _check_settings("health_checks", options.health_checks, HealthSettings))
+    set_(options, "discovery", _check_settings("discovery", options.discovery, DiscoverySettings))
+
+
+def check_migrations(value: object, source: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise PDConfigError(f"{source} must be an int >= 0 (0 turns decode migration off), got {value!r}")
+    return value
+
+
+def _check_type(name: str, value: object, expected: type) -> None:
+    if not isinstance(value, expected):
+        raise PDConfigError(f"{name} must be a {expected.__name__}, got {type(value).__name__}: {value!r}")
+
+
+@dataclass(frozen=True)
+class PDOptions:
+    """A P/D client's options, validated at construction (``PDConfigError`` names a bad one).
+
+    URLs left out come from ``$PDCLIENT_PREFILL_BASE_URL`` / ``$PDCLIENT_DECODE_BASE_URL``
+    (comma-separated) and ``reuse_secret`` from ``$PDCLIENT_REUSE_SECRET``, read once,
+    here. Derive a changed copy with ``options.replace(routing="affinity")``.
+    """
+
+    prefill_base_url: URLArg = None
+    """A URL or a list of URLs (a pool)."""
+    decode_base_url: URLArg = None
+    on_prefill_failure: str = "decode"
+    """``"decode"`` (send the call to decode without P/D), ``"fail"``, or a fallback base URL."""
+    allow_call_fallback_url: bool = True
+    """Whether a call's own ``on_prefill_failure`` (``extra_body={"pdclient": {...}}``) may
+    name a fallback URL. A server that passes its callers' bodies on (``pdclient serve``)
+    turns this off, else any caller could make it send requests to any address; such a
+    call is then refused (400) before any server is called."""
+    routing: str | RoutingPolicy = "least_outstanding"
+    """Both legs' policy: ``"least_outstanding"``, ``"round_robin"``, ``"power_of_two"``,
+    ``"affinity"``, ``"load_aware"`` (the servers' own queues from /metrics), or a
+    ``RoutingPolicy``; ``prefill_routing`` / ``decode_routing`` override it per leg."""
+    breaker: BreakerSettings = field(default_factory=BreakerSettings)
+    retries: RetrySettings = field(default_factory=RetrySettings)
+    reuse_secret: str | None = field(default=None, repr=False)
+    """Signs every leg for servers whose server patch guards ``kv_transfer_params``."""
+    on_trace: Callable[[PDTrace], None] | None = None
+    """Called with each chat or completions call's ``PDTrace`` once the call is over."""
+    observers: Sequence[PDObserver] = ()
+    """Watch every call (see ``PDObserver``); e.g. ``pdclient.metrics.PrometheusObserver``."""
+    prefill_routing: str | RoutingPolicy | None = None
+    """The prefill leg's policy when not ``routing``; also ``"cache_aware"`` (prefill only:
+    where the prompt's prefix was sent before)."""
+    decode_routing: str | RoutingPolicy | None = None
+    """The decode leg's policy when not ``routing``."""
+    load_signals: ScrapeSettings | bool | None = None
+    """Scrape every member's /metrics in the background (``ScrapeSettings``; True: the
+    defaults). None: only the pools routed ``"load_aware"``; False: never."""
+    health_checks: HealthSettings | bool | None = None
+    """Probe every member's /health in the background, feeding its breaker
+    (``HealthSettings``; True: the defaults). Off by default."""
+    discovery: DiscoverySettings | bool | None = None
+    """Re-resolve base URLs that are DNS names into one member per address, in the
+    background (``DiscoverySettings``; True: the defaults). Off by default."""
+    max_decode_migrations: int = 1
+    """How many times one streamed call may move to another decode endpoint after its stream
+    broke, continuing the answer token for token (pdclient/_migrate.py); 0 turns it off."""
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        set_(
+            self, "prefill_base_url", resolve_urls(self.prefill_base_url, argument="prefill_base_url", env=PREFILL_ENV)
+        )
+        set_(self, "decode_base_url", resolve_urls(self.decode_base_url, argument="decode_base_url", env=DECODE_ENV))
+        set_(self, "on_prefill_failure", check_failure_policy(self.on_prefill_failure, "on_prefill_failure"))
+        _check_type("allow_call_fallback_url", self.allow_call_fallback_url, bool)
+        set_(self, "routing", _check_routing(self.routing))
+        _check_type("breaker", self.breaker, BreakerSettings)
+        _check_type("retries", self.retries, RetrySettings)
+        if self.reuse_secret is None:
+            set_(self, "reuse_secret", os.environ.get(SECRET_ENV) or None)
+        elif not isinstance(self.reuse_secret, str) or not self.reuse_secret:
+            raise PDConfigError("reuse_secret must be a non-empty string (or None for $PDCLIENT_REUSE_SECRET)")
+        if self.on_trace is not None and not callable(self.on_trace):
+            raise PDConfigError(f"on_trace must be callable, got {type(self.on_trace).__name__}")
+        if isinstance(self.observers, PDObserver) or not isinstance(self.observers, Sequence | set | frozenset):
+            raise PDConfigError(f"observers must be a list of PDObserver, got {type(self.observers).__name__}")
+        for observer in self.observers:
+            if not isinstance(observer, PDObserver):
+                raise PDConfigError(f"observers: {observer!r} is not a PDObserver (subclass pdclient.PDObserver)")
+        set_(self, "observers", tuple(self.observers))
+        _check_fleet_options(self)
+        check_migrations(self.max_decode_migrations, "max_decode_migrations")
+
+    @property
+    def prefill_urls(self) -> tuple[str, ...]:
+        return self.prefill_base_url  # type: ignore[return-value]
+
+    @property
+    def decode_urls(self) -> tuple[str, ...]:
+        return self.decode_base_url  # type: ignore[return-value]
+
+    def policy_for(self, leg: str) -> str | RoutingPolicy:
+        """The routing of ``leg`` (``prefill`` or ``decode``): its override, else ``routing``."""
+        override: str | RoutingPolicy | None = getattr(self, f"{leg}_routing")
+        return self.routing if override is None else override
+
+    def load_settings_for(self, leg: str) -> ScrapeSettings | None:
+        """How ``leg``'s pool is scraped, or None: not at all."""
+        if isinstance(self.load_signals, ScrapeSettings):
+            return self.load_signals
+        if self.load_signals is None and wants_load_signals(self.policy_for(leg)):
+            return ScrapeSettings()
+        return None
+
+    def replace(self, **changes: Any) -> PDOptions:
+        """A copy with ``changes`` applied and validated; unknown names are a ``PDConfigError``."""
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise PDConfigError(f"unknown PDOptions field(s): {sorted(unknown)}")
+        return dataclasses.replace(self, **changes) if changes else self
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+
+@dataclass(frozen=True)
+class CallOptions:
+    """Per-call options from ``extra_body={"pdclient": {...}}``; None means "the client's"."""
+
+    on_prefill_failure: str | None = None
+    session: str | None = None
+    """An explicit affinity key (a user or conversation id) instead of the conversation's opening."""
+    forward_ids: bool = True
+    """False sends the decode leg no ids (it renders and tokenizes the prompt itself): for A/B checks."""
+    max_decode_migrations: int | None = None
+    """This call's bound on decode migrations (``PDOptions.max_decode_migrations``)."""
+
+
+_CALL_OPTION_TYPES: Mapping[str, tuple[type, ...]] = {
+    "on_prefill_failure": (str,),
+    "session": (str, int),
+    "forward_ids": (bool,),
+    "max_decode_migrations": (int,),
+}
+
+
+def parse_call_options(value: object) -> CallOptions:
+    """The per-call options object, checked; ``PDConfigError`` names what is wrong."""
+    if value is None:
+        return CallOptions()
+    if not isinstance(value, dict):
+        raise PDConfigError(f"{CALL_OPTIONS_KEY} must be an object of per-call options, got {type(value).__name__}")
+    for name, item in value.items():
+        types = _CALL_OPTION_TYPES.get(name)
+        if types is None:
+            raise PDConfigError(
+                f"{CALL_OPTIONS_KEY}.{name} is not a per-call option; known: {', '.join(sorted(_CALL_OPTION_TYPES))}"
+            )
+        if not isinstance(item, types) or (bool not in types and isinstance(item, bool)):
+            names = " or ".join(t.__name__ for t in types)
+            raise PDConfigError(f"{CALL_OPTIONS_KEY}.{name} must be a {names}, got {item!r}")
+    options = dict(value)
+    if "on_prefill_failure" in options:
+        options["on_prefill_failure"] = check_failure_policy(
+            options["on_prefill_failure"], f"{CALL_OPTIONS_KEY}.on_prefill_failure"
+        )
+    if "session" in options:
+        options["session"] = str(options["session"])
+    if "max_decode_migrations" in options:
+        check_migrations(options["max_decode_migrations"], f"{CALL_OPTIONS_KEY}.max_decode_migrations")
+    return CallOptions(**options)

@@ -1,0 +1,116 @@
+"""The decode's body on its way to the caller, chunk by chunk, never buffered.
+
+The stream tells the call when its first byte arrives, turns a cut mid-way into the
+openai error callers already handle, and ends the call when the caller closes it. The
+sync and async twins differ only by ``await``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+
+import httpx
+
+from ._call import Call
+
+_SSE_DONE = b"data: [DONE]"
+_SSE_TAIL = 32  # [DONE] is the stream's last event: look for it at a chunk's end only
+_STREAM_ERRORS = (httpx.TransportError, httpx.DecodingError)
+
+
+class DecodeStream(httpx.SyncByteStream):
+    def __init__(self, response: httpx.Response, call: Call) -> None:
+        self._response = response
+        self._call = call
+        self._closed = False
+        self._drained = False
+
+    def __iter__(self) -> Iterator[bytes]:
+        if self._drained:
+            return  # read to its end already (openai drains a stream again after [DONE])
+        received = 0
+        chunks = iter(self._response.stream)  # type: ignore[arg-type]
+        try:
+            for chunk in chunks:
+                if not received and chunk:
+                    self._call.first_byte()
+                received += len(chunk)
+                if ends_event_stream(chunk):
+                    # openai stops reading at [DONE] and closes; the body's end is right behind
+                    # it, so read it now and the connection goes back to the pool for reuse.
+                    # The answer is whole: a connection dropped from here on costs nothing.
+                    for rest in _until_error(chunks):
+                        chunk += rest
+                    self._drained = True
+                yield chunk
+        except _STREAM_ERRORS as exc:
+            raise self._call.broken_stream(exc, received) from exc
+        self._drained = True
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._response.close()
+        finally:
+            self._call.decode_closed()
+
+
+class AsyncDecodeStream(httpx.AsyncByteStream):
+    def __init__(self, response: httpx.Response, call: Call) -> None:
+        self._response = response
+        self._call = call
+        self._closed = False
+        self._drained = False
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        if self._drained:
+            return
+        received = 0
+        chunks = aiter(self._response.stream)  # type: ignore[arg-type]
+        try:
+            async for chunk in chunks:
+                if not received and chunk:
+                    self._call.first_byte()
+                received += len(chunk)
+                if ends_event_stream(chunk):
+                    async for rest in _until_error_async(chunks):
+                        chunk += rest
+                    self._drained = True
+                yield chunk
+        except _STREAM_ERRORS as exc:
+            raise self._call.broken_stream(exc, received) from exc
+        self._drained = True
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._response.aclose()
+        finally:
+            self._call.decode_closed()
+
+
+def _until_error(chunks: Iterator[bytes]) -> Iterator[bytes]:
+    try:
+        yield from chunks
+    except _STREAM_ERRORS:
+        return
+
+
+async def _until_error_async(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except _STREAM_ERRORS:
+        return
+
+
+def ends_event_stream(chunk: bytes) -> bool:
+    """Whether a chunk of a decode body ends its SSE stream (holds ``data: [DONE]``).
+
+    Internal to pdclient (the transports here, ``pdclient serve``'s proxy), not public API.
+    """
+    return _SSE_DONE in chunk[-_SSE_TAIL:]

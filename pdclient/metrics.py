@@ -1,0 +1,288 @@
+"""Prometheus metrics for P/D calls: one observer, ``PrometheusObserver`` (``pdclient[prometheus]``).
+
+``pdclient serve`` exports these on ``/metrics``; an SDK user passes the same observer to
+their own clients and exports from their own process::
+
+    from prometheus_client import CollectorRegistry, start_http_server
+    from pdclient.metrics import PrometheusObserver
+
+    registry = CollectorRegistry()                 # or leave it out: prometheus_client's global REGISTRY
+    metrics = PrometheusObserver(registry)
+    client = AsyncPDChatClient(..., observers=[metrics])
+    metrics.watch(client)                          # breaker state and in-flight count per endpoint
+    start_http_server(9100, registry=registry)
+
+Metrics (``namespace`` prefix, ``pdclient`` by default; times in seconds):
+
+=====================================  =========  ===============================================
+``pdclient_calls_total``               counter    finished calls by ``route`` and ``outcome`` (``PDTrace.outcome``)
+``pdclient_calls_in_flight``           gauge      calls started and not yet finished, by ``route``
+``pdclient_call_duration_seconds``     histogram  call start to end (the whole stream), by ``route``
+``pdclient_time_to_first_token_seconds`` histogram  call start to the decode's first body byte
+``pdclient_leg_duration_seconds``      histogram  one leg attempt, sent to body read or closed, by
+                                                  ``leg`` (prefill, decode, release), ``endpoint``
+                                                  and ``status`` (HTTP status, or ``error``)
+``pdclient_forwarded_tokens_total``    counter    prompt token ids forwarded to decode, by ``route``
+``pdclient_routing_decisions_total``   counter    leg attempts by ``leg``, ``policy`` and ``rule``
+                                                  (``leg.decision``; ``rule`` is empty for one-rule
+                                                  policies): e.g. cache-aware hits are ``rule="cache"``
+``pdclient_routed_prompt_chars_total``  counter    cache-aware routing: prompt characters routed, by ``leg``
+``pdclient_routed_match_chars_total``   counter    of those, the characters the chosen server was sent
+                                                  before (match / prompt: the predicted prefix-cache hit rate)
+``pdclient_decode_migrations_total``   counter    decode streams moved to another endpoint after
+                                                  they broke, by ``route`` and ``via`` (decode,
+                                                  prefill+decode): ``max_decode_migrations``
+``pdclient_decode_migration_pause_seconds`` histogram  the caller's pause at each move (last chunk
+                                                  before the cut to the first after it)
+``pdclient_endpoint_state``            gauge      1 for each endpoint's current breaker ``state``
+                                                  (closed, open, half-open), 0 for the others
+``pdclient_endpoint_in_flight``        gauge      requests in flight per endpoint
+=====================================  =========  ===============================================
+
+The last two are read when scraped, from the clients or transports given to ``watch``.
+The observer is thread-safe (prometheus_client's metrics are) and keeps its per-call
+state in ``call.data``. Under prometheus_client's multiprocess mode the call metrics are
+aggregated across processes (the in-flight gauge as ``livesum``); endpoint metrics stay
+per process, since every process has breakers of its own.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+from ._errors import PDSetupError
+from ._fleet import Fleet
+from ._observe import CallView, LegView, PDObserver
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.metrics_core import Metric
+
+    from ._trace import PDTrace
+
+try:
+    import prometheus_client
+    from prometheus_client.core import GaugeMetricFamily
+    from prometheus_client.registry import Collector
+except ImportError:  # pragma: no cover - the extra is not installed
+    prometheus_client = None  # type: ignore[assignment]
+    Collector = object  # type: ignore[assignment,misc]
+
+LATENCY_BUCKETS: tuple[float, ...] = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)  # fmt: skip
+"""Seconds: from a loopback prefill (ms) to a long generation (minutes)."""
+
+BREAKER_STATES = ("closed", "open", "half-open")
+
+
+class EndpointState(NamedTuple):
+    """One endpoint of a fleet as a scrape (or ``pdclient serve``'s ``/ready``) shows it."""
+
+    leg: str
+    """``prefill`` or ``decode``."""
+    url: str
+    state: str
+    """The circuit breaker's: ``closed``, ``open`` or ``half-open``."""
+    admitted: bool
+    """Whether the breaker lets a request through now."""
+    in_flight: int
+
+
+def endpoint_states(source: object) -> list[EndpointState]:
+    """The endpoints of a pdclient client (``pd_fleet``), a transport (``fleet``) or a ``Fleet``."""
+    fleet = source if isinstance(source, Fleet) else getattr(source, "pd_fleet", getattr(source, "fleet", None))
+    if not isinstance(fleet, Fleet):
+        raise TypeError(f"expected a pdclient client, transport or Fleet, got {type(source).__name__}")
+    return [
+        EndpointState(pool.leg, e.url, e.state, e.admits(), e.in_flight) for pool in fleet.pools for e in pool.endpoints
+    ]
+
+
+EndpointSource = Callable[[], Iterable[EndpointState]]
+
+
+class PrometheusObserver(PDObserver):
+    """Counts, times and gauges P/D calls into a prometheus_client registry.
+
+    ``registry``: where the metrics are registered (default: prometheus_client's global
+    ``REGISTRY``). One observer per registry and namespace: a second one would register the
+    same names twice, which prometheus_client refuses.
+    """
+
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        *,
+        namespace: str = "pdclient",
+        buckets: Sequence[float] = LATENCY_BUCKETS,
+    ) -> None:
+        if prometheus_client is None:
+            raise PDSetupError("prometheus_client is not installed: pip install 'pdclient[prometheus]'")
+        self.registry = prometheus_client.REGISTRY if registry is None else registry
+        self.namespace = namespace
+        p, r = prometheus_client, self.registry
+        self.calls = p.Counter("calls", "Finished P/D calls.", ["route", "outcome"], namespace=namespace, registry=r)
+        self.in_flight = p.Gauge(
+            "calls_in_flight",
+            "P/D calls started and not yet finished.",
+            ["route"],
+            namespace=namespace,
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.call_duration = p.Histogram(
+            "call_duration_seconds",
+            "From a call's start to its end (a streamed answer's last byte).",
+            ["route"],
+            namespace=namespace,
+            registry=r,
+            buckets=buckets,
+        )
+        self.ttft = p.Histogram(
+            "time_to_first_token_seconds",
+            "From a call's start to the first byte of the decode's answer.",
+            ["route"],
+            namespace=namespace,
+            registry=r,
+            buckets=buckets,
+        )
+        self.leg_duration = p.Histogram(
+            "leg_duration_seconds",
+            "One leg attempt, from sending it until its body was read or closed.",
+            ["leg", "endpoint", "status"],
+            namespace=namespace,
+            registry=r,
+            buckets=buckets,
+        )
+        self.forwarded_tokens = p.Counter(
+            "forwarded_tokens",
+            "Prompt token ids forwarded from the prefill to the decode leg.",
+            ["route"],
+            namespace=namespace,
+            registry=r,
+        )
+        self.routing_decisions = p.Counter(
+            "routing_decisions",
+            "Leg attempts by the routing policy that chose their endpoint and the rule that decided.",
+            ["leg", "policy", "rule"],
+            namespace=namespace,
+            registry=r,
+        )
+        self.routed_prompt_chars = p.Counter(
+            "routed_prompt_chars",
+            "Cache-aware routing: prompt characters routed.",
+            ["leg"],
+            namespace=namespace,
+            registry=r,
+        )
+        self.routed_match_chars = p.Counter(
+            "routed_match_chars",
+            "Cache-aware routing: prompt characters the chosen server was sent before (a predicted cache hit).",
+            ["leg"],
+            namespace=namespace,
+            registry=r,
+        )
+        self.migrations = p.Counter(
+            "decode_migrations",
+            "Decode streams that broke and continued on another decode endpoint.",
+            ["route", "via"],
+            namespace=namespace,
+            registry=r,
+        )
+        self.migration_pause = p.Histogram(
+            "decode_migration_pause_seconds",
+            "The caller's pause when its decode stream moved: last chunk before the cut to the first after it.",
+            ["route"],
+            namespace=namespace,
+            registry=r,
+            buckets=buckets,
+        )
+        self._endpoints = _EndpointCollector(namespace)
+        self._endpoints_registered: set[int] = set()
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"PrometheusObserver(namespace={self.namespace!r})"
+
+    # -- endpoints -------------------------------------------------------------------
+
+    def watch(self, source: object, *, registry: CollectorRegistry | None = None) -> None:
+        """Export breaker state and in-flight count of the endpoints of ``source`` (a pdclient
+        client or transport, or a callable returning ``EndpointState``s), read when scraped.
+
+        ``registry``: where to export them (default: the observer's own).
+        """
+        states: EndpointSource = source if callable(source) else lambda: endpoint_states(source)
+        self._endpoints.sources.append(states)
+        target = self.registry if registry is None else registry
+        with self._lock:
+            if id(target) not in self._endpoints_registered:
+                target.register(self._endpoints)
+                self._endpoints_registered.add(id(target))
+
+    # -- events ----------------------------------------------------------------------
+
+    def on_call_start(self, call: CallView) -> None:
+        self.in_flight.labels(call.route).inc()
+
+    def on_leg_start(self, call: CallView, leg: LegView) -> None:
+        decision = getattr(leg, "decision", None)
+        if decision is None:
+            return
+        self.routing_decisions.labels(leg.name, decision.policy, decision.rule or "").inc()
+        prompt = decision.detail.get("prompt")
+        if prompt:
+            self.routed_prompt_chars.labels(leg.name).inc(prompt)
+            self.routed_match_chars.labels(leg.name).inc(decision.detail.get("match", 0))
+
+    def on_leg_end(self, call: CallView, leg: LegView, status: int | None, error: BaseException | None) -> None:
+        label = "error" if error is not None or status is None else str(status)
+        self.leg_duration.labels(leg.name, leg.url, label).observe(time.perf_counter() - leg.sent_at)
+
+    def on_first_byte(self, call: CallView) -> None:
+        self.ttft.labels(call.route).observe(time.perf_counter() - call.started)
+
+    def on_call_end(self, call: CallView, trace: PDTrace) -> None:
+        self.in_flight.labels(call.route).dec()
+        self.calls.labels(call.route, trace.outcome.value).inc()
+        self.call_duration.labels(call.route).observe(time.perf_counter() - call.started)
+        if trace.forwarded_tokens:
+            self.forwarded_tokens.labels(call.route).inc(trace.forwarded_tokens)
+        for moved in trace.migrations:
+            self.migrations.labels(call.route, moved.route).inc()
+            if moved.pause_ms is not None:
+                self.migration_pause.labels(call.route).observe(moved.pause_ms / 1000)
+
+
+class _EndpointCollector(Collector):
+    """Endpoint gauges computed at scrape time from the watched sources."""
+
+    def __init__(self, namespace: str) -> None:
+        self.namespace = namespace
+        self.sources: list[EndpointSource] = []
+
+    def collect(self) -> Iterator[Metric]:
+        state = GaugeMetricFamily(
+            f"{self.namespace}_endpoint_state",
+            "Circuit breaker state per endpoint: 1 for the current state, 0 for the others.",
+            labels=["leg", "endpoint", "state"],
+        )
+        in_flight = GaugeMetricFamily(
+            f"{self.namespace}_endpoint_in_flight",
+            "Requests in flight per endpoint.",
+            labels=["leg", "endpoint"],
+        )
+        for source in list(self.sources):
+            for endpoint in source():
+                for name in BREAKER_STATES:
+                    state.add_metric([endpoint.leg, endpoint.url, name], float(endpoint.state == name))
+                in_flight.add_metric([endpoint.leg, endpoint.url], float(endpoint.in_flight))
+        yield state
+        yield in_flight
+
+
+__all__ = ["LATENCY_BUCKETS", "EndpointState", "PrometheusObserver", "endpoint_states"]

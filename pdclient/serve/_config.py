@@ -1,0 +1,454 @@
+"""``ServeConfig``: every setting of ``pdclient serve``, from a config file, the environment
+and flags (in rising precedence), validated once.
+
+The client options are a ``PDOptions`` (``ServeConfig.options``), not a list of their own:
+the settings that spell them (``SETTINGS``, one flat name each, for flags and config
+files) are generated from ``PDOptions``'s fields, a nested settings object's fields
+flattened (``breaker.failures`` is ``breaker_failures``, ``retries.prefill_attempts`` is
+``prefill_attempts``), and ``PDOptions`` validates them. The proxy's own settings are
+``ServeConfig``'s other fields. A config file (TOML or JSON) uses the flat names as keys
+(``-`` or ``_``). Nothing here imports the server's dependencies, so the CLI can describe
+itself without them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from .. import PDConfigError, PDOptions
+
+# Constants with no public name: the environment variables PDOptions reads, the policy names.
+from .._endpoints import DECODE_ENV, PREFILL_ENV
+from .._routing import POLICIES
+from .._signing import SECRET_ENV
+
+API_KEYS_ENV = "PDCLIENT_SERVE_API_KEYS"
+UPSTREAM_API_KEY_ENV = "PDCLIENT_SERVE_UPSTREAM_API_KEY"
+CONFIG_ENV = "PDCLIENT_SERVE_CONFIG"
+"""The resolved config as JSON, for the worker processes of ``--workers N``."""
+
+
+# -- parsing one value -------------------------------------------------------------------
+
+
+def _strings(value: object, source: str) -> tuple[str, ...]:
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, list | tuple) or not all(isinstance(i, str) for i in items):
+        raise PDConfigError(f"{source}: expected strings (a list, or a comma-separated string), got {value!r}")
+    return tuple(i.strip() for i in items if i.strip())
+
+
+def _int(value: object, source: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    try:
+        return int(str(value).replace("_", ""))
+    except ValueError:
+        raise PDConfigError(f"{source}: expected an integer, got {value!r}") from None
+
+
+def _float(value: object, source: str) -> float:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    try:
+        return float(str(value))
+    except ValueError:
+        raise PDConfigError(f"{source}: expected a number, got {value!r}") from None
+
+
+def _optional_float(value: object, source: str) -> float | None:
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none")):
+        return None
+    return _float(value, source)
+
+
+def _bool(value: object, source: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise PDConfigError(f"{source}: expected true or false, got {value!r}")
+
+
+def _str(value: object, source: str) -> str:
+    if not isinstance(value, str):
+        raise PDConfigError(f"{source}: expected a string, got {value!r}")
+    return value
+
+
+def _optional_str(value: object, source: str) -> str | None:
+    return None if value is None else _str(value, source) or None
+
+
+def _on_off_default(value: object, source: str) -> bool | None:
+    """A background feature: on (its default settings), off, or ``auto`` (None: PDOptions decides)."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "auto")):
+        return None
+    return _bool(value, source)
+
+
+Parse = Callable[[object, str], Any]
+
+# A PDOptions field's annotation (a string: postponed annotations) -> how a flag's text becomes its value.
+_PARSERS: Mapping[str, Parse] = {
+    "int": _int,
+    "float": _float,
+    "float | None": _optional_float,
+    "bool": _bool,
+    "str": _str,
+    "str | None": _optional_str,
+}
+_METAVARS: Mapping[Parse, str] = {_int: "N", _float: "SECONDS", _optional_float: "SECONDS"}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One flat setting: a flag (``--name``), a config-file key, maybe an environment variable."""
+
+    name: str
+    help: str
+    parse: Parse
+    default: Any
+    path: tuple[str, ...]
+    """Where the value goes: ``("options", "breaker", "failures")``, or ``("port",)`` for the proxy's own."""
+    env: str | None = None
+    choices: tuple[str, ...] | None = None
+    flag: str | None = None
+    metavar: str | None = None
+    group: str = "proxy"
+    multiple: bool = False
+    """Given as several values (``--decode A B``, ``--api-key K`` repeated, or a list in a file)."""
+
+    @property
+    def option(self) -> str:
+        return self.flag or "--" + self.name.replace("_", "-")
+
+    @property
+    def is_switch(self) -> bool:
+        """A true/false setting: a flag without a value on the command line."""
+        return self.parse is _bool
+
+
+# -- the client options, generated from PDOptions ------------------------------------------
+
+# PDOptions fields the proxy does not take from settings: objects (no command-line form),
+# or fixed by the proxy: a caller must never choose where the proxy sends requests.
+_NOT_SETTINGS = ("on_trace", "observers", "allow_call_fallback_url")
+# Nested settings objects flattened with a prefix (their own field names are ambiguous alone).
+_PREFIXED = {"breaker": "breaker_"}
+_NAMES = {"prefill_base_url": "prefill", "decode_base_url": "decode"}
+
+
+def _urls(value: object, source: str) -> tuple[str, ...]:
+    """URLs as given (PDOptions normalises and checks them)."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, list | tuple) or not all(isinstance(i, str) for i in items):
+        raise PDConfigError(f"{source}: expected URLs (a list, or a comma-separated string), got {value!r}")
+    return tuple(i.strip() for i in items if i.strip())
+
+
+_SPECIAL: Mapping[str, dict[str, Any]] = {
+    "prefill": {"parse": _urls, "env": PREFILL_ENV, "metavar": "URL", "multiple": True, "default": ()},
+    "decode": {"parse": _urls, "env": DECODE_ENV, "metavar": "URL", "multiple": True, "default": ()},
+    "routing": {"parse": _str, "choices": tuple(sorted(POLICIES))},
+    "prefill_routing": {"parse": _optional_str, "choices": tuple(sorted(POLICIES)), "metavar": "POLICY"},
+    "decode_routing": {"parse": _optional_str, "choices": tuple(sorted(POLICIES)), "metavar": "POLICY"},
+    "load_signals": {"parse": _on_off_default, "metavar": "on|off|auto"},
+    "health_checks": {"parse": _on_off_default, "metavar": "on|off"},
+    "discovery": {"parse": _on_off_default, "metavar": "on|off"},
+    "on_prefill_failure": {"metavar": "POLICY"},
+    "reuse_secret": {"env": SECRET_ENV, "metavar": "SECRET"},
+}
+
+_CLIENT_HELP: Mapping[str, str] = {
+    "prefill": "prefill base URL(s), e.g. http://p:8100/v1",
+    "decode": "decode base URL(s), e.g. http://d:8200/v1",
+    "on_prefill_failure": "when the prefill fails for good: decode (decode-only), fail (an error), "
+    "or a fallback base URL",
+    "routing": "how a pool picks an endpoint",
+    "prefill_routing": "the prefill pool's policy (default: --routing); cache_aware is prefill only",
+    "decode_routing": "the decode pool's policy (default: --routing)",
+    "load_signals": "scrape every server's /metrics (on), never (off), or only for load_aware pools (auto)",
+    "health_checks": "probe every server's /health, feeding its breaker (default settings when on)",
+    "discovery": "a DNS name in a URL becomes one endpoint per address, re-resolved (default settings when on)",
+    "breaker_failures": "consecutive failures that open an endpoint's breaker",
+    "breaker_cooldown": "seconds an open breaker waits before letting a probe through",
+    "prefill_attempts": "attempts of the prefill leg",
+    "decode_attempts": "attempts to open the decode leg (connect errors only)",
+    "backoff_initial": "first retry backoff, seconds",
+    "backoff_max": "largest retry backoff, seconds",
+    "prefill_timeout": "bound on the whole prefill phase, retries included, seconds ('none': only --timeout)",
+    "reuse_secret": "HMAC secret signing kv_transfer_params (servers with the guard)",
+    "max_decode_migrations": "times one streamed call may move to another decode endpoint after its stream broke "
+    "(0: never)",
+}
+
+
+def _default_of(name: str) -> Any:
+    f = PDOptions.__dataclass_fields__[name]
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def _client_settings() -> list[Setting]:
+    """One setting per PDOptions field (a nested settings object's fields flattened)."""
+    settings: list[Setting] = []
+    for f in fields(PDOptions):
+        if f.name in _NOT_SETTINGS:
+            continue
+        default = _default_of(f.name)
+        if dataclasses.is_dataclass(default):
+            prefix = _PREFIXED.get(f.name, "")
+            for child in fields(default):
+                value = getattr(default, child.name)
+                settings.append(_setting(prefix + child.name, str(child.type), value, (f.name, child.name)))
+        else:
+            settings.append(_setting(_NAMES.get(f.name, f.name), str(f.type), default, (f.name,)))
+    return settings
+
+
+def _setting(name: str, annotation: str, default: Any, path: tuple[str, ...]) -> Setting:
+    special = dict(_SPECIAL.get(name, {}))
+    parse = special.pop("parse", None) or _PARSERS.get(annotation)
+    if parse is None or name not in _CLIENT_HELP:
+        # A new PDOptions field: give it a parser and a help line here, or list it in _NOT_SETTINGS.
+        raise TypeError(f"pdclient serve has no setting for PDOptions field {'.'.join(path)} ({annotation})")
+    special.setdefault("default", default)
+    special.setdefault("metavar", _METAVARS.get(parse))
+    return Setting(name, _CLIENT_HELP[name], parse, path=("options", *path), group="client", **special)
+
+
+# -- the proxy's own settings: ServeConfig's fields ------------------------------------------
+
+
+def _opt(
+    default: Any,
+    help: str,
+    parse: Parse,
+    *,
+    env: str | None = None,
+    choices: tuple[str, ...] | None = None,
+    flag: str | None = None,
+    metavar: str | None = None,
+    group: str = "proxy",
+    multiple: bool = False,
+) -> Any:
+    """A ServeConfig field with what its setting needs to know."""
+    metavar = metavar or (None if choices else _METAVARS.get(parse))
+    meta = {"help": help, "parse": parse, "env": env, "choices": choices, "flag": flag, "metavar": metavar}
+    return field(default=default, metadata={**meta, "group": group, "multiple": multiple})
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """The proxy's settings: the client options (``options``, a ``PDOptions``) and its own.
+
+    ``ServeConfig.from_mapping({"prefill": [...], "decode": [...], "port": 9000})`` builds
+    one from flat settings (as flags and config files spell them); ``load`` adds a config
+    file and the environment.
+    """
+
+    options: PDOptions = field(metadata={"settings": True})
+    """The P/D transport's options; the proxy adds its observers (metrics, the log line)
+    and turns ``allow_call_fallback_url`` off."""
+
+    # -- connections to the servers --
+    timeout: float = _opt(600.0, "read/write timeout of each leg request, seconds", _float, group="client")
+    connect_timeout: float = _opt(5.0, "connect timeout of each leg request, seconds", _float, group="client")
+    max_connections: int = _opt(1000, "connections the proxy keeps to the servers, at most", _int, group="client")
+
+    # -- the proxy --
+    host: str = _opt("127.0.0.1", "address to listen on", _str, metavar="ADDRESS")
+    port: int = _opt(8000, "port to listen on (0: any free port)", _int, metavar="PORT")
+    workers: int = _opt(1, "worker processes (metrics aggregated across them)", _int)
+    grace_period: float = _opt(
+        30.0, "on SIGTERM, seconds in-flight requests get to finish before they are closed", _float
+    )
+    max_body_size: int = _opt(32 * 1024 * 1024, "largest request body accepted (413 above)", _int, metavar="BYTES")
+    api_keys: tuple[str, ...] = _opt(
+        (),
+        "a key callers must send as 'Authorization: Bearer KEY' on /v1 (repeatable; the variable: comma-separated)",
+        _strings,
+        env=API_KEYS_ENV,
+        flag="--api-key",
+        metavar="KEY",
+        multiple=True,
+    )
+    forward_api_key: bool = _opt(False, "forward the caller's Authorization header to the servers", _bool)
+    upstream_api_key: str | None = _opt(
+        None, "send 'Authorization: Bearer KEY' to the servers", _optional_str, env=UPSTREAM_API_KEY_ENV, metavar="KEY"
+    )
+    trace_headers: bool = _opt(False, "return the x-pd-* trace headers (they name the servers) to callers", _bool)
+    ready_requires_prefill: bool = _opt(
+        False,
+        "/ready answers 503 whenever no prefill endpoint is admitted (by default only when the failure policy "
+        "is 'fail': with 'decode' or a fallback URL the proxy still answers every call, degraded)",
+        _bool,
+    )
+    log_format: str = _opt("text", "log lines as text or as JSON objects", _str, choices=("text", "json"))
+    log_level: str = _opt("info", "log level", _str, choices=("critical", "error", "warning", "info", "debug"))
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.options, PDOptions):
+            raise PDConfigError(f"options must be a PDOptions, got {type(self.options).__name__}")
+        for f in fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise PDConfigError(f"{f.name} must be one of {list(choices)}, got {getattr(self, f.name)!r}")
+        if not 0 <= self.port <= 65535:
+            raise PDConfigError(f"port must be 0-65535, got {self.port}")
+        if self.workers < 1:
+            raise PDConfigError(f"workers must be at least 1, got {self.workers}")
+        if self.grace_period < 0 or self.max_body_size < 1 or self.max_connections < 1:
+            raise PDConfigError("grace_period must be >= 0, max_body_size and max_connections >= 1")
+        if self.timeout <= 0 or self.connect_timeout <= 0:
+            raise PDConfigError("timeout and connect_timeout must be positive")
+        if self.forward_api_key and self.upstream_api_key:
+            raise PDConfigError("give either forward_api_key or upstream_api_key, not both")
+
+    # -- flat settings -------------------------------------------------------------------
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], source: str = "config") -> ServeConfig:
+        """A config from flat setting names (``-`` or ``_``) to values, each parsed as its setting says."""
+        known = {s.name: s for s in SETTINGS}
+        parsed: dict[str, Any] = {}
+        for key, value in values.items():
+            name = key.replace("-", "_")
+            if name not in known:
+                raise PDConfigError(f"{source}: unknown setting {key!r} (known: {', '.join(sorted(known))})")
+            parsed[name] = known[name].parse(value, f"{source}: {key}")
+        for leg, env in (("prefill", PREFILL_ENV), ("decode", DECODE_ENV)):
+            if not parsed.get(leg):
+                raise PDConfigError(f"{leg}: give at least one URL (--{leg}, or ${env})")
+        options: dict[str, Any] = {}
+        nested: dict[str, dict[str, Any]] = {}
+        own: dict[str, Any] = {}
+        for name, value in parsed.items():
+            path = known[name].path
+            if path[0] != "options":
+                own[path[0]] = value
+            elif len(path) == 2:
+                options[path[1]] = value
+            else:
+                nested.setdefault(path[1], {})[path[2]] = value
+        for name, children in nested.items():
+            options[name] = dataclasses.replace(_default_of(name), **children)
+        return cls(options=PDOptions(**options), **own)
+
+    def to_mapping(self) -> dict[str, Any]:
+        """The flat settings of this config (``from_mapping`` of it is an equal config).
+
+        Raises ``PDConfigError`` when the options hold what no setting spells (observers,
+        ``on_trace``, a ``RoutingPolicy`` object): those cannot reach worker processes.
+        """
+        opts = self.options
+        if opts.observers or opts.on_trace is not None:
+            raise PDConfigError(
+                "options with observers or on_trace cannot be given to worker processes: "
+                "run one worker (create_app), or use what the flags spell"
+            )
+        values: dict[str, Any] = {}
+        for setting in SETTINGS:
+            value: Any = self
+            for name in setting.path:
+                value = getattr(value, name)
+            values[setting.name] = _spelled(setting, value)
+        return values
+
+    @classmethod
+    def load(
+        cls,
+        config_file: str | os.PathLike[str] | None = None,
+        environ: Mapping[str, str] | None = None,
+        **given: Any,
+    ) -> ServeConfig:
+        """Defaults, then the config file, then the environment, then ``given`` (flags) on top."""
+        values: dict[str, Any] = {}
+        if config_file is not None:
+            values.update({k.replace("-", "_"): v for k, v in read_config_file(config_file).items()})
+        environ = os.environ if environ is None else environ
+        for setting in SETTINGS:
+            if setting.env and environ.get(setting.env):
+                values[setting.name] = environ[setting.env]
+        values.update(given)
+        return cls.from_mapping(values)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_mapping())
+
+    @classmethod
+    def from_json(cls, text: str) -> ServeConfig:
+        return cls.from_mapping(json.loads(text), source=CONFIG_ENV)
+
+
+def _spelled(setting: Setting, value: Any) -> Any:
+    """The flat value a config file would hold for ``value``; PDConfigError when none spells it."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type) and value == type(value)():
+        value = True  # a background feature on with its default settings: "on"
+    spelled = list(value) if isinstance(value, tuple) else value
+    try:
+        if setting.parse(spelled, setting.name) == value or value is True:
+            return spelled
+    except PDConfigError:
+        pass
+    raise PDConfigError(
+        f"{setting.name}={value!r} cannot be given to worker processes (no flag spells it): "
+        "run one worker (create_app), or use what the flags spell"
+    )
+
+
+def _own_settings() -> list[Setting]:
+    return [
+        Setting(
+            f.name,
+            f.metadata["help"],
+            f.metadata["parse"],
+            f.default,
+            (f.name,),
+            env=f.metadata["env"],
+            choices=f.metadata["choices"],
+            flag=f.metadata["flag"],
+            metavar=f.metadata["metavar"],
+            group=f.metadata["group"],
+            multiple=f.metadata["multiple"],
+        )
+        for f in fields(ServeConfig)
+        if "settings" not in f.metadata
+    ]
+
+
+SETTINGS: tuple[Setting, ...] = (*_client_settings(), *_own_settings())
+"""Every setting of ``pdclient serve``: the client options (from ``PDOptions``), then the proxy's."""
+
+
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A TOML (``.toml``) or JSON file of settings: one table/object, keys as the setting names."""
+    file = Path(path)
+    try:
+        text = file.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise PDConfigError(f"config file {file}: {exc.strerror or exc}") from None
+    try:
+        if file.suffix.lower() == ".toml":
+            if sys.version_info >= (3, 11):
+                import tomllib
+            else:  # pragma: no cover - Python 3.10
+                import tomli as tomllib
+            data: object = tomllib.loads(text)
+        else:
+            data = json.loads(text)
+    except ValueError as exc:  # TOMLDecodeError and JSONDecodeError are ValueErrors
+        raise PDConfigError(f"config file {file}: {exc}") from None
+    if not isinstance(data, dict):
+        raise PDConfigError(f"config file {file}: expected one table/object of settings")
+    return data

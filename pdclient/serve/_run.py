@@ -1,0 +1,81 @@
+"""Running the proxy under uvicorn: one process, or ``workers`` processes on one socket."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+
+from ._config import CONFIG_ENV, ServeConfig
+from ._logging import logging_config
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def run(config: ServeConfig) -> None:
+    """Serve until SIGINT/SIGTERM; then stop accepting and give in-flight requests
+    ``config.grace_period`` seconds before closing them (uvicorn's graceful shutdown)."""
+    import uvicorn
+
+    common = {
+        "host": config.host,
+        "port": config.port,
+        "timeout_graceful_shutdown": config.grace_period,
+        "log_config": logging_config(config.log_format, config.log_level),
+        "access_log": False,  # the proxy logs one line per call itself
+        "lifespan": "on",
+    }
+    if config.workers == 1:
+        from ._app import create_app
+
+        uvicorn.run(create_app(config), **common)  # type: ignore[arg-type]
+        return
+    from uvicorn.supervisors import Multiprocess
+
+    class Supervisor(Multiprocess):
+        """uvicorn's worker supervisor, closing its copy of the listening socket when it stops
+        the workers: else the socket stays open until the supervisor exits, and connections
+        made during the workers' grace period wait in its backlog instead of being refused."""
+
+        def terminate_all(self) -> None:
+            for sock in self.sockets:
+                sock.close()
+            super().terminate_all()
+
+    with _multiprocess_metrics():
+        # Worker processes are spawned: they inherit the environment, not our objects.
+        os.environ[CONFIG_ENV] = config.to_json()
+        server_config = uvicorn.Config(
+            "pdclient.serve._app:app_from_environment",
+            factory=True,
+            workers=config.workers,
+            **common,  # type: ignore[arg-type]
+        )
+        # What uvicorn.run does for workers > 1, with the supervisor above.
+        Supervisor(server_config, sockets=[server_config.bind_socket()]).run()
+
+
+@contextlib.contextmanager
+def _multiprocess_metrics() -> Iterator[None]:
+    """prometheus_client's multiprocess mode for the workers: each writes its metrics to
+    files in one directory and a scrape, whichever worker answers it, sums them all.
+
+    The directory is ``$PROMETHEUS_MULTIPROC_DIR`` if set (emptied first, as
+    prometheus_client requires between runs), else a temporary one removed at exit.
+    """
+    given = os.environ.get(MULTIPROC_ENV)
+    if given:
+        for entry in os.scandir(given):
+            if entry.name.endswith(".db"):
+                os.unlink(entry.path)
+        yield
+        return
+    directory = tempfile.mkdtemp(prefix="pdclient-serve-metrics-")
+    os.environ[MULTIPROC_ENV] = directory
+    try:
+        yield
+    finally:
+        os.environ.pop(MULTIPROC_ENV, None)
+        shutil.rmtree(directory, ignore_errors=True)

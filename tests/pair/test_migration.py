@@ -1,0 +1,192 @@
+"""Decode migration on real vLLM (issue 15): the serving decode is SIGKILLed mid-answer.
+
+The session pair (prefill P, decode D1) plus a second decode server D2 of this module's
+own (tests/pair/extra_decode.py, ~3.7 GB more; started once, and again after each test
+that kills it). A long greedy answer (``ignore_eos``, so its length is fixed) starts on
+D2; after ``CUT_AFTER`` chunks D2's process group is killed. The caller's stream must
+complete, and its token ids must equal an uninterrupted answer from the survivor D1, or
+differ only from a position where the two best tokens were tied in bf16 (shown with
+their logprobs). The session pair is never touched: D1 is only ever the survivor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from pdclient import AsyncPDChatClient, PDChatClient, PDTrace, RouteRequest
+from pdclient import _migrate as migrate
+from pdclient.local import LocalPD
+
+from .extra_decode import ExtraDecode
+
+CUT_AFTER = 40
+ANSWER_TOKENS = 160
+TIE = 0.05
+"""Two logprobs closer than this (nats) are a bf16 tie: the prefix's KV computed in one
+prefill (the continuation) and step by step (the reference) may order them either way."""
+BODY: dict[str, Any] = {
+    "messages": [{"role": "user", "content": "Write a long story about a lighthouse keeper and a storm."}],
+    "temperature": 0,
+    "max_tokens": ANSWER_TOKENS,
+    "logprobs": True,
+    "top_logprobs": 2,
+    "stream_options": {"include_usage": True},
+    "extra_body": {"ignore_eos": True, "return_token_ids": True},
+}
+
+
+class Prefer:
+    """A routing policy that sends every decode to one endpoint while it is admitted."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def choose(self, endpoints: Sequence[Any], request: RouteRequest) -> Any:
+        return next((e for e in endpoints if e.url == self.url), endpoints[0])
+
+
+@dataclass
+class Answer:
+    text: str = ""
+    ids: list[int] = field(default_factory=list)
+    top2: list[list[tuple[str, float]]] = field(default_factory=list)
+    """Per token: the two best (token, logprob) as the server saw them."""
+    ids_chunks: int = 0
+    usage: Any = None
+    roles: int = 0
+    response_ids: set[str] = field(default_factory=set)
+
+    def add(self, chunk: Any) -> None:
+        self.response_ids.add(chunk.id)
+        if chunk.usage is not None:
+            self.usage = chunk.usage
+        if not chunk.choices:
+            return
+        choice = chunk.choices[0]
+        self.roles += choice.delta.role is not None
+        self.text += choice.delta.content or ""
+        self.ids += (choice.model_extra or {}).get("token_ids") or []
+        for entry in (choice.logprobs.content or []) if choice.logprobs else []:
+            self.top2.append([(t.token, t.logprob) for t in entry.top_logprobs])
+
+
+@pytest.fixture(scope="module")
+def d2(pd: LocalPD) -> Iterator[ExtraDecode]:
+    server = ExtraDecode(pd.prefill_url, cpu=0).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def trio(pd: LocalPD, d2: ExtraDecode) -> ExtraDecode:
+    """D2 running (started again if a test before killed it)."""
+    return d2.ensure_running()
+
+
+def reference(pd: LocalPD) -> Answer:
+    """The survivor's own uninterrupted answer, through the same P/D handoff."""
+    answer = Answer()
+    with pd.client() as client:
+        for chunk in client.chat.completions.create(model=pd.model, stream=True, **BODY):
+            answer.add(chunk)
+    return answer
+
+
+def check_against(migrated: Answer, expected: Answer, trace: PDTrace) -> None:
+    """Equal token ids, or equal up to a bf16 tie (shown); the caller's stream is one stream."""
+    assert len(migrated.ids) == len(expected.ids) == ANSWER_TOKENS
+    assert migrated.roles == 1 and len(migrated.response_ids) == 1
+    assert migrated.usage.completion_tokens == ANSWER_TOKENS
+    assert migrated.usage.prompt_tokens == expected.usage.prompt_tokens
+    moved = trace.migrations[0]
+    if migrated.ids == expected.ids:
+        assert migrated.text == expected.text
+        print(f"\nmigrated after {moved.after_tokens} tokens, pause {moved.pause_ms:.0f} ms: ids equal to D1's")
+        return
+    at = next(i for i, (a, b) in enumerate(zip(migrated.ids, expected.ids, strict=True)) if a != b)
+    assert at >= moved.after_tokens, "the tokens before the cut are the first server's, shown as they came"
+    gaps = [abs(run.top2[at][0][1] - run.top2[at][1][1]) for run in (migrated, expected)]
+    print(
+        f"\nids differ from token {at} (cut after {moved.after_tokens}): migrated {migrated.top2[at]}, "
+        f"reference {expected.top2[at]}"
+    )
+    assert min(gaps) < TIE, f"a divergence at token {at} without a tie: {gaps}"
+
+
+def killer(d2: ExtraDecode, answer: Answer) -> Any:
+    """A stream consumer that kills D2 once CUT_AFTER chunks with content arrived."""
+    state = {"seen": 0, "killed": False}
+
+    def take(chunk: Any) -> None:
+        answer.add(chunk)
+        if chunk.choices and chunk.choices[0].delta.content:
+            state["seen"] += 1
+        if state["seen"] == CUT_AFTER and not state["killed"]:
+            state["killed"] = True
+            d2.kill()
+
+    return take
+
+
+def test_sigkill_mid_answer_sync_decode_route(pd: LocalPD, trio: ExtraDecode) -> None:
+    traces: list[PDTrace] = []
+    migrated = Answer()
+    take = killer(trio, migrated)
+    with PDChatClient(
+        prefill_base_url=pd.prefill_url,
+        decode_base_url=[trio.url, pd.decode_url],
+        routing=Prefer(trio.url),
+        api_key="-",
+        max_retries=0,
+        on_trace=traces.append,
+    ) as client:
+        for chunk in client.chat.completions.create(model=pd.model, stream=True, **BODY):
+            take(chunk)
+    (trace,) = traces
+    assert not trio.alive
+    assert trace.outcome.value == "disaggregated" and trace.error is None
+    (moved,) = trace.migrations
+    assert (moved.from_url, moved.to_url, moved.route) == (trio.url, pd.decode_url, "decode")
+    assert CUT_AFTER <= moved.after_tokens < ANSWER_TOKENS
+    check_against(migrated, reference(pd), trace)
+
+
+async def test_sigkill_mid_answer_async_prefill_route(
+    pd: LocalPD, trio: ExtraDecode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The continuation through the prefill server (its KV handed to D1 over NIXL)."""
+    monkeypatch.setattr(migrate, "REMOTE_PREFILL_MIN_TOKENS", 1)
+    traces: list[PDTrace] = []
+    migrated = Answer()
+    take = killer(trio, migrated)
+    client = AsyncPDChatClient(
+        prefill_base_url=pd.prefill_url,
+        decode_base_url=[trio.url, pd.decode_url],
+        routing=Prefer(trio.url),
+        api_key="-",
+        max_retries=0,
+        on_trace=traces.append,
+    )
+    async with client:
+        stream = await client.chat.completions.create(model=pd.model, stream=True, **BODY)
+        async for chunk in stream:
+            take(chunk)  # the kill blocks the loop for a few ms: the stream is not read meanwhile anyway
+    (trace,) = traces
+    assert trace.outcome.value == "disaggregated" and trace.error is None
+    (moved,) = trace.migrations
+    assert (moved.from_url, moved.to_url, moved.route) == (trio.url, pd.decode_url, "prefill+decode")
+    assert trace.prefill_attempts == 2, "the continuation's prefill is the call's second prefill attempt"
+    check_against(migrated, reference(pd), trace)
+
+
+def test_the_session_pair_is_untouched(pd: LocalPD) -> None:
+    """Whatever this module killed, the session pair still serves (for the tests after it)."""
+    with pd.client() as client:
+        answer = client.chat.completions.create(
+            model=pd.model, messages=[{"role": "user", "content": "Say hi."}], max_tokens=4, temperature=0
+        )
+    assert answer.choices[0].message.content

@@ -1,0 +1,164 @@
+"""ServeConfig from files, the environment and flags; the `serve` subcommand's parser."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pdclient import BreakerSettings, PDConfigError, PDOptions, RetrySettings
+from pdclient.cli import build_parser, main
+from pdclient.cli.serve import config_from_args
+from pdclient.serve import SETTINGS, ServeConfig
+
+P, D1, D2 = "http://p:8100/v1", "http://d1:8200/v1", "http://d2:8200/v1"
+NO_ENV: dict[str, str] = {}
+
+
+def parse(*argv: str) -> ServeConfig:
+    return config_from_args(build_parser().parse_args(["serve", *argv]))
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in (
+        "PDCLIENT_PREFILL_BASE_URL",
+        "PDCLIENT_DECODE_BASE_URL",
+        "PDCLIENT_SERVE_API_KEYS",
+        "PDCLIENT_SERVE_UPSTREAM_API_KEY",
+        "PDCLIENT_REUSE_SECRET",
+    ):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_flags() -> None:
+    config = parse(
+        "--prefill", P, "--decode", D1, D2, "--port", "9000", "--api-key", "a", "--api-key", "b",
+        "--on-prefill-failure", "fail", "--routing", "round_robin", "--prefill-timeout", "none",
+        "--breaker-failures", "5", "--forward-api-key", "--log-format", "json", "--workers", "2",
+    )  # fmt: skip
+    options = config.options
+    assert options.prefill_urls == (P,) and options.decode_urls == (D1, D2)
+    assert config.port == 9000 and config.api_keys == ("a", "b") and config.workers == 2
+    assert options.on_prefill_failure == "fail" and options.routing == "round_robin"
+    assert options.breaker == BreakerSettings(failures=5, cooldown=5.0)
+    assert options.retries == RetrySettings(prefill_timeout=None)
+    assert config.forward_api_key is True and config.log_format == "json"
+
+
+def test_defaults_are_the_clients() -> None:
+    config = parse("--prefill", P, "--decode", D1)
+    assert (config.host, config.port, config.workers, config.grace_period) == ("127.0.0.1", 8000, 1, 30.0)
+    assert config.options == PDOptions(prefill_base_url=P, decode_base_url=D1)
+    assert config.api_keys == () and not config.forward_api_key and config.upstream_api_key is None
+
+
+def test_environment_gives_urls_and_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDCLIENT_PREFILL_BASE_URL", P)
+    monkeypatch.setenv("PDCLIENT_DECODE_BASE_URL", f"{D1}, {D2}")
+    monkeypatch.setenv("PDCLIENT_SERVE_API_KEYS", "k1,k2")
+    config = parse()
+    assert config.options.prefill_urls == (P,) and config.options.decode_urls == (D1, D2)
+    assert config.api_keys == ("k1", "k2")
+    assert parse("--decode", D2).options.decode_urls == (D2,)  # a flag wins over the environment
+
+
+@pytest.mark.parametrize("suffix", [".toml", ".json"])
+def test_config_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, suffix: str) -> None:
+    settings = {"prefill": [P], "decode": [D1], "port": 7000, "breaker-cooldown": 2.5, "prefill_timeout": 30}
+    file = tmp_path / f"serve{suffix}"
+    if suffix == ".toml":
+        file.write_text(
+            f'prefill = ["{P}"]\ndecode = ["{D1}"]\nport = 7000\nbreaker-cooldown = 2.5\nprefill_timeout = 30\n'
+        )
+    else:
+        file.write_text(json.dumps(settings))
+    config = parse("--config", str(file))
+    assert config.options.prefill_urls == (P,) and config.port == 7000
+    assert config.options.breaker.cooldown == 2.5 and config.options.retries.prefill_timeout == 30.0
+    # file < environment < flags
+    monkeypatch.setenv("PDCLIENT_DECODE_BASE_URL", D2)
+    assert parse("--config", str(file)).options.decode_urls == (D2,)
+    assert parse("--config", str(file), "--port", "7001").port == 7001
+
+
+def test_every_setting_has_a_flag_and_every_option_a_setting() -> None:
+    import dataclasses
+
+    help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()  # type: ignore[union-attr]
+    for setting in SETTINGS:
+        assert setting.option in help_text and setting.help
+    # The client options are PDOptions's: each field (a nested one's fields) is a setting,
+    # unless it has no command-line form or the proxy fixes it.
+    paths = {s.path[1:] for s in SETTINGS if s.path[0] == "options"}
+    for f in dataclasses.fields(PDOptions):
+        if f.name in ("on_trace", "observers", "allow_call_fallback_url"):
+            continue
+        if f.name in ("breaker", "retries"):
+            nested = BreakerSettings if f.name == "breaker" else RetrySettings
+            assert {(f.name, c.name) for c in dataclasses.fields(nested)} <= paths
+        else:
+            assert (f.name,) in paths, f.name
+    own = {s.path[0] for s in SETTINGS if s.path[0] != "options"}
+    assert own == {f.name for f in dataclasses.fields(ServeConfig)} - {"options"}
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"decode": [D1]}, "prefill: give at least one URL"),
+        ({"prefill": [P], "decode": [D1], "colour": "red"}, "unknown setting 'colour'"),
+        ({"prefill": [P], "decode": [D1], "port": "eighty"}, "port: expected an integer"),
+        ({"prefill": [P], "decode": [D1], "routing": "random"}, "routing must be one of"),
+        ({"prefill": [P], "decode": ["ftp://x"]}, "is not an http(s) URL"),
+        ({"prefill": [P], "decode": [D1], "on_prefill_failure": "retry"}, "on_prefill_failure must be one of"),
+        ({"prefill": [P], "decode": [D1], "prefill_attempts": 0}, "retries.prefill_attempts must be an int >= 1"),
+        ({"prefill": [P], "decode": [D1, D1]}, "lists the same URL twice"),
+        ({"prefill": [P], "decode": [D1], "forward_api_key": True, "upstream_api_key": "k"}, "not both"),
+        ({"prefill": [P], "decode": [D1], "workers": 0}, "workers must be at least 1"),
+    ],
+)
+def test_bad_settings_are_one_clear_error(settings: dict, message: str) -> None:
+    with pytest.raises(PDConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ServeConfig.from_mapping(settings)
+
+
+def test_bad_config_file(tmp_path: Path) -> None:
+    file = tmp_path / "serve.toml"
+    file.write_text("prefill = [")
+    with pytest.raises(PDConfigError, match="config file"):
+        ServeConfig.load(file, NO_ENV)
+    with pytest.raises(PDConfigError, match="No such file"):
+        ServeConfig.load(tmp_path / "missing.json", NO_ENV)
+
+
+def test_json_round_trip_for_workers() -> None:
+    options = PDOptions(prefill_base_url=P, decode_base_url=[D1, D2], retries=RetrySettings(prefill_timeout=None))
+    config = ServeConfig(options=options, api_keys=("k",), port=0)
+    assert ServeConfig.from_json(config.to_json()) == config
+    with pytest.raises(PDConfigError, match="worker processes"):
+        ServeConfig(options=options.replace(on_trace=print)).to_json()
+
+
+def test_cli_reports_config_errors_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--prefill", P]) == 1
+    assert capsys.readouterr().err.strip() == (
+        "pdclient serve: error: decode: give at least one URL (--decode, or $PDCLIENT_DECODE_BASE_URL)"
+    )
+
+
+def test_fleet_flags_reach_the_options_and_the_workers() -> None:
+    from pdclient._health import HealthSettings
+
+    config = parse(
+        "--prefill", P, "--decode", D1, D2, "--prefill-routing", "cache_aware", "--decode-routing", "load_aware",
+        "--health-checks", "on", "--load-signals", "auto",
+    )  # fmt: skip
+    options = config.options
+    assert options.policy_for("prefill") == "cache_aware" and options.policy_for("decode") == "load_aware"
+    assert options.health_checks == HealthSettings() and options.discovery is None
+    assert ServeConfig.from_json(config.to_json()) == config
+    tuned = ServeConfig(options=config.options.replace(health_checks=HealthSettings(interval=1.0)))
+    with pytest.raises(PDConfigError, match=r"health_checks=.*worker processes"):
+        tuned.to_json()

@@ -1,0 +1,89 @@
+"""The proxy's aiohttp leg transport keeps httpx's contract: the errors, the body as it
+arrives (up to a cut), the trace event the core's KV-release decision reads."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from pdclient.serve._legs import AiohttpTransport
+from tests.stubserver import Fault, StubServer, closed_port_url
+
+from .conftest import MESSAGES
+
+CHAT = {"model": "m", "messages": MESSAGES}
+
+
+async def send(url: str, body: Any = None, timeout: float = 5, **trace: Any) -> tuple[httpx.Response, bytes, list[str]]:
+    events: list[str] = []
+
+    async def watch(event: str, info: object) -> None:
+        events.append(event)
+
+    transport = AiohttpTransport()
+    content = None if body is None else json.dumps(body).encode()
+    request = httpx.Request(
+        "GET" if body is None else "POST",
+        url,
+        content=content,
+        headers={"content-type": "application/json"} if body is not None else {},
+        extensions={
+            "timeout": {"connect": timeout, "read": timeout, "write": timeout, "pool": timeout},
+            "trace": watch,
+        },
+    )
+    try:
+        response = await transport.handle_async_request(request)
+        chunks = []
+        try:
+            async for chunk in response.stream:  # type: ignore[union-attr]
+                chunks.append(chunk)
+        finally:
+            await response.aclose()
+        return response, b"".join(chunks), events
+    finally:
+        await transport.aclose()
+
+
+async def test_answers_streams_and_reports_the_request_going_out(stub: StubServer) -> None:
+    response, body, events = await send(stub.url + "/chat/completions", {**CHAT, "stream": True})
+    assert response.status_code == 200 and response.headers["content-type"] == "text/event-stream"
+    assert body.endswith(b"data: [DONE]\n\n")
+    assert events == ["http11.send_request_headers.started"]
+    models, listed, _ = await send(stub.url + "/models")  # a GET: no body sent
+    assert models.status_code == 200 and json.loads(listed)["data"][0]["id"] == "stub-model"
+    assert stub.received[0].body == {**CHAT, "stream": True} and stub.received[1].body is None
+
+
+async def test_a_refused_connection_is_a_connect_error_with_nothing_sent() -> None:
+    with pytest.raises(httpx.ConnectError):
+        await send(closed_port_url() + "/models")
+
+
+async def test_a_slow_answer_is_a_read_timeout(stub: StubServer) -> None:
+    stub.inject(Fault(delay=1.0))
+    with pytest.raises(httpx.ReadTimeout):
+        await send(stub.url + "/chat/completions", CHAT, timeout=0.2)
+
+
+async def test_a_connection_dropped_before_the_answer_is_a_protocol_error(stub: StubServer) -> None:
+    stub.inject(Fault(drop=True))
+    with pytest.raises(httpx.RemoteProtocolError):
+        await send(stub.url + "/chat/completions", CHAT)
+
+
+async def test_a_cut_body_delivers_what_arrived_then_raises(stub: StubServer) -> None:
+    stub.inject(Fault(drop_after_events=2), leg="decode")
+    transport = AiohttpTransport()
+    request = httpx.Request("POST", stub.url + "/chat/completions", json={**CHAT, "stream": True})
+    response = await transport.handle_async_request(request)
+    received = b""
+    with pytest.raises(httpx.RemoteProtocolError):
+        async for chunk in response.stream:  # type: ignore[union-attr]
+            received += chunk
+    await response.aclose()
+    await transport.aclose()
+    assert received.count(b"data: ") == 2

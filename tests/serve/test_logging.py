@@ -1,0 +1,55 @@
+"""One log line per call: its fields in-process, and as JSON lines from a real process."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import httpx
+import pytest
+
+from pdclient.serve._logging import CALL_FIELDS, JSONFormatter
+from tests.stubserver import StubServer
+
+from .conftest import MESSAGES, PROMPT_TOKENS, RunningProxy, ServeProcess
+
+CHAT = {"model": "m", "messages": MESSAGES}
+
+
+async def test_one_info_line_per_call(proxy: RunningProxy, stub: StubServer, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="pdclient.serve")
+    async with httpx.AsyncClient(base_url=proxy.base_url) as http:
+        await http.post("/chat/completions", json={**CHAT, "stream": True}, headers={"x-request-id": "req-1"})
+        await http.get("/models", headers={"x-request-id": "req-2"})
+    lines = [r for r in caplog.records if r.name == "pdclient.serve" and hasattr(r, CALL_FIELDS)]
+    assert [r.levelno for r in lines] == [logging.INFO, logging.INFO]
+    chat, models = (getattr(r, CALL_FIELDS) for r in lines)
+    assert chat["request_id"] == "req-1" and chat["route"] == "chat" and chat["outcome"] == "disaggregated"
+    assert chat["prefill_url"] == chat["decode_url"] == stub.url
+    assert chat["forwarded_tokens"] == PROMPT_TOKENS and chat["decode_status"] == 200
+    for name in ("prefill_ms", "decode_headers_ms", "decode_first_byte_ms", "ttft_ms", "total_ms"):
+        assert chat[name] > 0, name
+    assert models["request_id"] == "req-2" and models["outcome"] == "passthrough" and models["path"] == "/v1/models"
+    assert "request_id=req-1" in lines[0].getMessage() and "outcome=disaggregated" in lines[0].getMessage()
+
+
+def test_json_formatter() -> None:
+    record = logging.LogRecord("pdclient.serve", logging.INFO, __file__, 1, "call %s", ("x",), None)
+    setattr(record, CALL_FIELDS, {"request_id": "r", "prefill_ms": 1.5, "fallback": None})
+    entry = json.loads(JSONFormatter().format(record))
+    assert entry["message"] == "call" and entry["request_id"] == "r" and entry["prefill_ms"] == 1.5
+    assert "fallback" not in entry and entry["level"] == "INFO" and entry["logger"] == "pdclient.serve"
+    plain = logging.LogRecord("uvicorn.error", logging.INFO, __file__, 1, "Started %s", ("it",), None)
+    assert json.loads(JSONFormatter().format(plain))["message"] == "Started it"
+
+
+def test_log_format_json_process() -> None:
+    with StubServer() as stub:
+        serve = ServeProcess("--prefill", stub.url, "--decode", stub.url, "--log-format", "json")
+        try:
+            assert httpx.post(serve.url + "/v1/chat/completions", json=CHAT, timeout=10).status_code == 200
+        finally:
+            serve.stop()
+    entries = [json.loads(line) for line in serve.lines if line.strip()]  # every line is JSON, uvicorn's too
+    (call,) = [e for e in entries if e["message"] == "call"]
+    assert call["outcome"] == "disaggregated" and call["decode_url"] == stub.url and "total_ms" in call

@@ -1,0 +1,186 @@
+"""The background drivers run sans-I/O cores: the thread and the task do the same work."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+
+import httpx
+import pytest
+
+from pdclient._background import (
+    BackgroundTask,
+    BackgroundThread,
+    Fetch,
+    Fetched,
+    Job,
+    LookedUp,
+    Lookup,
+    Outcome,
+    host_header,
+    system_resolver,
+)
+
+
+class Recorder:
+    """A core that asks for the same jobs every ``interval`` seconds and records the outcomes."""
+
+    def __init__(self, jobs: list[Job], interval: float = 0.01) -> None:
+        self.jobs = jobs
+        self.interval = interval
+        self.next = 0.0
+        self.outcomes: list[tuple[object, Outcome]] = []
+        self.applied = threading.Event()
+
+    def due(self, now: float) -> list[Job]:
+        if now < self.next:
+            return []
+        self.next = now + self.interval
+        return list(self.jobs)
+
+    def next_due(self) -> float:
+        return self.next
+
+    def apply(self, job: Job, outcome: Outcome, now: float) -> None:
+        self.outcomes.append((job.key, outcome))
+        self.applied.set()
+
+
+def answer(request: httpx.Request) -> httpx.Response:
+    if request.url.path == "/boom":
+        raise httpx.ConnectError("refused", request=request)
+    seen = f"{request.headers['host']} sni={request.extensions.get('sni_hostname')}"
+    return httpx.Response(200 if request.url.path == "/ok" else 503, text=seen)
+
+
+def resolver(host: str, port: int) -> list[str]:
+    if host == "missing.test":
+        raise OSError("no such host")
+    if host == "buggy.test":
+        raise RuntimeError("a resolver hook with a bug")
+    return ["127.0.0.2", "127.0.0.3"]
+
+
+JOBS = [
+    Job("ok", Fetch("http://10.0.0.1:8000/ok", 1.0)),
+    Job("down", Fetch("http://10.0.0.1:8000/down", 1.0)),
+    Job("boom", Fetch("http://10.0.0.1:8000/boom", 1.0)),
+    Job("named", Fetch("https://10.0.0.1:8443/ok", 1.0, host="vllm.svc.test")),
+    Job("dns", Lookup("vllm.svc.test", 8000)),
+    Job("nodns", Lookup("missing.test", 8000)),
+    Job("bug", Lookup("buggy.test", 8000)),
+]
+
+
+def check(outcomes: dict[object, Outcome]) -> None:
+    assert outcomes["ok"] == Fetched(200, "10.0.0.1:8000 sni=None")
+    assert outcomes["down"] == Fetched(503, "10.0.0.1:8000 sni=None") and not outcomes["down"].ok
+    failed = outcomes["boom"]
+    assert isinstance(failed, Fetched) and failed.status is None and "ConnectError" in (failed.error or "")
+    assert outcomes["named"] == Fetched(200, "vllm.svc.test:8443 sni=vllm.svc.test")
+    assert outcomes["dns"] == LookedUp(("127.0.0.2", "127.0.0.3"))
+    nodns = outcomes["nodns"]
+    assert isinstance(nodns, LookedUp) and nodns.addresses == () and "no such host" in (nodns.error or "")
+    assert outcomes["bug"] == LookedUp(error="RuntimeError: a resolver hook with a bug"), "a job's bug is its outcome"
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+async def until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    for _ in range(int(timeout / 0.005)):
+        if condition():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("timed out")
+
+
+def test_thread_driver_runs_jobs_until_closed() -> None:
+    core = Recorder(JOBS)
+    driver = BackgroundThread(
+        [core], resolver=resolver, http=lambda: httpx.Client(transport=httpx.MockTransport(answer))
+    )
+    assert not driver.running, "nothing runs before start()"
+    driver.start()
+    driver.start()  # idempotent
+    wait_for(lambda: len(core.outcomes) >= 2 * len(JOBS))
+    driver.close()
+    assert not driver.running
+    check(dict(core.outcomes))
+    count = len(core.outcomes)
+    time.sleep(0.05)
+    assert len(core.outcomes) == count, "closed: no more work"
+
+
+async def test_task_driver_runs_jobs_until_closed() -> None:
+    core = Recorder(JOBS)
+    driver = BackgroundTask(
+        [core], resolver=resolver, http=lambda: httpx.AsyncClient(transport=httpx.MockTransport(answer))
+    )
+    assert not driver.running
+    driver.start()
+    driver.start()
+    await until(lambda: len(core.outcomes) >= 2 * len(JOBS))
+    await driver.aclose()
+    assert not driver.running
+    check(dict(core.outcomes))
+
+
+def test_task_driver_restarts_on_a_new_loop() -> None:
+    core = Recorder(JOBS[:1])
+    driver = BackgroundTask([core], http=lambda: httpx.AsyncClient(transport=httpx.MockTransport(answer)))
+
+    async def use() -> None:
+        driver.start()
+        await until(core.applied.is_set)
+        core.applied.clear()
+
+    asyncio.run(use())  # the loop ends without aclose(): its task dies with it
+    asyncio.run(use())  # a second loop gets a task of its own
+    assert len(core.outcomes) >= 2
+
+
+def test_a_failing_core_does_not_stop_the_others() -> None:
+    class Broken(Recorder):
+        def due(self, now: float) -> list[Job]:
+            raise RuntimeError("bug")
+
+    good = Recorder(JOBS[:1])
+    driver = BackgroundThread(
+        [Broken([]), good], http=lambda: httpx.Client(transport=httpx.MockTransport(answer)), max_sleep=0.01
+    )
+    driver.start()
+    wait_for(lambda: len(good.outcomes) >= 3)
+    driver.close()
+
+
+def test_sleeps_until_the_next_due_job() -> None:
+    core = Recorder(JOBS[:1], interval=0.2)
+    driver = BackgroundThread([core], http=lambda: httpx.Client(transport=httpx.MockTransport(answer)))
+    driver.start()
+    time.sleep(0.5)
+    driver.close()
+    assert 2 <= len(core.outcomes) <= 4
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("http://10.0.0.1:8000/v1", "svc:8000"),
+        ("https://10.0.0.1/v1", "svc"),
+        ("http://[fd00::1]:8080/v1", "svc:8080"),
+        ("http://10.0.0.1:80/v1", "svc"),
+    ],
+)
+def test_host_header_keeps_an_explicit_port(url: str, expected: str) -> None:
+    assert host_header(httpx.URL(url), "svc") == expected
+
+
+def test_system_resolver_finds_loopback() -> None:
+    assert "127.0.0.1" in system_resolver("localhost", 80) or "::1" in system_resolver("localhost", 80)

@@ -1,0 +1,118 @@
+"""LocalPD's watch over starting servers, with stand-in processes instead of vLLM.
+
+Each stand-in is a VLLMServer whose command is a sleeping Python; the test writes the
+log lines a vLLM server would. What must hold: a fatal line or an exit fails the wait
+within a poll or two, whichever server it is, also while the warm-up handoff is stuck.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pdclient.local import LocalPD
+from pdclient.local._server import ServerStartError, VLLMServer, free_port, wait_all_ready
+
+LISTENER_DIED = (
+    "Exception in thread nixl_handshake_listener:\n"
+    "Traceback (most recent call last):\n"
+    '  File "base_scheduler.py", line 351, in _nixl_handshake_listener\n'
+    "zmq.error.ZMQError: Address already in use (addr='tcp://localhost:20001')\n"
+)
+
+
+def stand_in(tmp_path: Path, name: str, script: str = "import time; time.sleep(60)") -> VLLMServer:
+    port = free_port()
+    srv = VLLMServer(
+        name=name,
+        python=Path(sys.executable),
+        model=tmp_path,
+        port=port,
+        log_path=tmp_path / f"{name}-{port}.log",
+        workdir=tmp_path,
+        kv_connector="nixl",
+        cpu=None,
+        nixl_side_channel_port=20001,
+    )
+    srv.argv = [sys.executable, "-c", script]
+    return srv
+
+
+@pytest.fixture
+def servers(tmp_path: Path) -> Iterator[list[VLLMServer]]:
+    started = [stand_in(tmp_path, "prefill"), stand_in(tmp_path, "decode")]
+    for srv in started:
+        srv.start()
+    yield started
+    for srv in started:
+        srv.stop(grace=1)
+
+
+def write_later(path: Path, text: str, delay: float = 1.0) -> None:
+    def write() -> None:
+        time.sleep(delay)
+        with open(path, "a") as f:
+            f.write(text)
+
+    threading.Thread(target=write, daemon=True).start()
+
+
+def test_a_fatal_line_in_any_log_ends_the_wait_for_readiness(servers: list[VLLMServer]) -> None:
+    decode = servers[1]  # the second server: the wait must not be stuck on the first
+    write_later(decode.log_path, "(EngineCore pid=1) INFO 12-01 02:27:11 [x.py:1] loading\n" + LISTENER_DIED)
+    started = time.monotonic()
+    with pytest.raises(ServerStartError) as info:
+        wait_all_ready(servers, time.monotonic() + 600)
+    assert time.monotonic() - started < 5
+    assert info.value.port_collision
+    message = str(info.value)
+    assert message.startswith(
+        f"decode server logged a fatal error while starting (API port {decode.port}, NIXL side channel 20001); "
+        f"log: {decode.log_path}\n  offending line: zmq.error.ZMQError: Address already in use"
+    )
+
+
+def test_an_exit_ends_the_wait_with_the_last_lines(tmp_path: Path) -> None:
+    srv = stand_in(
+        tmp_path, "prefill", "import sys; print('api_server.py: error: unrecognized arguments: --x'); sys.exit(2)"
+    )
+    srv.start()
+    try:
+        with pytest.raises(ServerStartError, match=r"(?s)exited with code 2 while starting.*unrecognized arguments"):
+            wait_all_ready([srv], time.monotonic() + 600)
+    finally:
+        srv.stop(grace=1)
+
+
+def test_the_timeout_names_the_server_still_loading(servers: list[VLLMServer]) -> None:
+    with pytest.raises(
+        Exception, match=r"prefill server did not answer /health within the startup timeout \(API port \d+"
+    ):
+        wait_all_ready(servers, time.monotonic() + 1)
+
+
+def test_a_fatal_line_ends_a_stuck_warm_up(servers: list[VLLMServer]) -> None:
+    """The prefill accepts the handoff's connection and never answers; the decode's log then says why."""
+    prefill, decode = servers
+    pd = LocalPD()
+    pd.prefills, pd.decodes = [prefill], [decode]
+    with socket.create_server(("127.0.0.1", prefill.port)):
+        write_later(
+            decode.log_path, "(EngineCore pid=7) ERROR 12-01 03:00:00 [core.py:1] EngineCore failed to start.\n"
+        )
+        started = time.monotonic()
+        with pytest.raises(
+            ServerStartError, match=r"decode server logged a fatal error while warming up \(API port"
+        ) as info:
+            pd._warm_up()
+        assert time.monotonic() - started < 5
+    assert not info.value.port_collision
+    assert "offending line: (EngineCore pid=7) ERROR 12-01 03:00:00 [core.py:1] EngineCore failed to start." in str(
+        info.value
+    )
