@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from pdclient.local import LocalPD
+from pdclient.local import PDServers
 
 from .helpers import metric
 
@@ -76,7 +76,7 @@ def stream(http: httpx.Client, url: str, body: dict[str, Any]) -> tuple[str, lis
     return text, ids, prompt_ids, usage
 
 
-def first_turn(http: httpx.Client, pd: LocalPD, block: int) -> Turn:
+def first_turn(http: httpx.Client, pd: PDServers, block: int) -> Turn:
     """A P/D turn whose prompt ends 8 ids before a block boundary: any answer of 9 ids or
     more fills a block that holds answer ids."""
     system = f"Conversation {uuid.uuid4().hex}. " + "Notes: the robot paints in the morning and sleeps at noon. " * 60
@@ -112,7 +112,7 @@ def next_turn(turn: Turn) -> list[dict[str, Any]]:
     ]
 
 
-def test_the_decode_server_holds_the_previous_turn_and_its_answer(pd: LocalPD) -> None:
+def test_the_decode_server_holds_the_previous_turn_and_its_answer(pd: PDServers) -> None:
     block = block_size(pd.decode_url)
     with httpx.Client(timeout=280) as http:
         turn = first_turn(http, pd, block)
@@ -137,7 +137,7 @@ def test_the_decode_server_holds_the_previous_turn_and_its_answer(pd: LocalPD) -
     assert metric(pd.prefill_url, QUERIES) == prefill_queries  # the prefill server was not involved
 
 
-def test_through_a_second_handoff_the_prefill_recomputes_the_answer(pd: LocalPD) -> None:
+def test_through_a_second_handoff_the_prefill_recomputes_the_answer(pd: PDServers) -> None:
     block = block_size(pd.decode_url)
     with httpx.Client(timeout=280) as http:
         turn = first_turn(http, pd, block)
