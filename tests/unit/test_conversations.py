@@ -21,7 +21,7 @@ from pdclient._conversations import (
     decide,
     rendered_chars,
 )
-from pdclient._handoff import Kind, affinity_key
+from pdclient._wire import Kind, affinity_key
 
 D1 = "http://decode-1:8200/v1"
 D2 = "http://decode-2:8200/v1"
@@ -43,7 +43,7 @@ def body(*messages: dict[str, Any], **extra: Any) -> dict[str, Any]:
 
 
 def key_of(request: dict[str, Any], session: str | None = None) -> str:
-    return affinity_key(Kind.CHAT, request, session)
+    return affinity_key(Kind.CHAT, request["messages"], None, session)
 
 
 def memory(**settings: Any) -> ConversationMemory:
