@@ -47,6 +47,8 @@ from typing import Any, Literal
 
 import orjson
 
+from ._errors import PDConfigError
+
 RemotePrefillMode = Literal["always", "never", "auto"]
 REMOTE_PREFILL_MODES: tuple[str, ...] = ("always", "never", "auto")
 
@@ -66,6 +68,8 @@ _SHAPE_FIELDS = (
 )
 # Keys of an assistant message that may carry the streamed answer; any other key with a
 # value may be rendered by the template, and the message is then not taken as the answer.
+SHAPE_FIELDS = _SHAPE_FIELDS
+"""The request fields besides ``messages`` that ``ConversationMemory`` reads of a call."""
 _ANSWER_KEYS = frozenset({"role", "content", "tool_calls"})
 _TEXT_PART_TYPES = frozenset({"text", "input_text", "output_text"})
 _DIGEST_SIZE = 16
@@ -94,18 +98,20 @@ class ConversationSettings:
     """Template tokens per message (role markers, separators) added to every estimate."""
 
     def __post_init__(self) -> None:
-        for name in ("threshold_tokens", "ratio_warmup"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("threshold_tokens", "ratio_warmup", "overhead_tokens_per_message"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise PDConfigError(f"conversations.{name} must be an int >= 0, got {value!r}")
         for name in ("block_size", "max_conversations", "ratio_window"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not 0.0 < self.max_uncached_ratio <= 1.0 or math.isnan(self.max_uncached_ratio):
-            raise ValueError(f"max_uncached_ratio must be in (0, 1], got {self.max_uncached_ratio}")
-        if not self.initial_chars_per_token > 0:
-            raise ValueError(f"initial_chars_per_token must be > 0, got {self.initial_chars_per_token}")
-        if self.overhead_tokens_per_message < 0:
-            raise ValueError(f"overhead_tokens_per_message must be >= 0, got {self.overhead_tokens_per_message}")
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise PDConfigError(f"conversations.{name} must be an int >= 1, got {value!r}")
+        ratio = self.max_uncached_ratio
+        if not isinstance(ratio, int | float) or isinstance(ratio, bool) or not 0.0 < ratio <= 1.0:
+            raise PDConfigError(f"conversations.max_uncached_ratio must be in (0, 1], got {ratio!r}")
+        initial = self.initial_chars_per_token
+        if not isinstance(initial, int | float) or isinstance(initial, bool) or not initial > 0:
+            raise PDConfigError(f"conversations.initial_chars_per_token must be > 0, got {initial!r}")
 
 
 class Match(str, enum.Enum):
@@ -503,3 +509,150 @@ class ConversationMemory:
         # Whole blocks only, and vLLM computes at least a prompt's last token itself.
         cached = (min(reused, total - 1) // block) * block
         return Estimate(total, total - cached, turn.endpoint, match)
+
+
+# -- the answer a caller received -----------------------------------------------------
+
+_MAX_JSON_ANSWER = 8 * 1024 * 1024
+"""A non-streamed answer body larger than this is not remembered (it is buffered whole)."""
+
+
+class AnswerCollector:
+    """The answer a caller received, from the decode body's bytes as they were handed on.
+
+    Streamed (SSE): whole events are parsed as they complete, and only the answer is
+    kept (its text, its tool calls, whether it had reasoning, the final usage).
+    Non-streamed: the JSON body is kept (up to 8 MB) and parsed at the end. ``answer()``
+    is None unless the answer is whole (a ``finish_reason`` seen) and has one choice.
+    """
+
+    def __init__(self, *, stream: bool) -> None:
+        self._stream = stream
+        self._buffer = bytearray()
+        self._content: list[str] = []
+        self._tool_calls: dict[int, dict[str, Any]] = {}
+        self._reasoning = False
+        self._finished = False
+        self._spoiled = False
+        self.completion_tokens: int | None = None
+        self.prompt_tokens: int | None = None
+        """``usage.prompt_tokens`` as the decode server reported it, when it did."""
+
+    def feed(self, data: bytes) -> None:
+        if self._spoiled or not data:
+            return
+        self._buffer += data
+        if not self._stream:
+            if len(self._buffer) > _MAX_JSON_ANSWER:
+                self._spoil()
+            return
+        if b"\r" in self._buffer:
+            self._buffer = bytearray(bytes(self._buffer).replace(b"\r\n", b"\n"))
+        while not self._spoiled:
+            end = self._buffer.find(b"\n\n")
+            if end < 0:
+                if len(self._buffer) > _MAX_JSON_ANSWER:
+                    self._spoil()
+                return
+            event = bytes(self._buffer[:end])
+            del self._buffer[: end + 2]
+            self._event(event)
+
+    def answer(self) -> Answer | None:
+        """The whole answer, or None (cut, abandoned, several choices, not parsable)."""
+        if not self._stream and not self._spoiled and not self._finished:
+            self._parse_json(bytes(self._buffer))
+            self._buffer = bytearray()
+        if self._spoiled or not self._finished:
+            return None
+        calls = [self._tool_calls[i] for i in sorted(self._tool_calls)]
+        content = "".join(self._content) if self._content or not calls else None
+        return Answer(content, tuple(calls), self.completion_tokens, self._reasoning)
+
+    def _spoil(self) -> None:
+        self._spoiled = True
+        self._buffer = bytearray()
+        self._content = []
+
+    def _event(self, event: bytes) -> None:
+        for line in event.split(b"\n"):
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                continue
+            try:
+                chunk = orjson.loads(payload)
+            except orjson.JSONDecodeError:
+                self._spoil()
+                return
+            if not isinstance(chunk, dict):
+                self._spoil()
+                return
+            self._usage(chunk.get("usage"))
+            for choice in chunk.get("choices") or ():
+                if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                    self._spoil()  # n > 1: which one goes on is the caller's choice
+                    return
+                self._delta(choice.get("delta"))
+                if choice.get("finish_reason") is not None:
+                    self._finished = True
+
+    def _delta(self, delta: object) -> None:
+        if not isinstance(delta, dict):
+            return
+        content = delta.get("content")
+        if isinstance(content, str):
+            self._content.append(content)
+        if delta.get("reasoning_content") or delta.get("reasoning"):
+            self._reasoning = True
+        for part in delta.get("tool_calls") or ():
+            if not isinstance(part, dict):
+                continue
+            index = part.get("index", 0)
+            call = self._tool_calls.setdefault(
+                index if isinstance(index, int) else 0, {"id": None, "type": "function", "function": {}}
+            )
+            for name in ("id", "type"):
+                if part.get(name) is not None:
+                    call[name] = part[name]
+            function = part.get("function")
+            if isinstance(function, dict):
+                for name in ("name", "arguments"):
+                    piece = function.get(name)
+                    if isinstance(piece, str):
+                        call["function"][name] = call["function"].get(name, "") + piece
+
+    def _usage(self, usage: object) -> None:
+        if not isinstance(usage, dict):
+            return
+        for name in ("completion_tokens", "prompt_tokens"):
+            value = usage.get(name)
+            if type(value) is int and value >= 0:
+                setattr(self, name, value)
+
+    def _parse_json(self, body: bytes) -> None:
+        try:
+            payload = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            self._spoil()
+            return
+        choices = payload.get("choices") if isinstance(payload, dict) else None
+        if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+            self._spoil()
+            return
+        assert isinstance(payload, dict)
+        self._usage(payload.get("usage"))
+        message = choices[0].get("message")
+        if not isinstance(message, dict):
+            self._spoil()
+            return
+        content = message.get("content")
+        if isinstance(content, str):
+            self._content.append(content)
+        if message.get("reasoning_content") or message.get("reasoning"):
+            self._reasoning = True
+        calls = message.get("tool_calls") or []
+        if isinstance(calls, list):
+            self._tool_calls = {i: c for i, c in enumerate(calls) if isinstance(c, dict)}
+        self._finished = choices[0].get("finish_reason") is not None

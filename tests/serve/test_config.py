@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pdclient import BreakerSettings, PDConfigError, PDOptions, RetrySettings
+from pdclient import BreakerSettings, ConversationSettings, PDConfigError, PDOptions, RetrySettings
 from pdclient.cli import build_parser, main
 from pdclient.cli.serve import config_from_args
 from pdclient.serve import SETTINGS, ServeConfig
@@ -95,8 +95,8 @@ def test_every_setting_has_a_flag_and_every_option_a_setting() -> None:
     for f in dataclasses.fields(PDOptions):
         if f.name in ("on_trace", "observers", "allow_call_fallback_url"):
             continue
-        if f.name in ("breaker", "retries"):
-            nested = BreakerSettings if f.name == "breaker" else RetrySettings
+        if f.name in ("breaker", "retries", "conversations"):
+            nested = {"breaker": BreakerSettings, "retries": RetrySettings}.get(f.name, ConversationSettings)
             assert {(f.name, c.name) for c in dataclasses.fields(nested)} <= paths
         else:
             assert (f.name,) in paths, f.name

@@ -12,6 +12,7 @@ import pytest
 
 from pdclient._conversations import (
     Answer,
+    AnswerCollector,
     ConversationMemory,
     ConversationSettings,
     Decision,
@@ -460,3 +461,74 @@ def test_the_defaults_decide_the_measured_follow_up_decode_only() -> None:
 def test_settings_are_checked(settings: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         ConversationSettings(**settings)
+
+
+# -- the answer the caller received -----------------------------------------------------
+
+
+def sse(*chunks: dict[str, Any]) -> bytes:
+    import json
+
+    return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+
+
+def chunk(delta: dict[str, Any], finish: str | None = None, index: int = 0) -> dict[str, Any]:
+    return {"id": "c", "choices": [{"index": index, "delta": delta, "finish_reason": finish}]}
+
+
+def collect(data: bytes, *, stream: bool = True, split: int = 7) -> AnswerCollector:
+    collector = AnswerCollector(stream=stream)
+    for at in range(0, len(data), split):  # events cut anywhere, as the network does
+        collector.feed(data[at : at + split])
+    return collector
+
+
+def test_a_streamed_answer_is_assembled_from_its_events() -> None:
+    usage = {"id": "c", "choices": [], "usage": {"prompt_tokens": 40, "completion_tokens": 3}}
+    data = sse(
+        chunk({"role": "assistant", "content": ""}),
+        chunk({"content": "Once "}),
+        chunk({"content": "upon"}),
+        chunk({}, "stop"),
+        usage,
+    )
+    collector = collect(data)
+    assert collector.answer() == Answer("Once upon", (), 3, False)
+    assert collector.prompt_tokens == 40
+    assert collect(data.replace(b"\n", b"\r\n")).answer() == Answer("Once upon", (), 3, False)
+
+
+def test_a_streamed_tool_call_is_assembled() -> None:
+    first = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": ""}}
+    data = sse(
+        chunk({"role": "assistant", "tool_calls": [first]}),
+        chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]}),
+        chunk({"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]}),
+        chunk({}, "tool_calls"),
+    )
+    answer = collect(data).answer()
+    assert answer is not None and answer.content is None
+    assert answer.tool_calls == (
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+    )
+
+
+def test_an_unfinished_or_ambiguous_answer_is_none() -> None:
+    assert collect(sse(chunk({"content": "Once"}))).answer() is None  # cut before its finish
+    assert collect(sse(chunk({"content": "a"}), chunk({"content": "b"}, "stop", index=1))).answer() is None  # n > 1
+    assert collect(b"data: {not json\n\n").answer() is None
+    reasoning = collect(sse(chunk({"reasoning_content": "hm"}), chunk({"content": "x"}, "stop"))).answer()
+    assert reasoning is not None and reasoning.reasoning
+
+
+def test_a_json_answer_is_read_at_its_end() -> None:
+    import json
+
+    body = {
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hi"}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 1},
+    }
+    collector = collect(json.dumps(body).encode(), stream=False)
+    assert collector.answer() == Answer("Hi", (), 1, False)
+    assert collector.prompt_tokens == 5
+    assert collect(b'{"choices": [', stream=False).answer() is None
