@@ -47,6 +47,18 @@ def test_flags() -> None:
     assert config.forward_api_key is True and config.log_format == "json"
 
 
+def test_conversation_flags_reach_the_options() -> None:
+    config = parse(
+        "--prefill", P, "--decode", D1, "--remote-prefill", "auto",
+        "--conversation-threshold-tokens", "512", "--conversation-max-uncached-ratio", "0.5",
+        "--conversation-block-size", "16",
+    )  # fmt: skip
+    assert config.options.remote_prefill == "auto"
+    assert config.options.conversations == ConversationSettings(
+        threshold_tokens=512, max_uncached_ratio=0.5, block_size=16
+    )
+
+
 def test_defaults_are_the_clients() -> None:
     config = parse("--prefill", P, "--decode", D1)
     assert (config.host, config.port, config.workers, config.grace_period) == ("127.0.0.1", 8000, 1, 30.0)
@@ -117,6 +129,11 @@ def test_every_setting_has_a_flag_and_every_option_a_setting() -> None:
         ({"prefill": [P], "decode": [D1, D1]}, "lists the same URL twice"),
         ({"prefill": [P], "decode": [D1], "forward_api_key": True, "upstream_api_key": "k"}, "not both"),
         ({"prefill": [P], "decode": [D1], "workers": 0}, "workers must be at least 1"),
+        ({"prefill": [P], "decode": [D1], "remote_prefill": "maybe"}, "remote_prefill must be one of"),
+        (
+            {"prefill": [P], "decode": [D1], "conversation_max_uncached_ratio": 2},
+            "conversations.max_uncached_ratio must be in",
+        ),
     ],
 )
 def test_bad_settings_are_one_clear_error(settings: dict, message: str) -> None:
