@@ -7,6 +7,7 @@ code: docs/ARCHITECTURE.md.
 """
 
 from ._client import AsyncPDChatClient, PDChatClient
+from ._conversations import ConversationSettings
 from ._discovery import DiscoverySettings
 from ._endpoints import BreakerSettings
 from ._errors import PDConfigError, PDError, PDSetupError
@@ -28,6 +29,7 @@ __all__ = [
     "BreakerSettings",
     "CacheAware",
     "CallView",
+    "ConversationSettings",
     "DiscoverySettings",
     "HealthSettings",
     "LegView",

@@ -34,6 +34,7 @@ import orjson
 from . import _migrate as migrate
 from . import _retry as retry
 from . import _wire as wire
+from ._conversations import SHAPE_FIELDS, AnswerCollector, Decision, decide
 from ._discovery import request_overrides
 from ._endpoints import AllEndpointsOpen, Endpoint, EndpointPool
 from ._fleet import Fleet
@@ -104,6 +105,20 @@ class Leg:
         self.tried.append(endpoint)
         self.url = endpoint.url
         return endpoint.url
+
+    def pin(self, url: str, rule: str) -> str | None:
+        """The pool's member at ``url`` if it admits a request now (else None), chosen by the
+        call itself: the decode endpoint holding a conversation (``remote_prefill``)."""
+        assert self.pool is not None
+        for endpoint in self.pool.endpoints:
+            if endpoint.url == url and endpoint not in self.tried and endpoint.admits():
+                endpoint.acquire()
+                self.endpoint = endpoint
+                self.tried.append(endpoint)
+                self.decision = RouteDecision("conversation", endpoint, rule=rule)
+                self.url = endpoint.url
+                return endpoint.url
+        return None
 
     def use(self, url: str) -> str:
         """A fixed URL outside any pool (the fallback server)."""
@@ -180,6 +195,11 @@ class Call:
         self._prompt_text: str | None = None
         self.migration: migrate.CallMigration | None = None
         """Whether and how the decode stream may move to another endpoint (issue 15, ``_migrate``)."""
+        self.decision: Decision | None = None
+        """Whether the call gets a remote prefill, and why (``remote_prefill``; issue 11)."""
+        self.collector: AnswerCollector | None = None
+        """The answer the caller receives, kept to remember the turn (chat, ``remote_prefill`` not ``always``)."""
+        self._conversation: dict[str, Any] | None = None
         # openai's `timeout` bounds each read; the prefill phase (retries included) gets it,
         # or the shorter prefill_timeout, as a total.
         bounds = [(request.extensions.get("timeout") or {}).get("read"), context.options.retries.prefill_timeout]
@@ -232,6 +252,78 @@ class Call:
 
     # -- prefill -----------------------------------------------------------------------
 
+    def wants_prefill(self) -> bool:
+        """Whether this call gets a prefill leg (``remote_prefill``), decided once after planning.
+
+        ``always``: yes. ``never``: no, the caller's body goes to a routed decode endpoint.
+        ``auto``: a chat call is estimated against the conversation its affinity key names
+        (``ConversationMemory``, one per fleet) and goes decode-only, to the decode endpoint
+        that answered the previous turn, when ``decide`` says its prefix is cached there;
+        a completions call (nothing remembered) gets its prefill.
+        """
+        assert self.plan is not None
+        plan, options = self.plan, self.context.options
+        mode = plan.options.remote_prefill or options.remote_prefill
+        chat = plan.kind is wire.Kind.CHAT
+        estimate = None
+        if mode == "auto" and chat:
+            fleet = self.context.fleet
+            admitted = [e.url for e in fleet.decode.endpoints if e.admits()]
+            estimate = fleet.memory.estimate(plan.affinity_key, self.conversation_body(), admitted)
+        self.decision = decide(mode, estimate, options.conversations)
+        if mode != "always" and chat:
+            self.collector = AnswerCollector(stream=plan.stream)
+        if self.decision.remote_prefill:
+            return True
+        self.outcome = Outcome.DECODE_ONLY
+        return False
+
+    def conversation_body(self) -> dict[str, Any]:
+        """The fields ``ConversationMemory`` reads of this chat call: its messages and its shape."""
+        assert self.plan is not None
+        if self._conversation is None:
+            body: dict[str, Any] = {}
+            for name in SHAPE_FIELDS:
+                raw = self.plan.fields.get(name)
+                if raw is not None:
+                    try:
+                        body[name] = orjson.loads(memoryview(raw))
+                    except orjson.JSONDecodeError:
+                        body[name] = bytes(raw).decode("utf-8", "replace")
+            body["messages"] = self.plan.messages
+            self._conversation = body
+        return self._conversation
+
+    def answer_bytes(self, chunk: bytes) -> None:
+        """Bytes of the decode body handed to the caller (the streams call this)."""
+        if self.collector is not None:
+            self.collector.feed(chunk)
+
+    def _remember(self) -> None:
+        """A whole answer of a call that went as planned: the next turn's prefix on its decode endpoint."""
+        collector, plan, decision = self.collector, self.plan, self.decision
+        if collector is None or plan is None or decision is None:
+            return
+        if self.outcome not in (Outcome.DISAGGREGATED, Outcome.DECODE_ONLY) or self.error is not None:
+            return
+        endpoint = self.decode.endpoint
+        if self.decode.status != 200 or endpoint is None:
+            return
+        answer = collector.answer()
+        if answer is None:
+            return
+        result = self.prefill_result
+        prompt_tokens = result.count if result is not None and result.ids is not None else collector.prompt_tokens
+        floor = decision.estimate.cached_tokens if decision.estimate is not None else 0
+        self.context.fleet.memory.remember(
+            plan.affinity_key,
+            self.conversation_body(),
+            answer,
+            endpoint.url,
+            prompt_tokens=prompt_tokens,
+            cached_floor=floor,
+        )
+
     def prefill_retrying(self) -> dict[str, object]:
         self.phase = Phase.PREFILL
         return retry.prefill_policy(self.context.options.retries, self.deadline or float("inf"))
@@ -262,6 +354,9 @@ class Call:
         cpu_start = time.thread_time()
         self.prefill_result = wire.read_prefill(self.kind, response.content)
         self.cpu_seconds += time.thread_time() - cpu_start
+        if self.collector is not None and self.prefill_result.ids is not None:
+            # The chars-per-token ratio auto's estimates use, from the servers' own count.
+            self.context.fleet.memory.learn(self.conversation_body(), self.prefill_result.count)
         return None
 
     def prefill_failed(self, error: BaseException) -> httpx.Response | None:
@@ -297,10 +392,14 @@ class Call:
         self.phase = Phase.DECODE
         if self.migration is not None and self.migration.pending is not None:
             return self.decode.start(self.migration.continuation_request(self))  # a migrated decode
+        decision = self.decision
+        held = decision.decode_endpoint if decision is not None and not decision.remote_prefill else None
         if self.fallback_url is not None:
             base = self.decode.use(self.fallback_url)
         else:
-            base = self.decode.pick(self._route("decode"))
+            # A decode-only call by decision goes first to the endpoint holding its conversation.
+            pinned = self.decode.pin(held, "held") if held is not None and not self.decode.attempt else None
+            base = pinned or self.decode.pick(self._route("decode"))
         if self.plan is None:
             return self.decode.start(self._leg_request(base, self.pass_through_body, None))
         cpu_start = time.thread_time()
@@ -422,13 +521,15 @@ class Call:
         if self.phase is Phase.ENDED:
             return
         self.phase = Phase.ENDED
+        self._remember()
         trace = self.trace()
         if self.kind is not None:
             if trace.outcome in (Outcome.FAILED, Outcome.REFUSED):
                 # The caller gets this as an error already; a warning would say it twice.
                 logger.info("P/D call %s %s: %s", self.request_id, trace.outcome.value, trace.error)
-            elif trace.outcome is not Outcome.DISAGGREGATED or trace.fallback:
-                # An answer that came back degraded (decode-only, a fallback server, a migration):
+            elif trace.outcome not in (Outcome.DISAGGREGATED, Outcome.DECODE_ONLY) or trace.fallback:
+                # An answer that came back degraded (after a prefill failure, on a fallback server,
+                # after a migration):
                 # nothing else tells the caller, so it is never silent.
                 logger.warning(
                     "P/D call %s %s: %s", self.request_id, trace.outcome.value, trace.fallback or trace.error
@@ -468,6 +569,8 @@ class Call:
         if fallback is None and ids_skipped is not None:
             fallback = f"ids not forwarded: {ids_skipped}"
         moved = self.migration.summary() if self.migration is not None else None
+        decision = self.decision
+        estimate = decision.estimate if decision is not None else None
         if moved:
             fallback = f"{fallback}; {moved}" if fallback else moved
         return PDTrace(
@@ -489,6 +592,11 @@ class Call:
             prefill_route=str(self.prefill.decision) if self.prefill.decision else None,
             decode_route=str(self.decode.decision) if self.decode.decision else None,
             migrations=self.migration.records() if self.migration is not None else (),
+            remote_prefill=decision.remote_prefill if decision is not None else None,
+            remote_prefill_reason=decision.reason.value if decision is not None else None,
+            conversation=estimate.match.value if estimate is not None else None,
+            estimated_prompt_tokens=estimate.total_tokens if estimate is not None else None,
+            estimated_uncached_tokens=estimate.uncached_tokens if estimate is not None else None,
         )
 
     def _json_error(self, status: int, message: str, leg: str) -> httpx.Response:

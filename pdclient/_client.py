@@ -14,6 +14,7 @@ import httpx
 import openai
 from typing_extensions import Self
 
+from ._conversations import ConversationSettings
 from ._discovery import DiscoverySettings
 from ._endpoints import BreakerSettings, URLArg
 from ._errors import PDConfigError
@@ -69,6 +70,8 @@ class _PDClient:
         health_checks: HealthSettings | bool | openai.NotGiven | None = _NOT_GIVEN,
         discovery: DiscoverySettings | bool | openai.NotGiven | None = _NOT_GIVEN,
         max_decode_migrations: int | openai.NotGiven = _NOT_GIVEN,
+        remote_prefill: str | openai.NotGiven = _NOT_GIVEN,
+        conversations: ConversationSettings | openai.NotGiven = _NOT_GIVEN,
         base_url: str | httpx.URL | openai.NotGiven | None = _NOT_GIVEN,
         http_client: httpx.Client | httpx.AsyncClient | None = None,
         **kwargs: Any,
@@ -129,6 +132,8 @@ class _PDClient:
         health_checks: HealthSettings | bool | openai.NotGiven | None = _NOT_GIVEN,
         discovery: DiscoverySettings | bool | openai.NotGiven | None = _NOT_GIVEN,
         max_decode_migrations: int | openai.NotGiven = _NOT_GIVEN,
+        remote_prefill: str | openai.NotGiven = _NOT_GIVEN,
+        conversations: ConversationSettings | openai.NotGiven = _NOT_GIVEN,
         **kwargs: Any,
     ) -> Self:
         """The openai client's ``copy`` (and ``with_options``), keeping or changing the P/D options."""

@@ -17,6 +17,7 @@ import weakref
 import httpx
 
 from ._background import Background, Core, system_resolver
+from ._conversations import ConversationMemory
 from ._discovery import DiscoverySettings, DnsDiscovery, is_address
 from ._endpoints import EndpointPool
 from ._health import HealthProber, HealthSettings
@@ -34,6 +35,7 @@ _FLEET_FIELDS = (
     "load_signals",
     "health_checks",
     "discovery",
+    "conversations",
 )
 
 
@@ -43,6 +45,8 @@ class Fleet:
         # Each pool gets its own policy object: policies may keep state (round robin's turn).
         self.prefill = EndpointPool("prefill", options.prefill_urls, _policy(options, "prefill"), options.breaker)
         self.decode = EndpointPool("decode", options.decode_urls, _policy(options, "decode"), options.breaker)
+        self.memory = ConversationMemory(options.conversations)
+        """The conversations this fleet's decode endpoints answered (``remote_prefill="auto"``)."""
         self.background = _background(options, self.pools, asynchronous)
         """The pools' background work, or None when no feature needs any."""
         if self.background is not None:  # a client dropped unclosed does not leave its driver running

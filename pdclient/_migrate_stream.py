@@ -108,12 +108,14 @@ class MigratingDecodeStream(httpx.SyncByteStream):
                             first = False
                             call.first_byte()
                         migration.delivered(time.perf_counter())
+                        call.answer_bytes(out)
                         yield out
                     if self._drained:
                         return
                 rest = tracker.end()
                 self._drained = True
                 if rest:
+                    call.answer_bytes(rest)
                     yield rest
                 return
             except _STREAM_ERRORS as exc:
@@ -241,12 +243,14 @@ class AsyncMigratingDecodeStream(httpx.AsyncByteStream):
                             first = False
                             call.first_byte()
                         migration.delivered(time.perf_counter())
+                        call.answer_bytes(out)
                         yield out
                     if self._drained:
                         return
                 rest = tracker.end()
                 self._drained = True
                 if rest:
+                    call.answer_bytes(rest)
                     yield rest
                 return
             except _STREAM_ERRORS as exc:

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ._conversations import REMOTE_PREFILL_MODES, ConversationSettings
 from ._discovery import DiscoverySettings
 from ._endpoints import DECODE_ENV, PREFILL_ENV, BreakerSettings, URLArg, normalise_url, resolve_urls
 from ._errors import PDConfigError
@@ -99,6 +100,12 @@ def check_migrations(value: object, source: str) -> int:
     return value
 
 
+def check_remote_prefill(value: object, source: str) -> str:
+    if value in REMOTE_PREFILL_MODES:
+        return str(value)
+    raise PDConfigError(f"{source} must be one of {', '.join(REMOTE_PREFILL_MODES)}, got {value!r}")
+
+
 def _check_type(name: str, value: object, expected: type) -> None:
     if not isinstance(value, expected):
         raise PDConfigError(f"{name} must be a {expected.__name__}, got {type(value).__name__}: {value!r}")
@@ -152,6 +159,15 @@ class PDOptions:
     max_decode_migrations: int = 1
     """How many times one streamed call may move to another decode endpoint after its stream
     broke, continuing the answer token for token (pdclient/_migrate.py); 0 turns it off."""
+    remote_prefill: str = "always"
+    """Whether a chat or completions call gets a remote prefill: ``"always"`` (every call is a
+    P/D handoff), ``"never"`` (every call goes decode-only, as the caller sent it), or
+    ``"auto"``: a chat call that extends a conversation the client remembers goes
+    decode-only to the decode endpoint that answered its previous turn when few of its
+    tokens are not in that server's prefix cache (``conversations``; issue 11)."""
+    conversations: ConversationSettings = field(default_factory=ConversationSettings)
+    """How ``"auto"`` decides (``threshold_tokens``, ``max_uncached_ratio``) and how the
+    conversations are remembered (one memory per fleet, shared by the client's copies)."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -178,6 +194,8 @@ class PDOptions:
         set_(self, "observers", tuple(self.observers))
         _check_fleet_options(self)
         check_migrations(self.max_decode_migrations, "max_decode_migrations")
+        check_remote_prefill(self.remote_prefill, "remote_prefill")
+        _check_type("conversations", self.conversations, ConversationSettings)
 
     @property
     def prefill_urls(self) -> tuple[str, ...]:
@@ -223,6 +241,8 @@ class CallOptions:
     """False sends the decode leg no ids (it renders and tokenizes the prompt itself): for A/B checks."""
     max_decode_migrations: int | None = None
     """This call's bound on decode migrations (``PDOptions.max_decode_migrations``)."""
+    remote_prefill: str | None = None
+    """``always``, ``never`` or ``auto`` for this call (``PDOptions.remote_prefill``)."""
 
 
 _CALL_OPTION_TYPES: Mapping[str, tuple[type, ...]] = {
@@ -230,6 +250,7 @@ _CALL_OPTION_TYPES: Mapping[str, tuple[type, ...]] = {
     "session": (str, int),
     "forward_ids": (bool,),
     "max_decode_migrations": (int,),
+    "remote_prefill": (str,),
 }
 
 
@@ -257,4 +278,6 @@ def parse_call_options(value: object) -> CallOptions:
         options["session"] = str(options["session"])
     if "max_decode_migrations" in options:
         check_migrations(options["max_decode_migrations"], f"{CALL_OPTIONS_KEY}.max_decode_migrations")
+    if "remote_prefill" in options:
+        check_remote_prefill(options["remote_prefill"], f"{CALL_OPTIONS_KEY}.remote_prefill")
     return CallOptions(**options)

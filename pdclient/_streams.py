@@ -42,6 +42,7 @@ class DecodeStream(httpx.SyncByteStream):
                     for rest in _until_error(chunks):
                         chunk += rest
                     self._drained = True
+                self._call.answer_bytes(chunk)
                 yield chunk
         except _STREAM_ERRORS as exc:
             raise self._call.broken_stream(exc, received) from exc
@@ -78,6 +79,7 @@ class AsyncDecodeStream(httpx.AsyncByteStream):
                     async for rest in _until_error_async(chunks):
                         chunk += rest
                     self._drained = True
+                self._call.answer_bytes(chunk)
                 yield chunk
         except _STREAM_ERRORS as exc:
             raise self._call.broken_stream(exc, received) from exc

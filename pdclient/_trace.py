@@ -21,6 +21,10 @@ class Outcome(str, enum.Enum):
 
     DISAGGREGATED = "disaggregated"
     """Prefill on a prefill server, decode on a decode server (``ids_skipped`` says if no ids went along)."""
+    DECODE_ONLY = "decode_only"
+    """No prefill leg, by decision (``remote_prefill``): ``"never"``, or ``"auto"`` found the
+    conversation's prefix cached on the decode endpoint that answered its previous turn.
+    Not a degradation: ``fallback`` stays None; ``remote_prefill_reason`` says why."""
     PREFILL_FAILED = "prefill_failed"
     """The prefill leg failed for good and the failure policy sent the call on without it
     (to a decode server, or to the fallback URL); ``fallback`` names the cause."""
@@ -89,6 +93,21 @@ class PDTrace(BaseModel):
     ``policy[/rule][ name=value ...]``, e.g. ``cache_aware/cache match=1536 prompt=2048``."""
     decode_route: str | None = None
     """How the decode endpoint was chosen, e.g. ``load_aware/load score=2`` or ``least_outstanding``."""
+    remote_prefill: bool | None = None
+    """Whether the call was planned with a remote prefill (``PDOptions.remote_prefill``);
+    None for calls that are never split (refused before planning, pass-through)."""
+    remote_prefill_reason: str | None = None
+    """Why, machine-readable: ``mode_always``, ``mode_never``, ``no_estimate`` (not a chat
+    call), ``uncached_at_or_above_threshold``, ``uncached_ratio_at_or_above``,
+    ``mostly_cached`` (``_conversations.Reason``)."""
+    conversation: str | None = None
+    """How an ``auto`` chat call related to the conversation remembered under its key:
+    ``extends_answer``, ``extends_prompt``, ``unknown``, ``edited``, ``reshaped``,
+    ``endpoint_unavailable`` (``_conversations.Match``)."""
+    estimated_prompt_tokens: int | None = None
+    """``auto``: the prompt's estimated length in tokens."""
+    estimated_uncached_tokens: int | None = None
+    """``auto``: of those, the tokens estimated not in the decode endpoint's prefix cache."""
     migrations: tuple[Migration, ...] = ()
     """Each time the decode stream broke and the answer continued on another decode endpoint
     (``max_decode_migrations``), in order. Not in the response headers: known only later."""

@@ -115,7 +115,7 @@ class PDTransport(_TransportBase, httpx.BaseTransport):
             if call.kind is None:
                 return self._pass_through(call)
             request.read()
-            ended = call.plan_or_refuse() or self._prefill(call)
+            ended = call.plan_or_refuse() or (self._prefill(call) if call.wants_prefill() else None)
             return ended or self._decode(call)
         except BaseException as exc:
             call.abandoned(exc)
@@ -222,7 +222,7 @@ class AsyncPDTransport(_TransportBase, httpx.AsyncBaseTransport):
             if call.kind is None:
                 return await self._pass_through(call)
             await request.aread()
-            ended = call.plan_or_refuse() or await self._prefill(call)
+            ended = call.plan_or_refuse() or (await self._prefill(call) if call.wants_prefill() else None)
             return ended or await self._decode(call)
         except BaseException as exc:
             call.abandoned(exc)

@@ -15,7 +15,11 @@ their own clients and exports from their own process::
 Metrics (``namespace`` prefix, ``pdclient`` by default; times in seconds):
 
 =====================================  =========  ===============================================
-``pdclient_calls_total``               counter    finished calls by ``route`` and ``outcome`` (``PDTrace.outcome``)
+``pdclient_calls_total``               counter    finished calls by ``route`` and ``outcome`` (``PDTrace.outcome``:
+                                                  ``decode_only`` is decode-only by decision,
+                                                  ``prefill_failed`` a prefill failure's fallback)
+``pdclient_remote_prefill_decisions_total`` counter  chat/completions calls by ``route``, ``remote_prefill``
+                                                  (true, false) and ``reason`` (``PDTrace.remote_prefill_reason``)
 ``pdclient_calls_in_flight``           gauge      calls started and not yet finished, by ``route``
 ``pdclient_call_duration_seconds``     histogram  call start to end (the whole stream), by ``route``
 ``pdclient_time_to_first_token_seconds`` histogram  call start to the decode's first body byte
@@ -126,6 +130,13 @@ class PrometheusObserver(PDObserver):
         self.namespace = namespace
         p, r = prometheus_client, self.registry
         self.calls = p.Counter("calls", "Finished P/D calls.", ["route", "outcome"], namespace=namespace, registry=r)
+        self.remote_prefill_decisions = p.Counter(
+            "remote_prefill_decisions",
+            "Whether a call got a remote prefill (remote_prefill), and why.",
+            ["route", "remote_prefill", "reason"],
+            namespace=namespace,
+            registry=r,
+        )
         self.in_flight = p.Gauge(
             "calls_in_flight",
             "P/D calls started and not yet finished.",
@@ -249,6 +260,9 @@ class PrometheusObserver(PDObserver):
     def on_call_end(self, call: CallView, trace: PDTrace) -> None:
         self.in_flight.labels(call.route).dec()
         self.calls.labels(call.route, trace.outcome.value).inc()
+        if trace.remote_prefill is not None:
+            remote = "true" if trace.remote_prefill else "false"
+            self.remote_prefill_decisions.labels(call.route, remote, trace.remote_prefill_reason or "").inc()
         self.call_duration.labels(call.route).observe(time.perf_counter() - call.started)
         if trace.forwarded_tokens:
             self.forwarded_tokens.labels(call.route).inc(trace.forwarded_tokens)

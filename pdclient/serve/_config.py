@@ -25,6 +25,7 @@ from typing import Any
 from .. import PDConfigError, PDOptions
 
 # Constants with no public name: the environment variables PDOptions reads, the policy names.
+from .._conversations import REMOTE_PREFILL_MODES
 from .._endpoints import DECODE_ENV, PREFILL_ENV
 from .._routing import POLICIES
 from .._signing import SECRET_ENV
@@ -145,7 +146,7 @@ class Setting:
 # or fixed by the proxy: a caller must never choose where the proxy sends requests.
 _NOT_SETTINGS = ("on_trace", "observers", "allow_call_fallback_url")
 # Nested settings objects flattened with a prefix (their own field names are ambiguous alone).
-_PREFIXED = {"breaker": "breaker_"}
+_PREFIXED = {"breaker": "breaker_", "conversations": "conversation_"}
 _NAMES = {"prefill_base_url": "prefill", "decode_base_url": "decode"}
 
 
@@ -168,6 +169,9 @@ _SPECIAL: Mapping[str, dict[str, Any]] = {
     "discovery": {"parse": _on_off_default, "metavar": "on|off"},
     "on_prefill_failure": {"metavar": "POLICY"},
     "reuse_secret": {"env": SECRET_ENV, "metavar": "SECRET"},
+    "remote_prefill": {"parse": _str, "choices": REMOTE_PREFILL_MODES},
+    "conversation_max_uncached_ratio": {"metavar": "RATIO"},
+    "conversation_initial_chars_per_token": {"metavar": "RATIO"},
 }
 
 _CLIENT_HELP: Mapping[str, str] = {
@@ -191,6 +195,16 @@ _CLIENT_HELP: Mapping[str, str] = {
     "reuse_secret": "HMAC secret signing kv_transfer_params (servers with the guard)",
     "max_decode_migrations": "times one streamed call may move to another decode endpoint after its stream broke "
     "(0: never)",
+    "remote_prefill": "always: every chat/completions call is a P/D handoff; never: decode-only; auto: a chat call "
+    "extending a remembered conversation goes decode-only to the decode endpoint holding it when little is uncached",
+    "conversation_threshold_tokens": "auto: decode-only when fewer estimated uncached tokens than this...",
+    "conversation_max_uncached_ratio": "...and less than this fraction of the prompt uncached",
+    "conversation_block_size": "the decode servers' KV block size (vLLM: 128 on CPU, 16 on GPU by default)",
+    "conversation_max_conversations": "conversations remembered (LRU, about 400 bytes each)",
+    "conversation_ratio_warmup": "prefill answers to learn the chars-per-token ratio from before trusting it",
+    "conversation_initial_chars_per_token": "the chars-per-token ratio until then (low: over-estimates tokens)",
+    "conversation_ratio_window": "recent prefill answers the learned ratio is computed over",
+    "conversation_overhead_tokens_per_message": "template tokens added per message to every estimate",
 }
 
 

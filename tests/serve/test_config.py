@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pdclient import BreakerSettings, PDConfigError, PDOptions, RetrySettings
+from pdclient import BreakerSettings, ConversationSettings, PDConfigError, PDOptions, RetrySettings
 from pdclient.cli import build_parser, main
 from pdclient.cli.serve import config_from_args
 from pdclient.serve import SETTINGS, ServeConfig
@@ -45,6 +45,18 @@ def test_flags() -> None:
     assert options.breaker == BreakerSettings(failures=5, cooldown=5.0)
     assert options.retries == RetrySettings(prefill_timeout=None)
     assert config.forward_api_key is True and config.log_format == "json"
+
+
+def test_conversation_flags_reach_the_options() -> None:
+    config = parse(
+        "--prefill", P, "--decode", D1, "--remote-prefill", "auto",
+        "--conversation-threshold-tokens", "512", "--conversation-max-uncached-ratio", "0.5",
+        "--conversation-block-size", "16",
+    )  # fmt: skip
+    assert config.options.remote_prefill == "auto"
+    assert config.options.conversations == ConversationSettings(
+        threshold_tokens=512, max_uncached_ratio=0.5, block_size=16
+    )
 
 
 def test_defaults_are_the_clients() -> None:
@@ -95,8 +107,8 @@ def test_every_setting_has_a_flag_and_every_option_a_setting() -> None:
     for f in dataclasses.fields(PDOptions):
         if f.name in ("on_trace", "observers", "allow_call_fallback_url"):
             continue
-        if f.name in ("breaker", "retries"):
-            nested = BreakerSettings if f.name == "breaker" else RetrySettings
+        if f.name in ("breaker", "retries", "conversations"):
+            nested = {"breaker": BreakerSettings, "retries": RetrySettings}.get(f.name, ConversationSettings)
             assert {(f.name, c.name) for c in dataclasses.fields(nested)} <= paths
         else:
             assert (f.name,) in paths, f.name
@@ -117,6 +129,11 @@ def test_every_setting_has_a_flag_and_every_option_a_setting() -> None:
         ({"prefill": [P], "decode": [D1, D1]}, "lists the same URL twice"),
         ({"prefill": [P], "decode": [D1], "forward_api_key": True, "upstream_api_key": "k"}, "not both"),
         ({"prefill": [P], "decode": [D1], "workers": 0}, "workers must be at least 1"),
+        ({"prefill": [P], "decode": [D1], "remote_prefill": "maybe"}, "remote_prefill must be one of"),
+        (
+            {"prefill": [P], "decode": [D1], "conversation_max_uncached_ratio": 2},
+            "conversations.max_uncached_ratio must be in",
+        ),
     ],
 )
 def test_bad_settings_are_one_clear_error(settings: dict, message: str) -> None:

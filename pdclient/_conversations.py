@@ -1,0 +1,658 @@
+"""Conversations: what a decode server already holds of a call's prompt, and whether to skip the prefill.
+
+Pure (no I/O, no clock) and thread-safe; the transport feeds it and asks it (issue 11).
+
+A chat call that continues a conversation resends the previous turn's messages, the answer
+the decode server streamed, and a short new message. The decode server that answered the
+previous turn holds that prefix in its prefix cache, so a decode-only call there computes
+only the new tokens, where a second P/D handoff would prefill the answer and the new
+message again on the prefill server (which never saw the answer) and move the KV.
+
+What the decode server holds, measured on vLLM 0.32 (two CPU servers, NIXL, SmolLM2;
+benchmarks/CONVERSATIONS.md has the figures):
+
+- whole blocks only: ``block_size`` tokens (128 on CPU, 16 by default on GPU);
+- the previous prompt (pulled over NIXL, then cached like its own) and the answer's tokens
+  but the last one (the sampled token whose KV was never computed): after a turn with a
+  P-token prompt and an A-token answer, ``floor((P + A - 1) / block_size)`` blocks;
+- the chat template re-renders a plain-text answer to the very ids that were generated, so
+  the next prompt starts with those ``P + A`` ids; an answer with tool calls or reasoning
+  is re-rendered by the template in its own format, and its blocks are not counted.
+
+The prefill server holds only the previous prompt's blocks: through P/D the next turn
+prefills the answer and the new message there.
+
+The memory keeps, per conversation (the affinity key), digests instead of text: under
+400 bytes an entry whatever the conversation's length, so the default 10,000 entries stay
+under 4 MB (tests/unit/test_conversations.py measures it). Chat calls only.
+
+Without a tokenizer, token counts of text the servers have not counted yet come from a
+chars-per-token ratio learned from the client's own prefill responses (the text length
+of a call's messages against its ``len(prompt_token_ids)``), conservative (more tokens)
+until it has seen ``ratio_warmup`` calls; a remembered conversation's new text is
+estimated with its own last prompt's ratio (its language, its style).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import hashlib
+import math
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import orjson
+
+from ._errors import PDConfigError
+
+RemotePrefillMode = Literal["always", "never", "auto"]
+REMOTE_PREFILL_MODES: tuple[str, ...] = ("always", "never", "auto")
+
+# Request fields besides the messages that change the rendered prompt (or may, depending on
+# the server's flags): a call whose value differs from the previous turn's starts afresh.
+_SHAPE_FIELDS = (
+    "model",
+    "tools",
+    "functions",
+    "tool_choice",
+    "chat_template",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "documents",
+    "add_special_tokens",
+)
+# Keys of an assistant message that may carry the streamed answer; any other key with a
+# value may be rendered by the template, and the message is then not taken as the answer.
+SHAPE_FIELDS = _SHAPE_FIELDS
+"""The request fields besides ``messages`` that ``ConversationMemory`` reads of a call."""
+_ANSWER_KEYS = frozenset({"role", "content", "tool_calls"})
+_TEXT_PART_TYPES = frozenset({"text", "input_text", "output_text"})
+_DIGEST_SIZE = 16
+
+
+@dataclass(frozen=True)
+class ConversationSettings:
+    """How conversations are remembered and when ``auto`` skips the remote prefill."""
+
+    threshold_tokens: int = 256
+    """``auto`` sends a call decode-only when its estimated uncached tokens are fewer than this..."""
+    max_uncached_ratio: float = 0.7
+    """...and they are less than this fraction of its prompt (Dynamo's default ratio)."""
+    block_size: int = 128
+    """The decode servers' KV block size. vLLM's CPU default; GPU servers default to 16.
+    Too large only counts a few more tokens as uncached."""
+    max_conversations: int = 10_000
+    """LRU bound of the memory (about 400 bytes an entry)."""
+    ratio_warmup: int = 8
+    """Prefill responses to learn from before the learned chars-per-token ratio is trusted."""
+    initial_chars_per_token: float = 2.0
+    """The ratio before (and a ceiling during) warm-up: low, so tokens are over-estimated."""
+    ratio_window: int = 64
+    """The learned ratio is over this many most recent samples."""
+    overhead_tokens_per_message: int = 8
+    """Template tokens per message (role markers, separators) added to every estimate."""
+
+    def __post_init__(self) -> None:
+        for name in ("threshold_tokens", "ratio_warmup", "overhead_tokens_per_message"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise PDConfigError(f"conversations.{name} must be an int >= 0, got {value!r}")
+        for name in ("block_size", "max_conversations", "ratio_window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise PDConfigError(f"conversations.{name} must be an int >= 1, got {value!r}")
+        ratio = self.max_uncached_ratio
+        if not isinstance(ratio, int | float) or isinstance(ratio, bool) or not 0.0 < ratio <= 1.0:
+            raise PDConfigError(f"conversations.max_uncached_ratio must be in (0, 1], got {ratio!r}")
+        initial = self.initial_chars_per_token
+        if not isinstance(initial, int | float) or isinstance(initial, bool) or not initial > 0:
+            raise PDConfigError(f"conversations.initial_chars_per_token must be > 0, got {initial!r}")
+
+
+class Match(str, enum.Enum):
+    """How a call relates to the remembered conversation under its key."""
+
+    EXTENDS_ANSWER = "extends_answer"
+    """The previous messages, the streamed answer as the next message, then new ones."""
+    EXTENDS_PROMPT = "extends_prompt"
+    """The previous messages, then others (the answer edited, or not reusable: tool calls)."""
+    UNKNOWN = "unknown"
+    """Nothing remembered under this key."""
+    EDITED = "edited"
+    """The previous messages are not this call's first messages (edited, dropped, reordered)."""
+    RESHAPED = "reshaped"
+    """Tools, model or template options differ from the previous turn's."""
+    ENDPOINT_UNAVAILABLE = "endpoint_unavailable"
+    """The decode endpoint that holds the conversation is gone or not admitted."""
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What the decode server streamed for a turn."""
+
+    content: str | None
+    tool_calls: Sequence[Mapping[str, Any]] = ()
+    """Assembled from the stream: ``{"id", "type", "function": {"name", "arguments"}}``."""
+    completion_tokens: int | None = None
+    """From the final usage chunk, when the stream had one."""
+    reasoning: bool = False
+    """Whether the answer had reasoning content (templates drop or reformat it)."""
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What a call would cost the decode endpoint that holds its conversation."""
+
+    total_tokens: int
+    uncached_tokens: int
+    endpoint: str | None
+    """The decode endpoint whose prefix cache holds the rest; None when nothing is cached."""
+    match: Match
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.total_tokens - self.uncached_tokens
+
+
+class Reason(str, enum.Enum):
+    """Why ``decide`` chose as it did (machine-readable, for traces and metrics)."""
+
+    MODE_ALWAYS = "mode_always"
+    MODE_NEVER = "mode_never"
+    NO_ESTIMATE = "no_estimate"
+    UNCACHED_AT_OR_ABOVE_THRESHOLD = "uncached_at_or_above_threshold"
+    UNCACHED_RATIO_AT_OR_ABOVE = "uncached_ratio_at_or_above"
+    MOSTLY_CACHED = "mostly_cached"
+
+
+@dataclass(frozen=True)
+class Decision:
+    remote_prefill: bool
+    reason: Reason
+    decode_endpoint: str | None
+    """Where the decode leg should go when it is admitted: the endpoint holding the
+    conversation. Also on the P/D path, where it pulls only the blocks it lacks."""
+    estimate: Estimate | None = None
+
+
+def decide(mode: str, estimate: Estimate | None, settings: ConversationSettings) -> Decision:
+    """Whether a call gets a remote prefill.
+
+    ``always``: every call (pdclient's behaviour before issue 11). ``never``: none, every
+    call decode-only. ``auto``: decode-only when the uncached tokens are fewer than
+    ``threshold_tokens`` and less than ``max_uncached_ratio`` of the prompt, as Dynamo's
+    conditional disaggregation does (both conditions); llm-d's prefix-based decider and
+    vllm-router's design use the absolute count alone.
+    """
+    endpoint = estimate.endpoint if estimate is not None else None
+    if mode == "always":
+        return Decision(True, Reason.MODE_ALWAYS, endpoint, estimate)
+    if mode == "never":
+        return Decision(False, Reason.MODE_NEVER, endpoint, estimate)
+    if mode != "auto":
+        raise ValueError(f"remote_prefill must be one of {REMOTE_PREFILL_MODES}, got {mode!r}")
+    if estimate is None:
+        return Decision(True, Reason.NO_ESTIMATE, None, None)
+    if estimate.uncached_tokens >= settings.threshold_tokens:
+        return Decision(True, Reason.UNCACHED_AT_OR_ABOVE_THRESHOLD, endpoint, estimate)
+    total = max(estimate.total_tokens, 1)
+    if estimate.uncached_tokens / total >= settings.max_uncached_ratio:
+        return Decision(True, Reason.UNCACHED_RATIO_AT_OR_ABOVE, endpoint, estimate)
+    return Decision(False, Reason.MOSTLY_CACHED, endpoint, estimate)
+
+
+# -- digests and text lengths ---------------------------------------------------------
+
+
+def _encode(value: object) -> bytes:
+    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS, default=str)
+
+
+def _messages_digest(messages: Sequence[object]) -> bytes:
+    """One digest of a message list; equal lists (as JSON, keys sorted) give equal digests."""
+    h = hashlib.blake2b(digest_size=_DIGEST_SIZE)
+    for message in messages:
+        encoded = _encode(message)
+        h.update(len(encoded).to_bytes(8, "little"))
+        h.update(encoded)
+    return h.digest()
+
+
+def _shape_digest(body: Mapping[str, Any]) -> bytes:
+    return hashlib.blake2b(_encode([body.get(k) for k in _SHAPE_FIELDS]), digest_size=_DIGEST_SIZE).digest()
+
+
+def _text_of(content: object) -> str | None:
+    """A message content as the plain text it renders to, or None if it is not plain text."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and len(content) == 1 and isinstance(content[0], dict):
+        part = content[0]
+        if part.get("type") in _TEXT_PART_TYPES and isinstance(part.get("text"), str):
+            return str(part["text"])
+    return None
+
+
+def _answer_digest(content: str | None, tool_calls: Sequence[Mapping[str, Any]]) -> bytes:
+    calls = []
+    for call in tool_calls:
+        function = call.get("function") or {}
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            with contextlib.suppress(orjson.JSONDecodeError):  # the server parses them before rendering
+                arguments = orjson.loads(arguments)
+        calls.append([call.get("id"), function.get("name"), arguments])
+    return hashlib.blake2b(_encode([content, calls]), digest_size=_DIGEST_SIZE).digest()
+
+
+def _as_answer_digest(message: object) -> bytes | None:
+    """The digest of an assistant message that may be a streamed answer sent back, else None."""
+    if not isinstance(message, dict) or message.get("role") != "assistant":
+        return None
+    if any(value is not None for key, value in message.items() if key not in _ANSWER_KEYS):
+        return None
+    content = message.get("content")
+    text = None if content is None else _text_of(content)
+    if content is not None and text is None:
+        return None
+    tool_calls = message.get("tool_calls") or []
+    if not isinstance(tool_calls, list) or not all(isinstance(c, dict) for c in tool_calls):
+        return None
+    return _answer_digest(text, tool_calls)
+
+
+def rendered_chars(messages: Sequence[object], tools: object = None) -> int:
+    """The length of the text a chat template renders from these messages and tools,
+    without the template's own markup (counted per message by the settings)."""
+    total = 0
+    for message in messages:
+        if not isinstance(message, dict):
+            total += len(_encode(message))
+            continue
+        for key, value in message.items():
+            if value is None:
+                continue
+            if key == "content":
+                total += _content_chars(value)
+            elif isinstance(value, str):
+                total += len(value)
+            else:  # tool_calls and the like: the template renders them as JSON or close to it
+                total += len(_encode(value))
+    if tools:
+        total += len(_encode(tools))
+    return total
+
+
+def _content_chars(content: object) -> int:
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        chars = 0
+        for part in content:
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                chars += len(part["text"])
+            else:
+                chars += len(_encode(part))
+        return chars
+    return len(_encode(content))
+
+
+def _key_digest(key: str) -> bytes:
+    return hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=_DIGEST_SIZE).digest()
+
+
+# -- the memory -----------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Turn:
+    """One conversation's last turn: fixed size whatever the conversation's length."""
+
+    digests: bytes
+    """Of the prompt's messages, of its shape (tools, model, template options) and of the
+    streamed answer, 16 bytes each, in one object."""
+    messages: int
+    prompt_tokens: int | None
+    """The last prompt's length in ids, when a server said so."""
+    cached_floor: int
+    """Tokens known to be cached when ``prompt_tokens`` is unknown (a lower bound)."""
+    answer_tokens: int | None
+    """The answer's ids that the next prompt reuses, when known and reusable."""
+    answer_chars: int
+    chars_per_token: float | None
+    """This conversation's own ratio, from its last prompt's text and length."""
+    endpoint: str
+
+
+@dataclass
+class _Ratio:
+    samples: deque[tuple[int, int]] = field(default_factory=deque)
+    seen: int = 0
+
+
+class ConversationMemory:
+    """A bounded LRU memory of conversations and a learned chars-per-token ratio.
+
+    ``learn`` after each prefill response, ``remember`` after each answered turn,
+    ``estimate`` before each call. All methods may be called from any thread.
+    """
+
+    def __init__(self, settings: ConversationSettings | None = None) -> None:
+        self.settings = settings or ConversationSettings()
+        self._turns: OrderedDict[bytes, _Turn] = OrderedDict()
+        self._ratio = _Ratio(deque(maxlen=self.settings.ratio_window))
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._turns)
+
+    # -- chars per token ----------------------------------------------------------------
+
+    def learn(self, body: Mapping[str, Any], prompt_tokens: int) -> None:
+        """One sample: a chat call's messages and tools against its ``len(prompt_token_ids)``."""
+        messages = body.get("messages")
+        if not isinstance(messages, list) or prompt_tokens < 1:
+            return
+        chars = rendered_chars(messages, body.get("tools"))
+        if chars < 1:
+            return
+        with self._lock:
+            self._ratio.samples.append((chars, prompt_tokens))
+            self._ratio.seen += 1
+
+    @property
+    def chars_per_token(self) -> float:
+        with self._lock:
+            return self._chars_per_token()
+
+    def _chars_per_token(self) -> float:
+        """Chars over tokens of the recent samples, capped by the initial ratio until warm.
+
+        The samples' tokens include the template's markup, which lowers the ratio: more
+        tokens estimated, on top of the per-message overhead the estimates add.
+        """
+        samples = self._ratio.samples
+        initial = self.settings.initial_chars_per_token
+        if not samples:
+            return initial
+        learned = sum(c for c, _ in samples) / sum(t for _, t in samples)
+        if self._ratio.seen < self.settings.ratio_warmup:
+            return min(initial, learned)
+        return learned
+
+    def tokens_for(self, chars: int, messages: int, own_ratio: float | None = None) -> int:
+        """Estimated tokens of ``chars`` characters of text in ``messages`` messages.
+
+        ``own_ratio``: the conversation's own chars per token, measured on its last
+        prefill (its language and style), used instead of the learned one, and capped
+        by the initial ratio like it until warm.
+        """
+        with self._lock:
+            ratio = self._chars_per_token()
+            if own_ratio is not None:
+                warm = self._ratio.seen >= self.settings.ratio_warmup
+                ratio = own_ratio if warm else min(own_ratio, self.settings.initial_chars_per_token)
+        return math.ceil(chars / ratio) + messages * self.settings.overhead_tokens_per_message
+
+    # -- conversations ------------------------------------------------------------------
+
+    def remember(
+        self,
+        key: str,
+        body: Mapping[str, Any],
+        answer: Answer,
+        decode_endpoint: str,
+        *,
+        prompt_tokens: int | None,
+        cached_floor: int = 0,
+    ) -> None:
+        """Record a turn the decode endpoint answered: the next turn's prefix.
+
+        ``prompt_tokens``: the call's prompt length in ids (the prefill's
+        ``prompt_token_ids``, or ``usage.prompt_tokens``); None when no server said, and
+        then ``cached_floor`` is what is known to be cached (the estimate's cached tokens).
+        """
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return
+        reusable = answer.content is not None and not answer.tool_calls and not answer.reasoning
+        chars = rendered_chars(messages, body.get("tools"))
+        own_ratio = chars / prompt_tokens if prompt_tokens and chars > 0 else None
+        answer_digest = _answer_digest(answer.content, answer.tool_calls)
+        turn = _Turn(
+            digests=_messages_digest(messages) + _shape_digest(body) + answer_digest,
+            messages=len(messages),
+            prompt_tokens=prompt_tokens,
+            cached_floor=max(0, cached_floor),
+            answer_tokens=answer.completion_tokens if reusable else None,
+            answer_chars=rendered_chars([{"content": answer.content, "tool_calls": list(answer.tool_calls) or None}]),
+            chars_per_token=own_ratio,
+            endpoint=decode_endpoint,
+        )
+        key_digest = _key_digest(key)
+        with self._lock:
+            self._turns[key_digest] = turn
+            self._turns.move_to_end(key_digest)
+            while len(self._turns) > self.settings.max_conversations:
+                self._turns.popitem(last=False)
+
+    def forget(self, key: str) -> None:
+        with self._lock:
+            self._turns.pop(_key_digest(key), None)
+
+    def estimate(self, key: str, body: Mapping[str, Any], admitted: Collection[str]) -> Estimate:
+        """The call's estimated total and uncached tokens on the decode endpoint holding it.
+
+        A call that extends the remembered conversation (its messages, then the streamed
+        answer, then new messages) has as uncached tokens the new messages, the template's
+        markup and the partial last block; anything else is wholly uncached.
+        """
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            messages = []
+        tools = body.get("tools")
+        key_digest = _key_digest(key)
+        with self._lock:
+            turn = self._turns.get(key_digest)
+            if turn is not None:
+                self._turns.move_to_end(key_digest)
+        if turn is None:
+            return self._fresh(messages, tools, Match.UNKNOWN)
+        prompt_digest, shape_digest, answer_digest = (
+            turn.digests[:_DIGEST_SIZE],
+            turn.digests[_DIGEST_SIZE : 2 * _DIGEST_SIZE],
+            turn.digests[2 * _DIGEST_SIZE :],
+        )
+        if _shape_digest(body) != shape_digest:
+            return self._fresh(messages, tools, Match.RESHAPED)
+        if len(messages) < turn.messages or _messages_digest(messages[: turn.messages]) != prompt_digest:
+            return self._fresh(messages, tools, Match.EDITED)
+        if turn.endpoint not in admitted:
+            return self._fresh(messages, tools, Match.ENDPOINT_UNAVAILABLE)
+        answered = len(messages) > turn.messages and _as_answer_digest(messages[turn.messages]) == answer_digest
+        return self._extension(turn, messages, answered)
+
+    def _fresh(self, messages: Sequence[object], tools: object, match: Match) -> Estimate:
+        # +1: the generation prompt that ends every prompt.
+        total = self.tokens_for(rendered_chars(messages, tools), len(messages) + 1)
+        return Estimate(total_tokens=total, uncached_tokens=total, endpoint=None, match=match)
+
+    def _extension(self, turn: _Turn, messages: Sequence[object], answered: bool) -> Estimate:
+        block = self.settings.block_size
+        match = Match.EXTENDS_ANSWER if answered else Match.EXTENDS_PROMPT
+        ratio = turn.chars_per_token
+        if turn.prompt_tokens is None:
+            # The previous prompt's length is unknown: what is known to be cached, and the
+            # whole call estimated from its text (an over-estimate) as the total.
+            cached = (turn.cached_floor // block) * block
+            total = max(self.tokens_for(rendered_chars(messages), len(messages) + 1, ratio), cached + 1)
+            return Estimate(total, total - cached, turn.endpoint, match)
+        new = messages[turn.messages + 1 :] if answered else messages[turn.messages :]
+        # +1: the generation prompt that ends the call (the previous one is in its prompt).
+        new_tokens = self.tokens_for(rendered_chars(new), len(new) + 1, ratio) if new else 0
+        if answered and turn.answer_tokens is not None:
+            # The template re-renders the answer to the ids that were generated; the last
+            # one (the end-of-turn token, or the last before the length cap) was never
+            # computed, so its KV is not cached.
+            reused = turn.prompt_tokens + turn.answer_tokens - 1
+            total = turn.prompt_tokens + turn.answer_tokens + new_tokens
+        else:
+            reused = turn.prompt_tokens
+            answer = self.tokens_for(turn.answer_chars, 1, ratio) if answered else 0
+            total = turn.prompt_tokens + answer + new_tokens
+        # Whole blocks only, and vLLM computes at least a prompt's last token itself.
+        cached = (min(reused, total - 1) // block) * block
+        return Estimate(total, total - cached, turn.endpoint, match)
+
+
+# -- the answer a caller received -----------------------------------------------------
+
+_MAX_JSON_ANSWER = 8 * 1024 * 1024
+"""A non-streamed answer body larger than this is not remembered (it is buffered whole)."""
+
+
+class AnswerCollector:
+    """The answer a caller received, from the decode body's bytes as they were handed on.
+
+    Streamed (SSE): whole events are parsed as they complete, and only the answer is
+    kept (its text, its tool calls, whether it had reasoning, the final usage).
+    Non-streamed: the JSON body is kept (up to 8 MB) and parsed at the end. ``answer()``
+    is None unless the answer is whole (a ``finish_reason`` seen) and has one choice.
+    """
+
+    def __init__(self, *, stream: bool) -> None:
+        self._stream = stream
+        self._buffer = bytearray()
+        self._content: list[str] = []
+        self._tool_calls: dict[int, dict[str, Any]] = {}
+        self._reasoning = False
+        self._finished = False
+        self._spoiled = False
+        self.completion_tokens: int | None = None
+        self.prompt_tokens: int | None = None
+        """``usage.prompt_tokens`` as the decode server reported it, when it did."""
+
+    def feed(self, data: bytes) -> None:
+        if self._spoiled or not data:
+            return
+        self._buffer += data
+        if not self._stream:
+            if len(self._buffer) > _MAX_JSON_ANSWER:
+                self._spoil()
+            return
+        if b"\r" in self._buffer:
+            self._buffer = bytearray(bytes(self._buffer).replace(b"\r\n", b"\n"))
+        while not self._spoiled:
+            end = self._buffer.find(b"\n\n")
+            if end < 0:
+                if len(self._buffer) > _MAX_JSON_ANSWER:
+                    self._spoil()
+                return
+            event = bytes(self._buffer[:end])
+            del self._buffer[: end + 2]
+            self._event(event)
+
+    def answer(self) -> Answer | None:
+        """The whole answer, or None (cut, abandoned, several choices, not parsable)."""
+        if not self._stream and not self._spoiled and not self._finished:
+            self._parse_json(bytes(self._buffer))
+            self._buffer = bytearray()
+        if self._spoiled or not self._finished:
+            return None
+        calls = [self._tool_calls[i] for i in sorted(self._tool_calls)]
+        content = "".join(self._content) if self._content or not calls else None
+        return Answer(content, tuple(calls), self.completion_tokens, self._reasoning)
+
+    def _spoil(self) -> None:
+        self._spoiled = True
+        self._buffer = bytearray()
+        self._content = []
+
+    def _event(self, event: bytes) -> None:
+        for line in event.split(b"\n"):
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                continue
+            try:
+                chunk = orjson.loads(payload)
+            except orjson.JSONDecodeError:
+                self._spoil()
+                return
+            if not isinstance(chunk, dict):
+                self._spoil()
+                return
+            self._usage(chunk.get("usage"))
+            for choice in chunk.get("choices") or ():
+                if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                    self._spoil()  # n > 1: which one goes on is the caller's choice
+                    return
+                self._delta(choice.get("delta"))
+                if choice.get("finish_reason") is not None:
+                    self._finished = True
+
+    def _delta(self, delta: object) -> None:
+        if not isinstance(delta, dict):
+            return
+        content = delta.get("content")
+        if isinstance(content, str):
+            self._content.append(content)
+        if delta.get("reasoning_content") or delta.get("reasoning"):
+            self._reasoning = True
+        for part in delta.get("tool_calls") or ():
+            if not isinstance(part, dict):
+                continue
+            index = part.get("index", 0)
+            call = self._tool_calls.setdefault(
+                index if isinstance(index, int) else 0, {"id": None, "type": "function", "function": {}}
+            )
+            for name in ("id", "type"):
+                if part.get(name) is not None:
+                    call[name] = part[name]
+            function = part.get("function")
+            if isinstance(function, dict):
+                for name in ("name", "arguments"):
+                    piece = function.get(name)
+                    if isinstance(piece, str):
+                        call["function"][name] = call["function"].get(name, "") + piece
+
+    def _usage(self, usage: object) -> None:
+        if not isinstance(usage, dict):
+            return
+        for name in ("completion_tokens", "prompt_tokens"):
+            value = usage.get(name)
+            if type(value) is int and value >= 0:
+                setattr(self, name, value)
+
+    def _parse_json(self, body: bytes) -> None:
+        try:
+            payload = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            self._spoil()
+            return
+        choices = payload.get("choices") if isinstance(payload, dict) else None
+        if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+            self._spoil()
+            return
+        assert isinstance(payload, dict)
+        self._usage(payload.get("usage"))
+        message = choices[0].get("message")
+        if not isinstance(message, dict):
+            self._spoil()
+            return
+        content = message.get("content")
+        if isinstance(content, str):
+            self._content.append(content)
+        if message.get("reasoning_content") or message.get("reasoning"):
+            self._reasoning = True
+        calls = message.get("tool_calls") or []
+        if isinstance(calls, list):
+            self._tool_calls = {i: c for i, c in enumerate(calls) if isinstance(c, dict)}
+        self._finished = choices[0].get("finish_reason") is not None

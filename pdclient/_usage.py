@@ -1,0 +1,157 @@
+"""The caller's ``usage`` for a P/D call, from the two legs' usage: pure functions on bytes.
+
+What vLLM 0.32 reports (measured on the local NIXL pair, ``--enable-prompt-tokens-details``):
+
+- prefill leg (non-streamed, ``max_tokens: 1``): ``prompt_tokens`` = the prompt's ids,
+  ``completion_tokens: 1`` (the forced token, never the caller's), ``prompt_tokens_details``
+  = ``{cached_tokens: its prefix-cache hits, created_cache_tokens: the whole blocks it
+  newly cached, multimodal_tokens: null}``; its ``kv_transfer_params`` carry
+  ``remote_prefill_cached_tokens`` (the same hits) and ``remote_num_tokens``;
+- decode leg (streamed, ``stream_options.include_usage``; the usage arrives in a last chunk
+  whose ``choices`` is empty): ``prompt_tokens`` = the prompt's ids (the same count),
+  ``completion_tokens`` = the answer's. Its ``cached_tokens`` is the prefill's hits: vLLM
+  0.32 reports the ``remote_prefill_cached_tokens`` it received instead of its own ~100 %
+  (the pulled KV counts as a hit there); older servers report their own. Its
+  ``created_cache_tokens`` is 0 on the P/D path, whatever the prefill cached;
+- a decode-only call (streamed or not) reports the decode server's own figures, which are
+  the end-to-end ones: nothing to merge;
+- ``prompt_tokens_details`` is absent unless the server runs with
+  ``--enable-prompt-tokens-details``.
+
+The merge, as vllm-router does it (``src/routers/http/usage_merge.rs``): the input side
+(``prompt_tokens`` and ``prompt_tokens_details``) from the prefill, the output side from
+the decode, ``total_tokens`` recomputed; a decode ``cached_tokens`` is dropped when the
+prefill reported no details. llm-d's sidecar passes the decode's usage through unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+_USAGE_KEY = b'"usage"'
+
+
+def prefill_usage(payload: object) -> dict[str, Any] | None:
+    """The input side of a prefill response's usage, small enough to keep for a whole stream."""
+    usage = payload.get("usage") if isinstance(payload, dict) else None
+    if not isinstance(usage, dict) or not _is_count(usage.get("prompt_tokens")):
+        return None
+    kept: dict[str, Any] = {"prompt_tokens": usage["prompt_tokens"]}
+    if isinstance(usage.get("prompt_tokens_details"), dict):
+        kept["prompt_tokens_details"] = usage["prompt_tokens_details"]
+    return kept
+
+
+def _is_count(value: object) -> bool:
+    return type(value) is int and value >= 0
+
+
+def merge_usage(prefill: Mapping[str, Any] | None, decode: Mapping[str, Any]) -> dict[str, Any]:
+    """The caller's usage: prompt side from the prefill, completion side from the decode.
+
+    Without a prefill usage (a decode-only call, or the prefill failed) the decode's usage
+    is the end-to-end one and comes back unchanged.
+    """
+    merged = dict(decode)
+    if prefill is None or not _is_count(prefill.get("prompt_tokens")):
+        return merged
+    merged["prompt_tokens"] = prefill["prompt_tokens"]
+    details = prefill.get("prompt_tokens_details")
+    if isinstance(details, Mapping):
+        merged["prompt_tokens_details"] = dict(details)
+    elif isinstance(merged.get("prompt_tokens_details"), Mapping):
+        # The decode's figure would count the pulled KV as a cache hit.
+        rest = {k: v for k, v in merged["prompt_tokens_details"].items() if k != "cached_tokens"}
+        if rest:
+            merged["prompt_tokens_details"] = rest
+        else:
+            merged.pop("prompt_tokens_details")
+    completion = merged.get("completion_tokens")
+    if _is_count(completion):
+        merged["total_tokens"] = prefill["prompt_tokens"] + completion
+    return merged
+
+
+def merge_usage_json(body: bytes, prefill: Mapping[str, Any] | None) -> bytes:
+    """A non-streamed response body with its usage merged; the same bytes when there is nothing to do."""
+    if prefill is None or _USAGE_KEY not in body:
+        return body
+    try:
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return body
+    if not isinstance(payload, dict) or not isinstance(payload.get("usage"), dict):
+        return body
+    merged = merge_usage(prefill, payload["usage"])
+    if merged == payload["usage"]:
+        return body
+    payload["usage"] = merged
+    return orjson.dumps(payload)
+
+
+def merge_usage_sse(data: bytes, prefill: Mapping[str, Any] | None) -> bytes:
+    """SSE bytes with the final usage event rewritten; everything else byte for byte.
+
+    Only whole events (ended by a blank line) are looked at, and only the final usage
+    event (``"choices": []`` and a ``usage`` object; per-chunk usage of
+    ``continuous_usage_stats`` keeps the prompt count, which is the same on both legs).
+    A caller handing over the stream's last chunk (the one with ``data: [DONE]``, which
+    vLLM sends right after the usage event) gets the event when it is whole in it.
+    """
+    if prefill is None or _USAGE_KEY not in data:
+        return data
+    out: list[bytes] = []
+    start = 0
+    changed = False
+    while True:
+        end, separator = _event_end(data, start)
+        if end < 0:
+            out.append(data[start:])
+            break
+        event = data[start:end]
+        rewritten = _rewrite_event(event, prefill) if _USAGE_KEY in event else None
+        if rewritten is not None:
+            changed = True
+            out.append(rewritten)
+        else:
+            out.append(event)
+        out.append(separator)
+        start = end + len(separator)
+    return b"".join(out) if changed else data
+
+
+def _event_end(data: bytes, start: int) -> tuple[int, bytes]:
+    """Where the event starting at ``start`` ends, and its blank-line separator; -1 if not whole."""
+    best = -1
+    separator = b""
+    for candidate in (b"\n\n", b"\r\n\r\n", b"\r\r"):
+        at = data.find(candidate, start)
+        if at >= 0 and (best < 0 or at < best):
+            best, separator = at, candidate
+    return best, separator
+
+
+def _rewrite_event(event: bytes, prefill: Mapping[str, Any]) -> bytes | None:
+    lines = event.splitlines(keepends=True)
+    data_lines = [i for i, line in enumerate(lines) if line.startswith(b"data:")]
+    if len(data_lines) != 1:
+        return None  # multi-line data never comes from vLLM: leave it alone
+    index = data_lines[0]
+    line = lines[index]
+    body = line[5:].rstrip(b"\r\n")
+    ending = line[5 + len(body) :]
+    try:
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(payload, dict) or payload.get("choices") != [] or not isinstance(payload.get("usage"), dict):
+        return None
+    merged = merge_usage(prefill, payload["usage"])
+    if merged == payload["usage"]:
+        return None
+    payload["usage"] = merged
+    lines[index] = b"data: " + orjson.dumps(payload) + ending
+    return b"".join(lines)

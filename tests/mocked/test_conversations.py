@@ -1,0 +1,329 @@
+"""``remote_prefill`` (issue 11) on the mocked pair: which calls skip the prefill, where they go, what is sent.
+
+The fake prefill answers one id per character of the request's messages as JSON
+(``ids_of_conversation``), so the client learns a chars-per-token ratio near 1 and a
+2,000-character first turn is a ~2,000-token prompt: a short follow-up is mostly cached
+on the decode endpoint that answered it (block size 128), and goes there decode-only.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from pdclient import ConversationSettings, Outcome, PDConfigError, PDObserver, PDOptions, PDTrace
+from pdclient._observe import CallView
+from tests.fake_vllm import DECODE, DECODE2, PREFILL, FakeVLLM, VLLMAnswers, echo, ids_of_conversation
+from tests.twins import Twin
+
+SYSTEM = {"role": "system", "content": "You are a storyteller. " + "Once upon a time there was a tale. " * 60}
+USER = {"role": "user", "content": "Tell me a story."}
+FOLLOW_UP = {"role": "user", "content": "And then?"}
+TURN1: list[dict[str, Any]] = [SYSTEM, USER]
+ANSWER1 = echo({"messages": TURN1})
+TURN2 = [*TURN1, {"role": "assistant", "content": ANSWER1}, FOLLOW_UP]
+
+
+@pytest.fixture
+def pair() -> Iterator[FakeVLLM]:
+    """A prefill and two decode endpoints; ids one per character of the messages as JSON."""
+    vllm = FakeVLLM(VLLMAnswers(ids=ids_of_conversation))
+    with vllm.routes(PREFILL, DECODE, DECODE2):
+        yield vllm
+
+
+class Traces(PDObserver):
+    def __init__(self) -> None:
+        self.traces: list[PDTrace] = []
+
+    def on_call_end(self, call: CallView, trace: PDTrace) -> None:
+        self.traces.append(trace)
+
+
+def twin(mode: str, **kwargs: Any) -> tuple[Twin, Traces]:
+    traces = Traces()
+    kwargs.setdefault("decode_base_url", [DECODE, DECODE2])
+    kwargs.setdefault("routing", "round_robin")  # the second turn would go to DECODE2 if routed
+    kwargs.setdefault("max_decode_migrations", 0)  # else the decode body asks for ids (return_token_ids)
+    return Twin(mode, observers=[traces], **kwargs), traces
+
+
+async def turn(t: Twin, messages: list[dict[str, Any]], stream: bool, **kwargs: Any) -> str:
+    if stream:
+        return "".join(await t.stream_text(messages=messages, **kwargs))
+    completion = await t.chat(messages=messages, **kwargs)
+    return str(completion.choices[0].message.content)
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "json"])
+async def test_auto_sends_a_follow_up_decode_only_to_the_decode_endpoint_of_the_previous_turn(
+    mode: str, pair: FakeVLLM, stream: bool
+) -> None:
+    t, traces = twin(mode, remote_prefill="auto")
+    assert await turn(t, TURN1, stream) == ANSWER1
+    assert await turn(t, TURN2, stream) == echo({"messages": TURN2})
+    # One prefill (the first turn's); the follow-up's decode went to the same endpoint.
+    assert len(pair.prefill_bodies) == 1
+    assert pair.decode_urls == [DECODE, DECODE]
+    # The caller's body as the SDK sent it: no kv_transfer_params, nothing added.
+    sent = {"messages": TURN2, "model": "m", **({"stream": True} if stream else {})}
+    assert pair.decode_bodies[1] == sent
+    first, second = traces.traces
+    assert (first.outcome, first.remote_prefill, first.remote_prefill_reason, first.conversation) == (
+        Outcome.DISAGGREGATED,
+        True,
+        "uncached_at_or_above_threshold",
+        "unknown",
+    )
+    assert (second.outcome, second.remote_prefill, second.remote_prefill_reason, second.conversation) == (
+        Outcome.DECODE_ONLY,
+        False,
+        "mostly_cached",
+        "extends_answer",
+    )
+    assert second.fallback is None and second.error is None and second.prefill_url is None
+    assert second.decode_url == DECODE and second.decode_route == "conversation/held"
+    assert second.estimated_uncached_tokens is not None and second.estimated_prompt_tokens is not None
+    assert 0 < second.estimated_uncached_tokens < 256 < second.estimated_prompt_tokens
+    await t.close()
+
+
+async def test_the_decision_travels_in_the_response_headers(pair: FakeVLLM) -> None:
+    t, _ = twin("sync", remote_prefill="auto")
+    await turn(t, TURN1, True)
+    raw = t.client.chat.completions.with_raw_response.create(model="m", messages=TURN2)  # type: ignore[call-overload]
+    trace = PDTrace.from_headers(raw.headers)
+    assert raw.headers["x-pd-outcome"] == "decode_only"
+    assert raw.headers["x-pd-remote-prefill"] == "false"
+    assert (trace.remote_prefill, trace.remote_prefill_reason, trace.conversation) == (
+        False,
+        "mostly_cached",
+        "extends_answer",
+    )
+    assert trace.estimated_uncached_tokens is not None
+
+
+@pytest.mark.parametrize(
+    "second",
+    [
+        [{**SYSTEM, "content": "You are terse."}, USER, {"role": "assistant", "content": ANSWER1}, FOLLOW_UP],
+        [*TURN1, {"role": "assistant", "content": "an edited answer"}, {"role": "user", "content": "x" * 2000}],
+        [{"role": "user", "content": "Something else entirely."}],
+    ],
+    ids=["edited-system-prompt", "long-new-message", "other-conversation"],
+)
+async def test_auto_hands_off_a_call_that_does_not_extend_the_conversation_cheaply(
+    mode: str, pair: FakeVLLM, second: list[dict[str, Any]]
+) -> None:
+    t, traces = twin(mode, remote_prefill="auto")
+    await turn(t, TURN1, True)
+    await turn(t, second, True)
+    assert len(pair.prefill_bodies) == 2
+    assert all("kv_transfer_params" in body for body in pair.decode_bodies)
+    assert traces.traces[1].outcome is Outcome.DISAGGREGATED
+    assert traces.traces[1].remote_prefill is True
+    await t.close()
+
+
+async def test_a_tool_loop_goes_decode_only_after_its_first_turn(mode: str, pair: FakeVLLM) -> None:
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    t, traces = twin(mode, remote_prefill="auto")
+    first = await t.chat(messages=TURN1, tools=tools)
+    call = first.choices[0].message.tool_calls[0]
+    result = {"role": "tool", "tool_call_id": call.id, "content": "sunny"}
+    assistant = {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]}
+    await t.chat(messages=[*TURN1, assistant, result], tools=tools)
+    assert len(pair.prefill_bodies) == 1
+    assert traces.traces[1].outcome is Outcome.DECODE_ONLY
+    assert traces.traces[1].conversation == "extends_answer"
+    await t.close()
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "json"])
+async def test_never_sends_every_call_decode_only_to_the_routed_endpoint(
+    mode: str, pair: FakeVLLM, stream: bool
+) -> None:
+    t, traces = twin(mode, remote_prefill="never")
+    assert await turn(t, TURN1, stream) == ANSWER1
+    completion = await t.call(t.client.completions.create, model="m", prompt="Once")
+    assert completion.choices[0].text == "echo:Once"
+    assert pair.prefill_bodies == []
+    assert pair.decode_urls == [DECODE, DECODE2]  # routed as usual (round robin)
+    assert all("kv_transfer_params" not in body for body in pair.decode_bodies)
+    assert [(tr.outcome, tr.remote_prefill_reason, tr.fallback) for tr in traces.traces] == [
+        (Outcome.DECODE_ONLY, "mode_never", None),
+        (Outcome.DECODE_ONLY, "mode_never", None),
+    ]
+    await t.close()
+
+
+async def test_auto_hands_off_completions_calls(mode: str, pair: FakeVLLM) -> None:
+    t, traces = twin(mode, remote_prefill="auto")
+    await t.call(t.client.completions.create, model="m", prompt="Once")
+    await t.call(t.client.completions.create, model="m", prompt="Once upon")
+    assert len(pair.prefill_bodies) == 2
+    assert [tr.remote_prefill_reason for tr in traces.traces] == ["no_estimate", "no_estimate"]
+    await t.close()
+
+
+async def test_always_is_the_default_and_remembers_nothing(mode: str, pair: FakeVLLM) -> None:
+    t, traces = twin(mode)
+    assert t.client.pd_options.remote_prefill == "always"
+    await turn(t, TURN1, True)
+    await turn(t, TURN2, True)
+    assert len(pair.prefill_bodies) == 2
+    assert [tr.remote_prefill_reason for tr in traces.traces] == ["mode_always", "mode_always"]
+    assert len(t.client.pd_fleet.memory) == 0
+    await t.close()
+
+
+async def test_a_call_overrides_the_clients_mode(mode: str, pair: FakeVLLM) -> None:
+    t, traces = twin(mode, remote_prefill="auto")
+    await turn(t, TURN1, True)
+    await turn(t, TURN2, True, extra_body={"pdclient": {"remote_prefill": "always"}})
+    await turn(t, TURN1, True, extra_body={"pdclient": {"remote_prefill": "never"}})
+    assert len(pair.prefill_bodies) == 2
+    assert [tr.outcome for tr in traces.traces] == [Outcome.DISAGGREGATED, Outcome.DISAGGREGATED, Outcome.DECODE_ONLY]
+    assert all("pdclient" not in body for body in pair.decode_bodies)
+    await t.close()
+
+
+async def test_a_misspelt_mode_is_a_400_naming_it(mode: str, pair: FakeVLLM) -> None:
+    t, _ = twin(mode)
+    with pytest.raises(openai.BadRequestError, match=r"pdclient\.remote_prefill must be one of"):
+        await turn(t, TURN1, True, extra_body={"pdclient": {"remote_prefill": "sometimes"}})
+    assert pair.prefill_bodies == [] and pair.decode_bodies == []
+    await t.close()
+
+
+def test_options_are_checked() -> None:
+    with pytest.raises(PDConfigError, match="remote_prefill must be one of always, never, auto"):
+        PDOptions(prefill_base_url=PREFILL, decode_base_url=DECODE, remote_prefill="sometimes")
+    with pytest.raises(PDConfigError, match="conversations must be a ConversationSettings"):
+        PDOptions(prefill_base_url=PREFILL, decode_base_url=DECODE, conversations={"threshold_tokens": 1})  # type: ignore[arg-type]
+    with pytest.raises(PDConfigError, match=r"conversations\.max_uncached_ratio"):
+        ConversationSettings(max_uncached_ratio=2.0)
+
+
+async def test_a_conversation_whose_decode_endpoint_is_not_admitted_is_handed_off(mode: str, pair: FakeVLLM) -> None:
+    t, traces = twin(mode, remote_prefill="auto")
+    await turn(t, TURN1, True)
+    holder = next(e for e in t.client.pd_fleet.decode.endpoints if e.url == DECODE)
+    holder.trip()  # its breaker opens: the conversation counts as uncached
+    await turn(t, TURN2, True)
+    assert len(pair.prefill_bodies) == 2
+    assert pair.decode_urls == [DECODE, DECODE2]
+    assert (traces.traces[1].outcome, traces.traces[1].conversation) == (
+        Outcome.DISAGGREGATED,
+        "endpoint_unavailable",
+    )
+    await t.close()
+
+
+async def test_copies_share_the_memory(mode: str, pair: FakeVLLM) -> None:
+    t, traces = twin(mode, remote_prefill="auto")
+    await turn(t, TURN1, True)
+    copy = t.client.with_options(timeout=30)
+    await t.chat(copy, messages=TURN2)
+    assert len(pair.prefill_bodies) == 1
+    assert traces.traces[1].outcome is Outcome.DECODE_ONLY
+    await t.close()
+
+
+async def test_a_broken_answer_is_not_remembered(mode: str, pair: FakeVLLM) -> None:
+    t, traces = twin(mode, remote_prefill="auto")
+    pair.cuts.append(2)  # the first turn's stream breaks after its role chunk
+    with pytest.raises(openai.APIConnectionError):
+        await turn(t, TURN1, True)
+    await turn(t, TURN2, True)
+    assert len(pair.prefill_bodies) == 2
+    assert (traces.traces[1].outcome, traces.traces[1].conversation) == (Outcome.DISAGGREGATED, "unknown")
+    await t.close()
+
+
+class Frames(httpx.SyncByteStream, httpx.AsyncByteStream):
+    """A body sent one SSE event at a time, as a server streams it."""
+
+    def __init__(self, frames: list[bytes]) -> None:
+        self.frames = frames
+
+    def __iter__(self) -> Iterator[bytes]:
+        yield from self.frames
+
+    async def __aiter__(self) -> Any:
+        for frame in self.frames:
+            yield frame
+
+
+async def test_an_abandoned_answer_is_not_remembered(mode: str, pair: FakeVLLM) -> None:
+    t, traces = twin(mode, remote_prefill="auto")
+
+    def framed(request: httpx.Request) -> httpx.Response:
+        whole = pair.respond(request)
+        frames = [event + b"\n\n" for event in whole.content.split(b"\n\n") if event]
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=Frames(frames))
+
+    pair.router.routes["decode"].side_effect = framed
+    stream = await t.chat(messages=TURN1, stream=True)
+    if mode == "sync":
+        next(iter(stream))
+        stream.close()
+    else:
+        await stream.__anext__()
+        await stream.close()
+    await turn(t, TURN2, True)
+    assert len(pair.prefill_bodies) == 2
+    assert traces.traces[1].conversation == "unknown"
+    await t.close()
+
+
+async def test_a_decode_only_call_whose_endpoint_fails_to_connect_goes_to_another(mode: str, pair: FakeVLLM) -> None:
+    t, traces = twin(mode, remote_prefill="auto")
+    await turn(t, TURN1, True)
+    pair.router.routes["decode"].side_effect = [httpx.ConnectError("refused")]
+    await turn(t, TURN2, True)
+    assert pair.decode_urls == [DECODE, DECODE2]
+    assert traces.traces[1].outcome is Outcome.DECODE_ONLY
+    assert "kv_transfer_params" not in pair.decode_bodies[1]
+    await t.close()
+
+
+def test_metrics_count_decode_only_calls_apart_from_prefill_failures(pair: FakeVLLM) -> None:
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from pdclient.metrics import PrometheusObserver
+
+    registry = prometheus_client.CollectorRegistry()
+    t = Twin(
+        "sync",
+        decode_base_url=[DECODE, DECODE2],
+        remote_prefill="auto",
+        max_decode_migrations=0,
+        observers=[PrometheusObserver(registry)],
+    )
+    client: Any = t.client
+    for messages in (TURN1, TURN2):
+        "".join(
+            c.choices[0].delta.content or ""
+            for c in client.chat.completions.create(model="m", messages=messages, stream=True)
+        )
+    pair.router.routes["prefill"].side_effect = [httpx.Response(500)] * 3
+    client.chat.completions.create(model="m", messages=[{"role": "user", "content": "new"}])
+
+    def calls(outcome: str) -> float | None:
+        return registry.get_sample_value("pdclient_calls_total", {"route": "chat", "outcome": outcome})
+
+    assert (calls("disaggregated"), calls("decode_only"), calls("prefill_failed")) == (1.0, 1.0, 1.0)
+    decisions = {"route": "chat", "remote_prefill": "false", "reason": "mostly_cached"}
+    assert registry.get_sample_value("pdclient_remote_prefill_decisions_total", decisions) == 1.0
+
+
+def test_the_prefill_body_is_unchanged_by_auto(pair: FakeVLLM) -> None:
+    t, _ = twin("sync", remote_prefill="auto")
+    t.client.chat.completions.create(model="m", messages=TURN1)  # type: ignore[call-overload]
+    assert json.loads(json.dumps(pair.prefill_bodies[0]))["messages"] == TURN1
+    assert pair.decode_bodies[0]["kv_transfer_params"]["prompt_token_ids"] == ids_of_conversation({"messages": TURN1})

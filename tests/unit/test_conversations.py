@@ -1,0 +1,534 @@
+"""The conversation memory, its estimates and the remote-prefill decision: no HTTP at all."""
+
+from __future__ import annotations
+
+import gc
+import math
+import threading
+import tracemalloc
+from typing import Any
+
+import pytest
+
+from pdclient._conversations import (
+    Answer,
+    AnswerCollector,
+    ConversationMemory,
+    ConversationSettings,
+    Decision,
+    Estimate,
+    Match,
+    Reason,
+    decide,
+    rendered_chars,
+)
+from pdclient._wire import Kind, affinity_key
+
+D1 = "http://decode-1:8200/v1"
+D2 = "http://decode-2:8200/v1"
+ADMITTED = frozenset({D1, D2})
+SYSTEM = {"role": "system", "content": "You are terse. " * 50}
+USER = {"role": "user", "content": "Tell me a story."}
+STORY = "Once upon a time there was a robot who wanted to paint."
+FOLLOW_UP = {"role": "user", "content": "Give it a title."}
+WEATHER_CALL = {
+    "id": "chatcmpl-tool-1",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'},
+}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
+def body(*messages: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": list(messages), **extra}
+
+
+def key_of(request: dict[str, Any], session: str | None = None) -> str:
+    return affinity_key(Kind.CHAT, request["messages"], None, session)
+
+
+def memory(**settings: Any) -> ConversationMemory:
+    return ConversationMemory(ConversationSettings(**settings))
+
+
+def new_tokens(mem: ConversationMemory, *messages: dict[str, Any], ratio: float | None = None) -> int:
+    """What the memory estimates for new messages, the generation prompt included."""
+    return mem.tokens_for(rendered_chars(list(messages)), len(messages) + 1, ratio)
+
+
+def own(request: dict[str, Any], prompt_tokens: int) -> float:
+    """A conversation's own chars per token, from its last prompt."""
+    return rendered_chars(request["messages"], request.get("tools")) / prompt_tokens
+
+
+OWN = own(body(SYSTEM, USER), 1328)
+
+
+def first_turn(mem: ConversationMemory, *, prompt_tokens: int = 1328, answer_tokens: int = 150) -> dict[str, Any]:
+    turn1 = body(SYSTEM, USER)
+    mem.remember(key_of(turn1), turn1, Answer(STORY, completion_tokens=answer_tokens), D1, prompt_tokens=prompt_tokens)
+    return turn1
+
+
+# -- extensions -----------------------------------------------------------------------
+
+
+def test_an_extension_is_uncached_only_in_its_new_messages_and_the_partial_block() -> None:
+    # The figures measured on the real pair: a 1328-id prompt, a 150-id answer, block 128:
+    # the decode server's prefix cache answered 1408 of the next prompt's ids.
+    mem = memory()
+    first_turn(mem)
+    turn2 = body(SYSTEM, USER, {"role": "assistant", "content": STORY}, FOLLOW_UP)
+    estimate = mem.estimate(key_of(turn2), turn2, ADMITTED)
+    assert estimate.match is Match.EXTENDS_ANSWER
+    assert estimate.endpoint == D1
+    assert estimate.cached_tokens == 1408  # floor((1328 + 150 - 1) / 128) * 128
+    assert estimate.total_tokens == 1328 + 150 + new_tokens(mem, FOLLOW_UP, ratio=OWN)
+    assert estimate.uncached_tokens == estimate.total_tokens - 1408
+
+
+def test_the_answer_may_come_back_as_the_sdk_dumps_it() -> None:
+    mem = memory()
+    first_turn(mem)
+    dumped = {"role": "assistant", "content": STORY, "refusal": None, "tool_calls": None, "audio": None}
+    parts = {"role": "assistant", "content": [{"type": "text", "text": STORY}]}
+    for answer in (dumped, parts):
+        turn2 = body(SYSTEM, USER, answer, FOLLOW_UP)
+        assert mem.estimate(key_of(turn2), turn2, ADMITTED).match is Match.EXTENDS_ANSWER
+
+
+def test_an_edited_answer_keeps_only_the_previous_prompt_cached() -> None:
+    mem = memory()
+    first_turn(mem)
+    for answer in (
+        {"role": "assistant", "content": STORY + " The end."},
+        {"role": "assistant", "content": STORY, "name": "bot"},  # the template may render the name
+    ):
+        turn2 = body(SYSTEM, USER, answer, FOLLOW_UP)
+        estimate = mem.estimate(key_of(turn2), turn2, ADMITTED)
+        assert estimate.match is Match.EXTENDS_PROMPT
+        assert estimate.cached_tokens == 1280  # the previous prompt's 10 whole blocks
+        assert estimate.total_tokens == 1328 + new_tokens(mem, answer, FOLLOW_UP, ratio=OWN)
+
+
+def test_an_answer_of_unknown_length_is_not_counted_as_cached() -> None:
+    mem = memory()
+    first_turn(mem)
+    turn1 = body(SYSTEM, USER)
+    mem.remember(key_of(turn1), turn1, Answer(STORY), D1, prompt_tokens=1328)  # no usage chunk seen
+    turn2 = body(SYSTEM, USER, {"role": "assistant", "content": STORY}, FOLLOW_UP)
+    estimate = mem.estimate(key_of(turn2), turn2, ADMITTED)
+    assert estimate.match is Match.EXTENDS_ANSWER
+    assert estimate.cached_tokens == 1280
+    assert estimate.total_tokens == 1328 + mem.tokens_for(len(STORY), 1, OWN) + new_tokens(mem, FOLLOW_UP, ratio=OWN)
+
+
+def test_a_repeated_call_recomputes_its_last_token() -> None:
+    mem = memory(block_size=16)
+    turn1 = first_turn(mem, prompt_tokens=64)
+    estimate = mem.estimate(key_of(turn1), turn1, ADMITTED)
+    assert estimate.match is Match.EXTENDS_PROMPT
+    # The prompt is 64 ids, 4 whole blocks, but vLLM computes the last id itself: 3 blocks.
+    assert estimate.cached_tokens == 48
+
+
+def test_a_conversation_grows_turn_by_turn() -> None:
+    mem = memory(block_size=16)
+    turn1 = first_turn(mem, prompt_tokens=100, answer_tokens=20)
+    messages = [*turn1["messages"], {"role": "assistant", "content": STORY}, FOLLOW_UP]
+    turn2 = body(*messages)
+    assert mem.estimate(key_of(turn2), turn2, ADMITTED).cached_tokens == 112  # floor(119 / 16) * 16
+    mem.remember(key_of(turn2), turn2, Answer("A robot's canvas.", completion_tokens=6), D2, prompt_tokens=127)
+    turn3 = body(*messages, {"role": "assistant", "content": "A robot's canvas."}, {"role": "user", "content": "Why?"})
+    estimate = mem.estimate(key_of(turn3), turn3, ADMITTED)
+    assert (estimate.match, estimate.endpoint, estimate.cached_tokens) == (Match.EXTENDS_ANSWER, D2, 128)
+
+
+# -- tool calls and tool results ------------------------------------------------------
+
+
+def test_tool_calls_and_their_results_extend_the_conversation() -> None:
+    mem = memory()
+    turn1 = body(SYSTEM, {"role": "user", "content": "Weather in Paris?"}, tools=TOOLS)
+    mem.remember(key_of(turn1), turn1, Answer(None, [WEATHER_CALL], completion_tokens=30), D1, prompt_tokens=700)
+    # The caller sends the call back with its arguments serialised its own way, then the result.
+    sent_back = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {**WEATHER_CALL, "function": {"name": "get_weather", "arguments": '{"unit":"C","city":"Paris"}'}}
+        ],
+    }
+    result = {"role": "tool", "tool_call_id": "chatcmpl-tool-1", "content": '{"temp": 21}'}
+    turn2 = body(*turn1["messages"], sent_back, result, tools=TOOLS)
+    estimate = mem.estimate(key_of(turn2), turn2, ADMITTED)
+    assert estimate.match is Match.EXTENDS_ANSWER
+    # The template renders tool calls its own way: only the prompt's blocks are counted.
+    assert estimate.cached_tokens == 640
+    answer_chars = rendered_chars([{"tool_calls": [WEATHER_CALL]}])
+    ratio = own(turn1, 700)
+    assert estimate.total_tokens == 700 + mem.tokens_for(answer_chars, 1, ratio) + new_tokens(mem, result, ratio=ratio)
+
+
+def test_a_different_tool_call_id_is_not_the_answer() -> None:
+    mem = memory()
+    turn1 = body(SYSTEM, {"role": "user", "content": "Weather in Paris?"}, tools=TOOLS)
+    mem.remember(key_of(turn1), turn1, Answer(None, [WEATHER_CALL], completion_tokens=30), D1, prompt_tokens=700)
+    other = {"role": "assistant", "tool_calls": [{**WEATHER_CALL, "id": "call-2"}]}
+    turn2 = body(*turn1["messages"], other, {"role": "tool", "tool_call_id": "call-2", "content": "21"}, tools=TOOLS)
+    assert mem.estimate(key_of(turn2), turn2, ADMITTED).match is Match.EXTENDS_PROMPT
+
+
+def test_a_different_tool_list_starts_afresh() -> None:
+    mem = memory()
+    turn1 = body(SYSTEM, USER, tools=TOOLS)
+    mem.remember(key_of(turn1), turn1, Answer(STORY, completion_tokens=10), D1, prompt_tokens=900)
+    for changed in ({"tools": [*TOOLS, {"type": "function", "function": {"name": "other"}}]}, {"tools": None}, {}):
+        turn2 = {**body(SYSTEM, USER, {"role": "assistant", "content": STORY}, FOLLOW_UP), **changed}
+        estimate = mem.estimate(key_of(turn2), turn2, ADMITTED)
+        assert (estimate.match, estimate.cached_tokens, estimate.endpoint) == (Match.RESHAPED, 0, None)
+    turn2 = body(SYSTEM, USER, {"role": "assistant", "content": STORY}, FOLLOW_UP, tools=TOOLS, tool_choice="none")
+    assert mem.estimate(key_of(turn2), turn2, ADMITTED).match is Match.RESHAPED
+
+
+# -- everything else is wholly uncached -----------------------------------------------
+
+
+def test_an_edit_of_an_earlier_message_is_wholly_uncached() -> None:
+    mem = memory()
+    first_turn(mem)
+    edited = body(SYSTEM, {"role": "user", "content": "Tell me a long story."})
+    session = "user-42"  # an explicit session key: the edit does not change the key
+    mem.remember(key_of(edited, session), body(SYSTEM, USER), Answer(STORY, completion_tokens=9), D1, prompt_tokens=9)
+    estimate = mem.estimate(key_of(edited, session), edited, ADMITTED)
+    assert (estimate.match, estimate.uncached_tokens, estimate.endpoint) == (Match.EDITED, estimate.total_tokens, None)
+
+
+def test_a_changed_system_prompt_is_wholly_uncached() -> None:
+    mem = memory()
+    first_turn(mem)
+    changed = body(
+        {"role": "system", "content": "Be verbose."}, USER, {"role": "assistant", "content": STORY}, FOLLOW_UP
+    )
+    # Without a session the key is the conversation's opening: a new conversation.
+    assert mem.estimate(key_of(changed), changed, ADMITTED).match is Match.UNKNOWN
+    session_turn = body(SYSTEM, USER)
+    mem.remember(key_of(session_turn, "s"), session_turn, Answer(STORY), D1, prompt_tokens=1328)
+    estimate = mem.estimate(key_of(changed, "s"), changed, ADMITTED)
+    assert (estimate.match, estimate.cached_tokens) == (Match.EDITED, 0)
+
+
+def test_a_shortened_conversation_is_wholly_uncached() -> None:
+    mem = memory()
+    turn1 = body(SYSTEM, USER, {"role": "assistant", "content": STORY}, FOLLOW_UP)
+    mem.remember(key_of(turn1, "s"), turn1, Answer("Title"), D1, prompt_tokens=1500)
+    shorter = body(SYSTEM, USER)
+    assert mem.estimate(key_of(shorter, "s"), shorter, ADMITTED).match is Match.EDITED
+
+
+def test_an_unknown_conversation_is_wholly_uncached() -> None:
+    mem = memory()
+    request = body(SYSTEM, USER)
+    estimate = mem.estimate(key_of(request), request, ADMITTED)
+    assert estimate == Estimate(new_tokens(mem, SYSTEM, USER), new_tokens(mem, SYSTEM, USER), None, Match.UNKNOWN)
+
+
+def test_a_conversation_whose_decode_endpoint_is_not_admitted_is_wholly_uncached() -> None:
+    mem = memory()
+    first_turn(mem)
+    turn2 = body(SYSTEM, USER, {"role": "assistant", "content": STORY}, FOLLOW_UP)
+    for admitted in (frozenset({D2}), frozenset()):
+        estimate = mem.estimate(key_of(turn2), turn2, admitted)
+        assert (estimate.match, estimate.cached_tokens, estimate.endpoint) == (Match.ENDPOINT_UNAVAILABLE, 0, None)
+
+
+def test_an_unknown_prompt_length_counts_only_what_was_known_cached() -> None:
+    mem = memory()
+    turn1 = body(SYSTEM, USER)
+    mem.remember(key_of(turn1), turn1, Answer(STORY), D1, prompt_tokens=None, cached_floor=1300)
+    turn2 = body(SYSTEM, USER, {"role": "assistant", "content": STORY}, FOLLOW_UP)
+    estimate = mem.estimate(key_of(turn2), turn2, ADMITTED)
+    assert (estimate.match, estimate.cached_tokens) == (Match.EXTENDS_ANSWER, 1280)
+    assert estimate.total_tokens == max(new_tokens(mem, *turn2["messages"]), 1281)  # no ratio of its own
+
+
+def test_estimates_never_count_more_cached_than_the_prompt_minus_one() -> None:
+    mem = memory(block_size=1)
+    turn1 = first_turn(mem, prompt_tokens=10, answer_tokens=5)
+    turn2 = body(*turn1["messages"], {"role": "assistant", "content": STORY})
+    estimate = mem.estimate(key_of(turn2), turn2, ADMITTED)
+    assert 1 <= estimate.uncached_tokens <= estimate.total_tokens
+
+
+# -- the memory's bounds --------------------------------------------------------------
+
+
+def test_the_memory_keeps_the_most_recently_used_conversations() -> None:
+    mem = memory(max_conversations=3)
+    turns = [body({"role": "user", "content": f"conversation {i}"}) for i in range(4)]
+    for turn in turns[:3]:
+        mem.remember(key_of(turn), turn, Answer("ok", completion_tokens=1), D1, prompt_tokens=10)
+    mem.estimate(key_of(turns[0]), turns[0], ADMITTED)  # a use: conversation 0 is now the most recent
+    mem.remember(key_of(turns[3]), turns[3], Answer("ok", completion_tokens=1), D1, prompt_tokens=10)
+    assert len(mem) == 3
+    matches = [mem.estimate(key_of(t), t, ADMITTED).match for t in turns]
+    assert matches == [Match.EXTENDS_PROMPT, Match.UNKNOWN, Match.EXTENDS_PROMPT, Match.EXTENDS_PROMPT]
+    mem.forget(key_of(turns[0]))
+    assert mem.estimate(key_of(turns[0]), turns[0], ADMITTED).match is Match.UNKNOWN
+
+
+def test_an_entry_costs_the_same_few_hundred_bytes_whatever_the_conversation() -> None:
+    """The ceiling the module docstring states: 10,000 conversations in under 4 MB."""
+    long_history = [SYSTEM] + [{"role": "user", "content": "x" * 2000}] * 100  # ~200 kB of messages
+    mem = memory()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(10_000):
+            turn = {"model": "m", "messages": long_history if i % 100 == 0 else [SYSTEM, USER], "tools": TOOLS}
+            mem.remember(f"session:{i}", turn, Answer(STORY * 20, completion_tokens=300), D1, prompt_tokens=123_456)
+        used = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(mem) == 10_000
+    assert used / 10_000 < 400, f"{used / 10_000:.0f} bytes per conversation"
+
+
+def test_memory_is_safe_under_threads() -> None:
+    mem = memory(max_conversations=50)
+    errors: list[BaseException] = []
+
+    def work(worker: int) -> None:
+        try:
+            for i in range(300):
+                turn = body({"role": "user", "content": f"{worker}-{i % 70}"})
+                mem.remember(key_of(turn), turn, Answer("a", completion_tokens=1), D1, prompt_tokens=10)
+                mem.learn(turn, 10)
+                mem.estimate(key_of(turn), turn, ADMITTED)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    assert len(mem) == 50
+
+
+# -- the chars-per-token ratio --------------------------------------------------------
+
+
+def sample(chars: int) -> dict[str, Any]:
+    """A call whose messages render to ``chars`` characters ("user" is four of them)."""
+    return body({"role": "user", "content": "a" * (chars - 4)})
+
+
+def test_the_ratio_is_conservative_until_warm() -> None:
+    mem = memory(ratio_warmup=4, initial_chars_per_token=2.0)
+    assert mem.chars_per_token == 2.0
+    for _ in range(3):
+        mem.learn(sample(4000), 1000)  # 4 chars per token, as English text is
+        assert mem.chars_per_token == 2.0  # not warm: the low initial ratio still caps it
+    mem.learn(sample(4000), 1000)
+    assert mem.chars_per_token == pytest.approx(4.0)
+    assert mem.tokens_for(400, 1) == 100 + 8
+
+
+def test_a_ratio_below_the_initial_one_is_used_at_once() -> None:
+    mem = memory(ratio_warmup=4, initial_chars_per_token=2.0)
+    mem.learn(sample(1500), 1000)  # CJK-like text: fewer chars than tokens would allow
+    assert mem.chars_per_token == pytest.approx(1.5)
+
+
+def test_the_ratio_follows_recent_samples_weighted_by_tokens() -> None:
+    mem = memory(ratio_warmup=1, ratio_window=4)
+    for _ in range(4):
+        mem.learn(sample(2000), 1000)
+    mem.learn(sample(40_000), 10_000)  # one long prompt at 4 chars per token
+    assert mem.chars_per_token == pytest.approx((3 * 2000 + 40_000) / (3 * 1000 + 10_000))
+
+
+def test_the_ratio_counts_what_the_template_renders() -> None:
+    call = {"role": "assistant", "content": None, "tool_calls": [WEATHER_CALL]}
+    tool = {"role": "tool", "tool_call_id": "chatcmpl-tool-1", "content": [{"type": "text", "text": "21"}]}
+    assert (
+        rendered_chars([call, tool])
+        == len("assistant")
+        + len(
+            b'[{"function":{"arguments":"{\\"city\\": \\"Paris\\", \\"unit\\": \\"C\\"}","name":"get_weather"},'
+            b'"id":"chatcmpl-tool-1","type":"function"}]'
+        )
+        + len("tool")
+        + len("chatcmpl-tool-1")
+        + 2
+    )
+    assert rendered_chars([USER], TOOLS) > rendered_chars([USER])
+
+
+def test_each_conversation_is_estimated_with_its_own_ratio() -> None:
+    mem = memory(ratio_warmup=1)
+    for _ in range(4):
+        mem.learn(sample(4000), 1000)  # the client's traffic: English, 4 chars per token
+    english = body({"role": "user", "content": "a" * 396})
+    chinese = body({"role": "user", "content": "你" * 396})  # 400 chars, 800 ids: 0.5 chars per token
+    mem.remember(key_of(english), english, Answer("ok", completion_tokens=2), D1, prompt_tokens=100)
+    mem.remember(key_of(chinese), chinese, Answer("好", completion_tokens=2), D1, prompt_tokens=800)
+    question = {"role": "user", "content": "x" * 100}
+    totals = {}
+    for name, turn in (("english", english), ("chinese", chinese)):
+        answer = {"role": "assistant", "content": "ok" if name == "english" else "好"}
+        follow = body(*turn["messages"], answer, question)
+        totals[name] = mem.estimate(key_of(follow), follow, ADMITTED).total_tokens
+    assert totals["english"] == 100 + 2 + math.ceil(104 / 4.0) + 16
+    assert totals["chinese"] == 800 + 2 + math.ceil(104 / 0.5) + 16
+
+
+def test_samples_without_text_or_ids_are_ignored() -> None:
+    mem = memory(ratio_warmup=1)
+    mem.learn(body(), 100)
+    mem.learn(sample(100), 0)
+    mem.learn({"prompt": "not chat"}, 100)
+    assert mem.chars_per_token == 2.0
+
+
+# -- decide ---------------------------------------------------------------------------
+
+SETTINGS = ConversationSettings(threshold_tokens=256, max_uncached_ratio=0.7)
+
+
+def estimate_of(total: int, uncached: int, endpoint: str | None = D1) -> Estimate:
+    return Estimate(total, uncached, endpoint, Match.EXTENDS_ANSWER)
+
+
+@pytest.mark.parametrize(
+    ("mode", "estimate", "remote", "reason"),
+    [
+        ("always", estimate_of(1500, 10), True, Reason.MODE_ALWAYS),
+        ("never", estimate_of(1500, 1500, None), False, Reason.MODE_NEVER),
+        ("auto", estimate_of(1500, 87), False, Reason.MOSTLY_CACHED),
+        ("auto", estimate_of(1500, 255), False, Reason.MOSTLY_CACHED),
+        ("auto", estimate_of(1500, 256), True, Reason.UNCACHED_AT_OR_ABOVE_THRESHOLD),
+        ("auto", estimate_of(200, 140), True, Reason.UNCACHED_RATIO_AT_OR_ABOVE),  # short and mostly new
+        ("auto", estimate_of(30, 30, None), True, Reason.UNCACHED_RATIO_AT_OR_ABOVE),  # a new short conversation
+        ("auto", None, True, Reason.NO_ESTIMATE),
+    ],
+)
+def test_decide(mode: str, estimate: Estimate | None, remote: bool, reason: Reason) -> None:
+    decision = decide(mode, estimate, SETTINGS)
+    assert (decision.remote_prefill, decision.reason) == (remote, reason)
+    assert decision.decode_endpoint == (estimate.endpoint if estimate else None)
+    assert decision.reason.value == reason.value and isinstance(decision.reason.value, str)
+
+
+def test_decide_with_the_ratio_condition_off_sends_short_new_prompts_decode_only() -> None:
+    settings = ConversationSettings(max_uncached_ratio=1.0)
+    assert decide("auto", estimate_of(30, 30, None), settings) == Decision(
+        True, Reason.UNCACHED_RATIO_AT_OR_ABOVE, None, estimate_of(30, 30, None)
+    )
+    assert not decide("auto", estimate_of(30, 29, None), settings).remote_prefill
+
+
+def test_decide_refuses_an_unknown_mode() -> None:
+    with pytest.raises(ValueError, match="remote_prefill must be one of"):
+        decide("sometimes", None, SETTINGS)
+
+
+def test_the_defaults_decide_the_measured_follow_up_decode_only() -> None:
+    mem = memory()
+    first_turn(mem)
+    turn2 = body(SYSTEM, USER, {"role": "assistant", "content": STORY}, FOLLOW_UP)
+    decision = decide("auto", mem.estimate(key_of(turn2), turn2, ADMITTED), mem.settings)
+    assert (decision.remote_prefill, decision.reason, decision.decode_endpoint) == (False, Reason.MOSTLY_CACHED, D1)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"threshold_tokens": -1},
+        {"max_uncached_ratio": 0.0},
+        {"max_uncached_ratio": 1.5},
+        {"max_uncached_ratio": math.nan},
+        {"block_size": 0},
+        {"max_conversations": 0},
+        {"ratio_window": 0},
+        {"initial_chars_per_token": 0.0},
+        {"overhead_tokens_per_message": -1},
+    ],
+)
+def test_settings_are_checked(settings: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        ConversationSettings(**settings)
+
+
+# -- the answer the caller received -----------------------------------------------------
+
+
+def sse(*chunks: dict[str, Any]) -> bytes:
+    import json
+
+    return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+
+
+def chunk(delta: dict[str, Any], finish: str | None = None, index: int = 0) -> dict[str, Any]:
+    return {"id": "c", "choices": [{"index": index, "delta": delta, "finish_reason": finish}]}
+
+
+def collect(data: bytes, *, stream: bool = True, split: int = 7) -> AnswerCollector:
+    collector = AnswerCollector(stream=stream)
+    for at in range(0, len(data), split):  # events cut anywhere, as the network does
+        collector.feed(data[at : at + split])
+    return collector
+
+
+def test_a_streamed_answer_is_assembled_from_its_events() -> None:
+    usage = {"id": "c", "choices": [], "usage": {"prompt_tokens": 40, "completion_tokens": 3}}
+    data = sse(
+        chunk({"role": "assistant", "content": ""}),
+        chunk({"content": "Once "}),
+        chunk({"content": "upon"}),
+        chunk({}, "stop"),
+        usage,
+    )
+    collector = collect(data)
+    assert collector.answer() == Answer("Once upon", (), 3, False)
+    assert collector.prompt_tokens == 40
+    assert collect(data.replace(b"\n", b"\r\n")).answer() == Answer("Once upon", (), 3, False)
+
+
+def test_a_streamed_tool_call_is_assembled() -> None:
+    first = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": ""}}
+    data = sse(
+        chunk({"role": "assistant", "tool_calls": [first]}),
+        chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]}),
+        chunk({"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]}),
+        chunk({}, "tool_calls"),
+    )
+    answer = collect(data).answer()
+    assert answer is not None and answer.content is None
+    assert answer.tool_calls == (
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+    )
+
+
+def test_an_unfinished_or_ambiguous_answer_is_none() -> None:
+    assert collect(sse(chunk({"content": "Once"}))).answer() is None  # cut before its finish
+    assert collect(sse(chunk({"content": "a"}), chunk({"content": "b"}, "stop", index=1))).answer() is None  # n > 1
+    assert collect(b"data: {not json\n\n").answer() is None
+    reasoning = collect(sse(chunk({"reasoning_content": "hm"}), chunk({"content": "x"}, "stop"))).answer()
+    assert reasoning is not None and reasoning.reasoning
+
+
+def test_a_json_answer_is_read_at_its_end() -> None:
+    import json
+
+    body = {
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hi"}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 1},
+    }
+    collector = collect(json.dumps(body).encode(), stream=False)
+    assert collector.answer() == Answer("Hi", (), 1, False)
+    assert collector.prompt_tokens == 5
+    assert collect(b'{"choices": [', stream=False).answer() is None
