@@ -3,7 +3,8 @@
 Starts a prefill and a decode vLLM server (SmolLM2-135M-Instruct, KV moved by NIXL on
 CPU buffers), streams an answer through PDChatClient, prints the call's PDTrace, and
 stops both servers. The first run also builds the server environment and the model
-(a few minutes, cached under ~/.cache/pdclient).
+(a few minutes, cached under ~/.cache/pdclient). With ``PDCLIENT_PREFILL_BASE_URL`` and
+``PDCLIENT_DECODE_BASE_URL`` set, it uses those servers instead and starts nothing.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import logging
 import sys
 
 from pdclient import PDTrace
-from pdclient.local import LocalPD
+from pdclient.local import pair_from_env_or_local
 
 QUESTION = "In two sentences, why is the sky blue?"
 
@@ -23,7 +24,7 @@ def main() -> int:
     logging.getLogger("pdclient.local").setLevel(logging.INFO)
 
     traces: list[PDTrace] = []
-    with LocalPD() as pd:
+    with pair_from_env_or_local() as pd:
         client = pd.client(on_trace=traces.append)
         print(f"\nQ: {QUESTION}\nA: ", end="", flush=True)
         parts: list[str] = []
