@@ -14,7 +14,7 @@ VENV_OPENAI2 = $(shell tools/venv.sh requirements-openai2.txt)
 PYTEST = -m pytest -ra -p no:cacheprovider
 
 .PHONY: test install system-packages install-openai2 lint typecheck test-client test-openai2 test-server-patch test-fast demo \
-        bench-client-overhead bench-decode-ttft bench-proxies bench-migration
+        bench-client-overhead bench-decode-ttft bench-proxies bench-migration bench-conversations
 
 # Every tier, in the order a failure is cheapest to find (docs/ARCHITECTURE.md, "Tests").
 test: lint typecheck test-client test-openai2 test-server-patch
@@ -77,3 +77,9 @@ bench-proxies: install
 # a full retry, on a trio it starts (~20 min; wrap it in `vllm-slot --exclusive` on a shared host).
 bench-migration: install
 	$(VENV)/bin/python benchmarks/bench_migration.py $(ARGS)
+
+# remote_prefill "auto" against "always" through PDChatClient: multi-turn chat and tool-loop
+# conversations on a pair from $PDCLIENT_{PREFILL,DECODE}_BASE_URL or a LocalPD it starts
+# (~30 min at 6 rounds on this loaded machine; wrap it in `vllm-slot` on a shared host).
+bench-conversations: install
+	$(VENV)/bin/python benchmarks/bench_conversations.py $(ARGS)

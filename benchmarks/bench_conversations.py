@@ -1,0 +1,354 @@
+"""Multi-turn conversations through PDChatClient: ``remote_prefill="always"`` against ``"auto"``.
+
+    vllm-slot python benchmarks/bench_conversations.py --rounds 6      # starts a LocalPD pair
+    PDCLIENT_PREFILL_BASE_URL=... PDCLIENT_DECODE_BASE_URL=... python benchmarks/bench_conversations.py
+    python benchmarks/bench_conversations.py --from-json benchmarks/results/conversations.json
+
+The servers: ``pdclient.local.pair_from_env_or_local`` (a LocalPD started with
+``--enable-prompt-tokens-details``, so that ``usage`` says what each server found cached;
+servers from the environment need that flag for the "computed" column).
+
+Two conversation shapes, each conversation with its own unique prefix (a fresh tag first:
+no arm or round is helped by another's cache):
+
+- ``chat``: a ~900-token system message and a first user question, then follow-ups of
+  30, 150 and 300 new tokens, then a LONG follow-up of 1500 new tokens (a pasted document;
+  sizes are nominal, the words per token learned as it goes: the 2026-12-01 run measured
+  first turns of 690-960 tokens and follow-ups of ~40, ~160, ~310 and ~1500);
+- ``tool``: a ~600-token system message (an agent's instructions) and a task, then four
+  short tool results (20-60 tokens) appended as user messages, one per step (SmolLM2's
+  chat template has no tool role; the wire shape is the same: a short new message after
+  the previous answer).
+
+Every turn sends the whole history (the previous answers as assistant messages), streamed
+with ``stream_options.include_usage``, greedy, ``max_tokens`` 32. The two arms,
+``always`` and ``auto`` (one PDChatClient each, ``remote_prefill=`` in the constructor),
+run a conversation of the same shape side by side: turn k of one arm, then turn k of the
+other, which arm goes first alternating per round and shape. Per turn: client TTFT
+(``create()`` to the first content chunk), the whole turn (to the end of the stream), the
+trace's outcome, ``remote_prefill`` decision, reason and ``estimated_uncached_tokens``, and
+the tokens the server computed (``usage.prompt_tokens - prompt_tokens_details.cached_tokens``;
+on a P/D call vLLM 0.32's decode reports the prefill's hits, so this is the prefill's work).
+
+Printed per turn type: medians per arm, and the paired ratio auto/always (the median of
+the per-pair ratios, same round, shape and turn) with a bootstrap 95 % interval.
+Results: ``benchmarks/results/conversations.{json,png}`` (``--out``), the JSON rewritten
+after every turn so a run stopped half-way keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from pdclient import PDChatClient, PDTrace
+from pdclient.cli.bench import bootstrap_ci
+from pdclient.local import PDServers, pair_from_env_or_local
+
+ARMS = ("always", "auto")
+MAX_TOKENS = 32
+# Common words, one or two tokens each; a random sequence of them defeats prefix caching.
+WORDS = tuple(
+    "river stone quiet market lantern orbit velvet harbor copper meadow signal winter garden engine canvas "  # noqa: SIM905
+    "thunder pocket mirror silver forest candle ladder rocket violet island breeze marble falcon tunnel "
+    "saddle comet pepper lemon anchor feather glacier walnut".split()
+)
+# (turn type, new tokens) after the first turn; the first turn's size is its system message.
+SHAPES: dict[str, tuple[int, list[tuple[str, int]]]] = {
+    "chat": (900, [("follow-up 30", 30), ("follow-up 150", 150), ("follow-up 300", 300), ("long 1500", 1500)]),
+    "tool": (600, [("tool result", 20), ("tool result", 60), ("tool result", 30), ("tool result", 45)]),
+}
+TYPES = ("first", "follow-up 30", "follow-up 150", "follow-up 300", "tool result", "long 1500")
+
+
+@dataclass
+class Turn:
+    round: int
+    shape: str
+    arm: str
+    index: int
+    type: str
+    first_arm: bool
+    """This arm went first in this round and shape."""
+    prompt_tokens: int
+    new_tokens: int
+    """This turn's prompt minus the previous turn's prompt and answer (0 for a first turn)."""
+    completion_tokens: int
+    computed_tokens: int | None
+    """prompt_tokens - cached_tokens as usage reports them; None without prompt_tokens_details."""
+    ttft_ms: float
+    latency_ms: float
+    outcome: str
+    remote_prefill: bool | None
+    reason: str | None
+    conversation: str | None
+    estimated_uncached_tokens: int | None
+    decode_url: str | None
+    started_at: float
+
+
+def log(text: str) -> None:
+    print(time.strftime("%H:%M:%S"), text, file=sys.stderr, flush=True)
+
+
+class Conversation:
+    """One arm's conversation: its history, and the client and traces of its arm."""
+
+    def __init__(self, client: PDChatClient, traces: list[PDTrace], model: str, system: str, user: str) -> None:
+        self.client, self.traces, self.model = client, traces, model
+        self.messages: list[dict[str, Any]] = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        self.previous: tuple[int, int] | None = None
+
+    def turn(self) -> tuple[float, float, str, dict[str, Any], PDTrace]:
+        self.traces.clear()
+        started = time.perf_counter()
+        stream = self.client.chat.completions.create(
+            model=self.model,
+            messages=self.messages,  # type: ignore[arg-type]
+            stream=True,
+            stream_options={"include_usage": True},
+            temperature=0,
+            max_tokens=MAX_TOKENS,
+        )
+        ttft: float | None = None
+        text, usage = "", {}
+        for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage.model_dump()
+            for choice in chunk.choices:
+                if ttft is None and (choice.delta.content or choice.finish_reason):
+                    ttft = time.perf_counter() - started
+                text += choice.delta.content or ""
+        latency = time.perf_counter() - started
+        assert ttft is not None and usage, "the turn streamed no content or no usage"
+        assert len(self.traces) == 1, self.traces
+        self.messages.append({"role": "assistant", "content": text})
+        return ttft * 1000, latency * 1000, text, usage, self.traces[0]
+
+
+class Bench:
+    def __init__(self, pd: PDServers, seed: int) -> None:
+        self.pd = pd
+        self.rng = random.Random(seed)
+        self.tokens_per_word = 1.4
+        self.traces: dict[str, list[PDTrace]] = {arm: [] for arm in ARMS}
+        self.clients = {
+            arm: pd.client(remote_prefill=arm, on_trace=self.traces[arm].append, max_retries=0, timeout=600.0)
+            for arm in ARMS
+        }
+
+    def close(self) -> None:
+        for client in self.clients.values():
+            client.close()
+
+    def words(self, tokens: int) -> str:
+        return " ".join(self.rng.choice(WORDS) for _ in range(max(1, round(tokens / self.tokens_per_word))))
+
+    def round(self, round_: int, shape: str, save: Callable[[Turn], None]) -> None:
+        system_tokens, follow_ups = SHAPES[shape]
+        arms = ARMS if (round_ + list(SHAPES).index(shape)) % 2 == 0 else ARMS[::-1]
+        # The same words for both arms, each conversation behind its own tag.
+        if shape == "chat":
+            body, user = self.words(system_tokens), "Summarize the notes above in one sentence."
+        else:
+            body, user = self.words(system_tokens), "Task: find the anchor in the notes. Call tools step by step."
+        texts = [self.words(n) for _, n in follow_ups]
+        conversations = {
+            arm: Conversation(
+                self.clients[arm],
+                self.traces[arm],
+                self.pd.model,
+                f"Conversation {uuid.uuid4().hex}. Notes: {body}",
+                user,
+            )
+            for arm in ARMS
+        }
+        steps = [("first", 0, "")] + [(kind, n, text) for (kind, n), text in zip(follow_ups, texts, strict=True)]
+        for index, (kind, wanted, text) in enumerate(steps):
+            for arm in arms:
+                c = conversations[arm]
+                if index:
+                    prefix = "Tool result: " if shape == "tool" else "And this: "
+                    c.messages.append({"role": "user", "content": prefix + text})
+                at = time.time()
+                ttft, latency, _, usage, trace = c.turn()
+                prompt = int(usage["prompt_tokens"])
+                new = 0 if c.previous is None else prompt - c.previous[0] - c.previous[1]
+                c.previous = (prompt, int(usage["completion_tokens"]))
+                details = usage.get("prompt_tokens_details")
+                computed = prompt - int(details.get("cached_tokens") or 0) if details else None
+                if index and new > 0 and wanted >= 100:
+                    # Keep the new parts near their nominal size: learn words per token.
+                    self.tokens_per_word = min(2.5, max(1.0, self.tokens_per_word * new / (wanted + 12)))
+                turn = Turn(
+                    round=round_,
+                    shape=shape,
+                    arm=arm,
+                    index=index,
+                    type=kind,
+                    first_arm=arm == arms[0],
+                    prompt_tokens=prompt,
+                    new_tokens=new,
+                    completion_tokens=int(usage["completion_tokens"]),
+                    computed_tokens=computed,
+                    ttft_ms=ttft,
+                    latency_ms=latency,
+                    outcome=str(trace.outcome.value),
+                    remote_prefill=trace.remote_prefill,
+                    reason=trace.remote_prefill_reason,
+                    conversation=trace.conversation,
+                    estimated_uncached_tokens=trace.estimated_uncached_tokens,
+                    decode_url=trace.decode_url,
+                    started_at=at,
+                )
+                save(turn)
+                log(
+                    f"round {round_} {shape} turn {index} ({kind}) {arm}: prompt {prompt}, new {new}, "
+                    f"computed {computed}, {turn.outcome} ({turn.reason}, est. uncached "
+                    f"{turn.estimated_uncached_tokens}), TTFT {ttft:.0f} ms, turn {latency:.0f} ms"
+                )
+
+
+# -- the report ----------------------------------------------------------------------------
+
+
+def pairs(turns: Sequence[Turn], kind: str) -> list[tuple[Turn, Turn]]:
+    """(always, auto) turns of the same round, shape and position."""
+    by_key: dict[tuple[int, str, int], dict[str, Turn]] = {}
+    for t in turns:
+        if t.type == kind:
+            by_key.setdefault((t.round, t.shape, t.index), {})[t.arm] = t
+    return [(v["always"], v["auto"]) for _, v in sorted(by_key.items()) if len(v) == 2]
+
+
+def ratio_ci(values: Sequence[float]) -> str:
+    if not values:
+        return "-"
+    low, high = bootstrap_ci(values) if len(values) > 1 else (values[0], values[0])
+    return f"{statistics.median(values):.2f} [{low:.2f}, {high:.2f}]"
+
+
+def med(values: Sequence[float | int | None]) -> str:
+    known = [v for v in values if v is not None]
+    return f"{statistics.median(known):.0f}" if known else "-"
+
+
+def report(turns: Sequence[Turn]) -> str:
+    lines = [
+        "| turn | pairs | new tokens | auto: decode-only / P/D | auto est. uncached | computed always / auto "
+        "| TTFT ms always | TTFT ms auto | TTFT auto/always [95% CI] | turn ms always | turn ms auto "
+        "| turn auto/always [95% CI] |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for kind in TYPES:
+        p = pairs(turns, kind)
+        if not p:
+            continue
+        always, auto = [a for a, _ in p], [b for _, b in p]
+        decode_only = sum(1 for b in auto if b.outcome == "decode_only")
+        lines.append(
+            f"| {kind} | {len(p)} | {med([t.new_tokens for t in auto])} | {decode_only} / {len(auto) - decode_only} "
+            f"| {med([t.estimated_uncached_tokens for t in auto])} "
+            f"| {med([t.computed_tokens for t in always])} / {med([t.computed_tokens for t in auto])} "
+            f"| {med([t.ttft_ms for t in always])} | {med([t.ttft_ms for t in auto])} "
+            f"| {ratio_ci([b.ttft_ms / a.ttft_ms for a, b in p])} "
+            f"| {med([t.latency_ms for t in always])} | {med([t.latency_ms for t in auto])} "
+            f"| {ratio_ci([b.latency_ms / a.latency_ms for a, b in p])} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(turns: Sequence[Turn], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = [k for k in TYPES if pairs(turns, k)]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    rng = random.Random(0)
+    for i, kind in enumerate(kinds):
+        p = pairs(turns, kind)
+        for j, (arm, colour) in enumerate((("always", "tab:blue"), ("auto", "tab:orange"))):
+            values = [(a if arm == "always" else b).ttft_ms / 1000 for a, b in p]
+            x = i + (j - 0.5) * 0.3
+            left.scatter([x + rng.uniform(-0.06, 0.06) for _ in values], values, s=10, color=colour, alpha=0.6)
+            left.hlines(
+                statistics.median(values), x - 0.12, x + 0.12, color=colour, lw=2, label=arm if i == 0 else None
+            )
+        ratios = [b.ttft_ms / a.ttft_ms for a, b in p]
+        right.scatter([i + rng.uniform(-0.1, 0.1) for _ in ratios], ratios, s=10, color="tab:gray", alpha=0.7)
+        low, high = bootstrap_ci(ratios) if len(ratios) > 1 else (ratios[0], ratios[0])
+        mid = statistics.median(ratios)
+        right.errorbar([i], [mid], yerr=[[mid - low], [high - mid]], fmt="o", color="black", capsize=4)
+    for ax in (left, right):
+        ax.set_xticks(range(len(kinds)), kinds, rotation=20)
+        ax.set_yscale("log")
+    left.set_ylabel("client TTFT, s (log)")
+    left.set_title("TTFT per turn, medians as bars")
+    left.legend()
+    right.axhline(1.0, color="tab:red", lw=1, ls="--")
+    right.set_ylabel("TTFT auto / always, same round and turn (log)")
+    right.set_title("paired ratio: median and bootstrap 95% CI")
+    rounds = len({t.round for t in turns})
+    fig.suptitle(f"remote_prefill auto vs always, LocalPD pair (SmolLM2-135M, vLLM CPU, NIXL), {rounds} rounds")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--rounds", type=int, default=6, help="rounds; each runs both shapes with both arms")
+    parser.add_argument("--shapes", default="chat,tool", help="conversation shapes (default: chat,tool)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="directory for JSON and PNG")
+    parser.add_argument("--from-json", type=Path, metavar="PATH", help="only report on an earlier run's turns")
+    args = parser.parse_args()
+    json_path = args.out / "conversations.json"
+    if args.from_json:
+        data = json.loads(args.from_json.read_text())
+        turns = [Turn(**t) for t in data["turns"]]
+    else:
+        turns = []
+        meta: dict[str, Any] = {
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "args": vars(args) | {"out": str(args.out)},
+        }
+
+        def save(turn: Turn) -> None:
+            turns.append(turn)
+            args.out.mkdir(parents=True, exist_ok=True)
+            load = [round(time.time()), *Path("/proc/loadavg").read_text().split()[:3]]
+            meta["loadavg"] = [*meta.get("loadavg", []), load]
+            json_path.write_text(json.dumps({**meta, "turns": [asdict(t) for t in turns]}, indent=0))
+
+        log("starting or finding the pair")
+        with pair_from_env_or_local(max_model_len=8192, extra_server_args=("--enable-prompt-tokens-details",)) as pd:
+            bench = Bench(pd, args.seed)
+            try:
+                for round_ in range(args.rounds):
+                    for shape in args.shapes.split(","):
+                        bench.round(round_, shape, save)
+            finally:
+                bench.close()
+    print(report(turns))
+    print(f"rounds: {len({t.round for t in turns})}, turns: {len(turns)}")
+    if turns:
+        out = args.from_json.parent if args.from_json else args.out
+        plot(turns, out / "conversations.png")
+        print(f"results: {json_path if not args.from_json else args.from_json}, {out / 'conversations.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
