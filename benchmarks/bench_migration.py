@@ -5,14 +5,16 @@
 
 A LocalPD pair (prefill P, decode D1) plus a second decode server D2
 (tests/pair/extra_decode.py). Each round, one streamed greedy call (``ignore_eos``, so the
-answer has ``--tokens`` tokens) starts on D2; once the caller has ``--cut`` content chunks,
-D2's process group is SIGKILLed. The arms alternate round by round:
+answer has ``--tokens`` tokens) starts on D2; once the caller holds ``--cut`` tokens, D2's
+process group is SIGKILLed (tokens, not chunks: vLLM's API server merges the deltas of a
+stream it is behind on into one chunk, and on a fast CPU 48 chunks can be a whole answer).
+The arms alternate round by round:
 
 - ``migrate`` (``max_decode_migrations=1``): the stream goes on from D1. Its cost is the
   caller's pause: from the last chunk before the cut to the first chunk after it, on the
   caller's clock (and ``PDTrace.migrations[0].pause_ms``, pdclient's own clock).
 - ``retry`` (``max_decode_migrations=0``): the call fails; the caller sends it again (a new
-  prefill, the decode on D1) and reads until the first chunk past what it had shown. Its
+  prefill, the decode on D1) and reads until the first token past what it had shown. Its
   cost is from the last chunk before the cut to that chunk.
 
 D2 is started again after each round (not timed). Printed: each round, the medians of
@@ -52,7 +54,7 @@ class Sample:
     round: int
     arm: str
     cut_after: int
-    """Content chunks the caller had when the stream broke."""
+    """Tokens the caller had when the stream broke."""
     cost_ms: float
     """migrate: the pause at the cut; retry: last chunk before the cut to the first new one after it."""
     trace_pause_ms: float | None
@@ -73,17 +75,27 @@ def body(round_: int, tokens: int) -> dict[str, Any]:
         "messages": [{"role": "user", "content": PROMPT.format(round=round_)}],
         "temperature": 0,
         "max_tokens": tokens,
-        "extra_body": {"ignore_eos": True},
+        "extra_body": {"ignore_eos": True, "return_token_ids": True},
     }
 
 
-def content_times(stream: Any, d2: ExtraDecode, cut: int, times: list[float]) -> None:
-    """Read ``stream``, noting when each content chunk arrived; kill D2 after ``cut`` of them."""
+def token_times(
+    stream: Any, times: list[float], *, kill: ExtraDecode | None = None, cut: int = 0, until: int | None = None
+) -> None:
+    """Read ``stream``, noting when each token arrived (a chunk's tokens at its time).
+
+    ``kill``: SIGKILL that server once ``cut`` tokens are in. ``until``: stop reading there.
+    """
     for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            times.append(time.perf_counter())
-            if len(times) == cut:
-                d2.kill()
+        ids = (chunk.choices[0].model_extra or {}).get("token_ids") if chunk.choices else None
+        if not ids:
+            continue
+        times += [time.perf_counter()] * len(ids)
+        if kill is not None and len(times) >= cut:
+            kill.kill()
+            kill = None
+        if until is not None and len(times) >= until:
+            return
 
 
 def one_round(round_: int, arm: str, pd: LocalPD, d2: ExtraDecode, args: argparse.Namespace) -> Sample:
@@ -102,24 +114,22 @@ def one_round(round_: int, arm: str, pd: LocalPD, d2: ExtraDecode, args: argpars
     times: list[float] = []
     with client:
         if arm == "migrate":
-            content_times(client.chat.completions.create(model=pd.model, stream=True, **request), d2, args.cut, times)
+            stream = client.chat.completions.create(model=pd.model, stream=True, **request)
+            token_times(stream, times, kill=d2, cut=args.cut)
             (moved,) = traces[0].migrations
-            # The cut is where the largest gap is, from the kill on (chunks already on their way still arrive).
+            # The cut is where the largest gap is, from the kill on (tokens already on their way still arrive).
             gaps = [(b - a, i) for i, (a, b) in enumerate(itertools.pairwise(times), start=1) if i >= args.cut - 1]
             gap, index = max(gaps)
             return Sample(round_, arm, index, gap * 1000, moved.pause_ms, len(times), moved.route)
         try:
-            content_times(client.chat.completions.create(model=pd.model, stream=True, **request), d2, args.cut, times)
+            stream = client.chat.completions.create(model=pd.model, stream=True, **request)
+            token_times(stream, times, kill=d2, cut=args.cut)
             raise RuntimeError("the stream did not break")
         except openai.APIConnectionError:
             pass
         shown, last = len(times), times[-1]
         again: list[float] = []
-        for chunk in client.chat.completions.create(model=pd.model, stream=True, **request):
-            if chunk.choices and chunk.choices[0].delta.content:
-                again.append(time.perf_counter())
-                if len(again) == shown + 1:
-                    break
+        token_times(client.chat.completions.create(model=pd.model, stream=True, **request), again, until=shown + 1)
         return Sample(round_, arm, shown, (again[-1] - last) * 1000, None, shown, None)
 
 
@@ -215,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=6, help="rounds per arm (each kills a server)")
     parser.add_argument("--tokens", type=int, default=128, help="answer length (ignore_eos)")
-    parser.add_argument("--cut", type=int, default=48, help="content chunks the caller has when the server dies")
+    parser.add_argument("--cut", type=int, default=48, help="tokens the caller has when the server dies")
     parser.add_argument("--out", type=Path, default=RESULTS / "migration", help="JSON and PNG path, without suffix")
     parser.add_argument("--chunk-cost", action="store_true", help="only the per-chunk CPU cost (no servers)")
     args = parser.parse_args(argv)

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
 import openai
 
 GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": 16}
+TOP_LOGPROBS = 5
+WITH_LOGPROBS: dict[str, Any] = {"logprobs": True, "top_logprobs": TOP_LOGPROBS}
+"""Asked for on both sides of a comparison that may meet a bf16 near-tie (``same_greedy_answer``)."""
+
+END_OF_TURN = "<|im_end|>"
+"""SmolLM2's end of turn (ChatML), the token an answer that stops has chosen."""
+Top = list[tuple[str, float]]
+"""One generated token's best candidates, (token, logprob), best first, as the server saw them."""
 
 
 def user(text: str) -> list[dict[str, str]]:
@@ -29,3 +38,37 @@ def metric(base_v1_url: str, name: str) -> float:
     root = base_v1_url.removesuffix("/v1")
     text = httpx.get(f"{root}/metrics", timeout=10).text
     return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+def tops(logprobs: Any) -> list[Top]:
+    """Per generated token, its top candidates, from a chat choice's ``logprobs`` (message or delta)."""
+    entries = (logprobs.content or []) if logprobs else []
+    return [[(t.token, t.logprob) for t in entry.top_logprobs] for entry in entries]
+
+
+def same_greedy_answer(answer: Sequence[Top], reference: Sequence[Top]) -> str:
+    """Assert two greedy answers agree as vLLM's own tests accept (``check_logprobs_close``).
+
+    Equal tokens, or equal up to the first difference where each side's token is among the
+    other side's top candidates: the same prompt's KV computed another way (a handoff, a
+    prefix-cache hit, a chunked prefill, a migration) may order a bf16 near-tie either way,
+    and after that the answers are different texts. An answer that stopped where the other
+    went on chose the end of turn there (not in its logprobs), which must be among the
+    other's candidates. Returns what was found, for the log.
+    """
+    assert answer and reference, "logprobs missing: ask for them with WITH_LOGPROBS"
+    for at, (ours, theirs) in enumerate(zip(answer, reference, strict=False)):
+        ours_token, theirs_token = ours[0][0], theirs[0][0]
+        if ours_token == theirs_token:
+            continue
+        assert theirs_token in dict(ours) and ours_token in dict(theirs), (
+            f"the answers differ at token {at} without a near-tie: {ours} against {theirs}"
+        )
+        gap = abs(theirs[0][1] - dict(theirs)[ours_token])
+        return f"differ from token {at} at a near-tie ({gap:.3f} nats): {ours[:2]} against {theirs[:2]}"
+    if len(answer) != len(reference):
+        at = min(len(answer), len(reference))
+        went_on = (answer if len(answer) > at else reference)[at]
+        assert END_OF_TURN in dict(went_on), f"one answer ended at token {at}, the other went on: {went_on}"
+        return f"one answer ended at token {at}, at a near-tie: {went_on[:2]}"
+    return "equal"

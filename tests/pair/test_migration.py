@@ -3,10 +3,15 @@
 The session pair (prefill P, decode D1) plus a second decode server D2 of this module's
 own (tests/pair/extra_decode.py, ~3.7 GB more; started once, and again after each test
 that kills it). A long greedy answer (``ignore_eos``, so its length is fixed) starts on
-D2; after ``CUT_AFTER`` chunks D2's process group is killed. The caller's stream must
-complete, and its token ids must equal an uninterrupted answer from the survivor D1, or
-differ only from a position where the two best tokens were tied in bf16 (shown with
-their logprobs). The session pair is never touched: D1 is only ever the survivor.
+D2; once the caller holds ``CUT_AFTER`` tokens, D2's process group is killed. The caller's
+stream must complete, and its tokens must equal an uninterrupted answer from the survivor
+D1, or differ only from a bf16 near-tie on (``helpers.same_greedy_answer``). The session
+pair is never touched: D1 is only ever the survivor.
+
+The cut counts tokens, not chunks: when vLLM's API server falls behind its engine (a fast
+CPU, a busy core) it merges the deltas waiting for a stream into one chunk, so 40 chunks
+may be the whole answer. The cut comes early in a long answer, so that a server running
+ahead of its caller has not finished it when the kill lands.
 """
 
 from __future__ import annotations
@@ -22,18 +27,15 @@ from pdclient import _migrate as migrate
 from pdclient.local import PDServers
 
 from .extra_decode import ExtraDecode
+from .helpers import WITH_LOGPROBS, Top, same_greedy_answer, tops
 
-CUT_AFTER = 40
-ANSWER_TOKENS = 160
-TIE = 0.05
-"""Two logprobs closer than this (nats) are a bf16 tie: the prefix's KV computed in one
-prefill (the continuation) and step by step (the reference) may order them either way."""
+CUT_AFTER = 16
+ANSWER_TOKENS = 200
 BODY: dict[str, Any] = {
     "messages": [{"role": "user", "content": "Write a long story about a lighthouse keeper and a storm."}],
     "temperature": 0,
     "max_tokens": ANSWER_TOKENS,
-    "logprobs": True,
-    "top_logprobs": 2,
+    **WITH_LOGPROBS,
     "stream_options": {"include_usage": True},
     "extra_body": {"ignore_eos": True, "return_token_ids": True},
 }
@@ -53,8 +55,7 @@ class Prefer:
 class Answer:
     text: str = ""
     ids: list[int] = field(default_factory=list)
-    top2: list[list[tuple[str, float]]] = field(default_factory=list)
-    """Per token: the two best (token, logprob) as the server saw them."""
+    top: list[Top] = field(default_factory=list)
     ids_chunks: int = 0
     usage: Any = None
     roles: int = 0
@@ -70,8 +71,7 @@ class Answer:
         self.roles += choice.delta.role is not None
         self.text += choice.delta.content or ""
         self.ids += (choice.model_extra or {}).get("token_ids") or []
-        for entry in (choice.logprobs.content or []) if choice.logprobs else []:
-            self.top2.append([(t.token, t.logprob) for t in entry.top_logprobs])
+        self.top += tops(choice.logprobs)
 
 
 @pytest.fixture(scope="module")
@@ -101,36 +101,29 @@ def reference(pd: PDServers) -> Answer:
 
 
 def check_against(migrated: Answer, expected: Answer, trace: PDTrace) -> None:
-    """Equal token ids, or equal up to a bf16 tie (shown); the caller's stream is one stream."""
-    assert len(migrated.ids) == len(expected.ids) == ANSWER_TOKENS
+    """The same answer, up to a bf16 near-tie after the cut; the caller's stream is one stream."""
+    assert len(migrated.ids) == len(expected.ids) == len(migrated.top) == ANSWER_TOKENS
     assert migrated.roles == 1 and len(migrated.response_ids) == 1
     assert migrated.usage.completion_tokens == ANSWER_TOKENS
     assert migrated.usage.prompt_tokens == expected.usage.prompt_tokens
     moved = trace.migrations[0]
-    if migrated.ids == expected.ids:
-        assert migrated.text == expected.text
-        print(f"\nmigrated after {moved.after_tokens} tokens, pause {moved.pause_ms:.0f} ms: ids equal to D1's")
-        return
-    at = next(i for i, (a, b) in enumerate(zip(migrated.ids, expected.ids, strict=True)) if a != b)
-    assert at >= moved.after_tokens, "the tokens before the cut are the first server's, shown as they came"
-    gaps = [abs(run.top2[at][0][1] - run.top2[at][1][1]) for run in (migrated, expected)]
-    print(
-        f"\nids differ from token {at} (cut after {moved.after_tokens}): migrated {migrated.top2[at]}, "
-        f"reference {expected.top2[at]}"
-    )
-    assert min(gaps) < TIE, f"a divergence at token {at} without a tie: {gaps}"
+    # The tokens before the cut are the first server's, shown as they came: equal to D1's.
+    assert migrated.ids[: moved.after_tokens] == expected.ids[: moved.after_tokens]
+    found = same_greedy_answer(migrated.top, expected.top)
+    if found == "equal":
+        assert migrated.ids == expected.ids and migrated.text == expected.text
+    print(f"\nmigrated after {moved.after_tokens} tokens, pause {moved.pause_ms:.0f} ms; against D1's answer: {found}")
 
 
 def killer(d2: ExtraDecode, answer: Answer) -> Any:
-    """A stream consumer that kills D2 once CUT_AFTER chunks with content arrived."""
-    state = {"seen": 0, "killed": False}
+    """A stream consumer that kills D2 once the caller holds CUT_AFTER tokens."""
+    killed = False
 
     def take(chunk: Any) -> None:
+        nonlocal killed
         answer.add(chunk)
-        if chunk.choices and chunk.choices[0].delta.content:
-            state["seen"] += 1
-        if state["seen"] == CUT_AFTER and not state["killed"]:
-            state["killed"] = True
+        if len(answer.ids) >= CUT_AFTER and not killed:
+            killed = True
             d2.kill()
 
     return take
