@@ -1,4 +1,4 @@
-"""Multi-turn conversations through PDChatClient: ``remote_prefill="always"`` against ``"auto"``.
+"""Multi-turn conversations through PDChatClient: ``remote_prefill`` ``"auto"`` against ``"always"`` and ``"never"``.
 
     vllm-slot python benchmarks/bench_conversations.py --rounds 6      # starts a LocalPD pair
     PDCLIENT_PREFILL_BASE_URL=... PDCLIENT_DECODE_BASE_URL=... python benchmarks/bench_conversations.py
@@ -21,17 +21,20 @@ no arm or round is helped by another's cache):
   the previous answer).
 
 Every turn sends the whole history (the previous answers as assistant messages), streamed
-with ``stream_options.include_usage``, greedy, ``max_tokens`` 32. The two arms,
-``always`` and ``auto`` (one PDChatClient each, ``remote_prefill=`` in the constructor),
-run a conversation of the same shape side by side: turn k of one arm, then turn k of the
-other, which arm goes first alternating per round and shape. Per turn: client TTFT
+with ``stream_options.include_usage``, greedy, ``max_tokens`` 32. The arms, ``always``,
+``never`` and ``auto`` (one PDChatClient each, ``remote_prefill=`` in the constructor;
+``--arms`` for fewer), run a conversation of the same shape side by side: turn k of each
+arm in turn, the order rotated per round and shape. Per turn: client TTFT
 (``create()`` to the first content chunk), the whole turn (to the end of the stream), the
 trace's outcome, ``remote_prefill`` decision, reason and ``estimated_uncached_tokens``, and
 the tokens the server computed (``usage.prompt_tokens - prompt_tokens_details.cached_tokens``;
 on a P/D call vLLM 0.32's decode reports the prefill's hits, so this is the prefill's work).
 
-Printed per turn type: medians per arm, and the paired ratio auto/always (the median of
-the per-pair ratios, same round, shape and turn) with a bootstrap 95 % interval.
+Printed per turn type: medians per arm, and the paired ratios auto/always, auto/never and
+auto/(the better of the two) (the median of the per-group ratios, same round, shape and
+turn) with a bootstrap 95 % interval; then per arm, where the prompt tokens were computed
+(a P/D turn's on the prefill server, a decode-only turn's on the decode server) and the
+largest computation one turn put on the decode server.
 Results: ``benchmarks/results/conversations.{json,png}`` (``--out``), the JSON rewritten
 after every turn so a run stopped half-way keeps what it measured.
 """
@@ -54,7 +57,7 @@ from pdclient import PDChatClient, PDTrace
 from pdclient.cli.bench import bootstrap_ci
 from pdclient.local import PDServers, pair_from_env_or_local
 
-ARMS = ("always", "auto")
+ARMS = ("always", "never", "auto")
 MAX_TOKENS = 32
 # Common words, one or two tokens each; a random sequence of them defeats prefix caching.
 WORDS = tuple(
@@ -136,14 +139,15 @@ class Conversation:
 
 
 class Bench:
-    def __init__(self, pd: PDServers, seed: int) -> None:
+    def __init__(self, pd: PDServers, seed: int, arms: Sequence[str] = ARMS) -> None:
         self.pd = pd
+        self.arms = tuple(arms)
         self.rng = random.Random(seed)
         self.tokens_per_word = 1.4
-        self.traces: dict[str, list[PDTrace]] = {arm: [] for arm in ARMS}
+        self.traces: dict[str, list[PDTrace]] = {arm: [] for arm in self.arms}
         self.clients = {
             arm: pd.client(remote_prefill=arm, on_trace=self.traces[arm].append, max_retries=0, timeout=600.0)
-            for arm in ARMS
+            for arm in self.arms
         }
 
     def close(self) -> None:
@@ -155,8 +159,9 @@ class Bench:
 
     def round(self, round_: int, shape: str, save: Callable[[Turn], None]) -> None:
         system_tokens, follow_ups = SHAPES[shape]
-        arms = ARMS if (round_ + list(SHAPES).index(shape)) % 2 == 0 else ARMS[::-1]
-        # The same words for both arms, each conversation behind its own tag.
+        shift = (round_ + list(SHAPES).index(shape)) % len(self.arms)
+        arms = self.arms[shift:] + self.arms[:shift]
+        # The same words for every arm, each conversation behind its own tag.
         if shape == "chat":
             body, user = self.words(system_tokens), "Summarize the notes above in one sentence."
         else:
@@ -170,7 +175,7 @@ class Bench:
                 f"Conversation {uuid.uuid4().hex}. Notes: {body}",
                 user,
             )
-            for arm in ARMS
+            for arm in self.arms
         }
         steps = [("first", 0, "")] + [(kind, n, text) for (kind, n), text in zip(follow_ups, texts, strict=True)]
         for index, (kind, wanted, text) in enumerate(steps):
@@ -221,13 +226,35 @@ class Bench:
 # -- the report ----------------------------------------------------------------------------
 
 
-def pairs(turns: Sequence[Turn], kind: str) -> list[tuple[Turn, Turn]]:
-    """(always, auto) turns of the same round, shape and position."""
+def groups(turns: Sequence[Turn], kind: str) -> list[dict[str, Turn]]:
+    """Per round, shape and position of this kind: each arm's turn there (every arm present)."""
+    arms = arms_in(turns)
     by_key: dict[tuple[int, str, int], dict[str, Turn]] = {}
     for t in turns:
         if t.type == kind:
             by_key.setdefault((t.round, t.shape, t.index), {})[t.arm] = t
-    return [(v["always"], v["auto"]) for _, v in sorted(by_key.items()) if len(v) == 2]
+    return [v for _, v in sorted(by_key.items()) if len(v) == len(arms)]
+
+
+def arms_in(turns: Sequence[Turn]) -> list[str]:
+    """The arms a run had, in ``ARMS`` order (an earlier run may have had two)."""
+    present = {t.arm for t in turns}
+    return [arm for arm in ARMS if arm in present]
+
+
+def ratios(group: Sequence[dict[str, Turn]], against: str) -> list[float]:
+    """auto's TTFT over ``against``'s, per group; ``best``: over the better of always and never."""
+    if against == "best":
+        return [g["auto"].ttft_ms / min(g["always"].ttft_ms, g["never"].ttft_ms) for g in group]
+    return [g["auto"].ttft_ms / g[against].ttft_ms for g in group]
+
+
+def baselines(arms: Sequence[str]) -> list[str]:
+    """What auto is compared with in this run."""
+    if "auto" not in arms:
+        return []
+    others = [arm for arm in arms if arm != "auto"]
+    return others + (["best"] if {"always", "never"} <= set(arms) else [])
 
 
 def ratio_ci(values: Sequence[float]) -> str:
@@ -242,29 +269,57 @@ def med(values: Sequence[float | int | None]) -> str:
     return f"{statistics.median(known):.0f}" if known else "-"
 
 
+def on_decode(turn: Turn) -> bool:
+    """Whether the decode server computed this turn's prompt (no prefill leg answered it)."""
+    return turn.outcome in ("decode_only", "prefill_failed")
+
+
 def report(turns: Sequence[Turn]) -> str:
+    arms = arms_in(turns)
+    versus = baselines(arms)
+    names = {"best": "the better of always and never"}
     lines = [
-        "| turn | pairs | new tokens | auto: decode-only / P/D | auto est. uncached | computed always / auto "
-        "| TTFT ms always | TTFT ms auto | TTFT auto/always [95% CI] | turn ms always | turn ms auto "
-        "| turn auto/always [95% CI] |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| turn | groups | new tokens | auto: decode-only / P/D | auto est. uncached "
+        f"| computed {' / '.join(arms)} | "
+        + " | ".join(f"TTFT ms {arm}" for arm in arms)
+        + "".join(f" | TTFT auto / {names.get(v, v)} [95% CI]" for v in versus)
+        + " |",
+        "|---|---:|---:|---:|---:|---:|" + "---:|" * (len(arms) + len(versus)),
     ]
     for kind in TYPES:
-        p = pairs(turns, kind)
-        if not p:
+        group = groups(turns, kind)
+        if not group:
             continue
-        always, auto = [a for a, _ in p], [b for _, b in p]
-        decode_only = sum(1 for b in auto if b.outcome == "decode_only")
+        auto = [g["auto"] for g in group] if "auto" in arms else []
+        decode_only = sum(1 for t in auto if t.outcome == "decode_only")
         lines.append(
-            f"| {kind} | {len(p)} | {med([t.new_tokens for t in auto])} | {decode_only} / {len(auto) - decode_only} "
+            f"| {kind} | {len(group)} | {med([g[arms[0]].new_tokens for g in group])} "
+            f"| {f'{decode_only} / {len(auto) - decode_only}' if auto else '-'} "
             f"| {med([t.estimated_uncached_tokens for t in auto])} "
-            f"| {med([t.computed_tokens for t in always])} / {med([t.computed_tokens for t in auto])} "
-            f"| {med([t.ttft_ms for t in always])} | {med([t.ttft_ms for t in auto])} "
-            f"| {ratio_ci([b.ttft_ms / a.ttft_ms for a, b in p])} "
-            f"| {med([t.latency_ms for t in always])} | {med([t.latency_ms for t in auto])} "
-            f"| {ratio_ci([b.latency_ms / a.latency_ms for a, b in p])} |"
+            f"| {' / '.join(med([g[arm].computed_tokens for g in group]) for arm in arms)} | "
+            + " | ".join(med([g[arm].ttft_ms for g in group]) for arm in arms)
+            + "".join(f" | {ratio_ci(ratios(group, v))}" for v in versus)
+            + " |"
         )
+    lines += [
+        "",
+        "| arm | prompt tokens computed on the prefill server | on the decode server | decode server's share "
+        "| largest on the decode server in one turn (its type) |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for arm in arms:
+        mine = [t for t in turns if t.arm == arm and t.computed_tokens is not None]
+        decode = [t for t in mine if on_decode(t)]
+        on_d = sum(t.computed_tokens or 0 for t in decode)
+        on_p = sum(t.computed_tokens or 0 for t in mine if not on_decode(t))
+        largest = max(decode, key=lambda t: t.computed_tokens or 0, default=None)
+        share = f"{100 * on_d / (on_d + on_p):.0f} %" if on_d + on_p else "-"
+        top = f"{largest.computed_tokens} ({largest.type})" if largest else "-"
+        lines.append(f"| {arm} | {on_p} | {on_d} | {share} | {top} |")
     return "\n".join(lines)
+
+
+COLOURS = {"always": "tab:blue", "never": "tab:green", "auto": "tab:orange", "best": "tab:gray"}
 
 
 def plot(turns: Sequence[Turn], path: Path) -> None:
@@ -272,35 +327,48 @@ def plot(turns: Sequence[Turn], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FormatStrFormatter
 
-    kinds = [k for k in TYPES if pairs(turns, k)]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    arms = arms_in(turns)
+    versus = baselines(arms)
+    kinds = [k for k in TYPES if groups(turns, k)]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
     rng = random.Random(0)
+    width = 0.8 / len(arms)
     for i, kind in enumerate(kinds):
-        p = pairs(turns, kind)
-        for j, (arm, colour) in enumerate((("always", "tab:blue"), ("auto", "tab:orange"))):
-            values = [(a if arm == "always" else b).ttft_ms / 1000 for a, b in p]
-            x = i + (j - 0.5) * 0.3
-            left.scatter([x + rng.uniform(-0.06, 0.06) for _ in values], values, s=10, color=colour, alpha=0.6)
-            left.hlines(
-                statistics.median(values), x - 0.12, x + 0.12, color=colour, lw=2, label=arm if i == 0 else None
-            )
-        ratios = [b.ttft_ms / a.ttft_ms for a, b in p]
-        right.scatter([i + rng.uniform(-0.1, 0.1) for _ in ratios], ratios, s=10, color="tab:gray", alpha=0.7)
-        low, high = bootstrap_ci(ratios) if len(ratios) > 1 else (ratios[0], ratios[0])
-        mid = statistics.median(ratios)
-        right.errorbar([i], [mid], yerr=[[mid - low], [high - mid]], fmt="o", color="black", capsize=4)
+        group = groups(turns, kind)
+        for j, arm in enumerate(arms):
+            values = [g[arm].ttft_ms / 1000 for g in group]
+            x = i + (j - (len(arms) - 1) / 2) * width
+            colour = COLOURS[arm]
+            left.scatter([x + rng.uniform(-0.04, 0.04) for _ in values], values, s=9, color=colour, alpha=0.6)
+            left.hlines(statistics.median(values), x - width / 3, x + width / 3, color=colour, lw=2)
+        for j, against in enumerate(versus):
+            values = ratios(group, against)
+            x = i + (j - (len(versus) - 1) / 2) * (0.8 / max(len(versus), 1))
+            low, high = bootstrap_ci(values) if len(values) > 1 else (values[0], values[0])
+            mid = statistics.median(values)
+            colour = COLOURS[against]
+            right.scatter([x + rng.uniform(-0.03, 0.03) for _ in values], values, s=8, color=colour, alpha=0.4)
+            right.errorbar([x], [mid], yerr=[[mid - low], [high - mid]], fmt="o", color=colour, capsize=3)
+    for arm in arms:
+        left.plot([], [], color=COLOURS[arm], lw=2, label=arm)
+    for against in versus:
+        label = "auto / better of always, never" if against == "best" else f"auto / {against}"
+        right.plot([], [], "o", color=COLOURS[against], label=label)
     for ax in (left, right):
         ax.set_xticks(range(len(kinds)), kinds, rotation=20)
         ax.set_yscale("log")
+        ax.legend(fontsize=8)
     left.set_ylabel("client TTFT, s (log)")
     left.set_title("TTFT per turn, medians as bars")
-    left.legend()
     right.axhline(1.0, color="tab:red", lw=1, ls="--")
-    right.set_ylabel("TTFT auto / always, same round and turn (log)")
-    right.set_title("paired ratio: median and bootstrap 95% CI")
+    right.yaxis.set_major_formatter(FormatStrFormatter("%.1f"))
+    right.yaxis.set_minor_formatter(FormatStrFormatter("%.1f"))
+    right.set_ylabel("TTFT ratio, same round and turn (log)")
+    right.set_title("paired ratios: median and bootstrap 95% CI")
     rounds = len({t.round for t in turns})
-    fig.suptitle(f"remote_prefill auto vs always, LocalPD pair (SmolLM2-135M, vLLM CPU, NIXL), {rounds} rounds")
+    fig.suptitle(f"remote_prefill {' / '.join(arms)}, LocalPD pair (SmolLM2-135M, vLLM CPU, NIXL), {rounds} rounds")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -308,12 +376,16 @@ def plot(turns: Sequence[Turn], path: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--rounds", type=int, default=6, help="rounds; each runs both shapes with both arms")
+    parser.add_argument("--rounds", type=int, default=6, help="rounds; each runs every shape with every arm")
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"remote_prefill arms (default: {','.join(ARMS)})")
     parser.add_argument("--shapes", default="chat,tool", help="conversation shapes (default: chat,tool)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="directory for JSON and PNG")
     parser.add_argument("--from-json", type=Path, metavar="PATH", help="only report on an earlier run's turns")
     args = parser.parse_args()
+    unknown = set(args.arms.split(",")) - set(ARMS)
+    if unknown:
+        parser.error(f"--arms: unknown {', '.join(sorted(unknown))}; choose from {', '.join(ARMS)}")
     json_path = args.out / "conversations.json"
     if args.from_json:
         data = json.loads(args.from_json.read_text())
@@ -334,7 +406,7 @@ def main() -> int:
 
         log("starting or finding the pair")
         with pair_from_env_or_local(max_model_len=8192, extra_server_args=("--enable-prompt-tokens-details",)) as pd:
-            bench = Bench(pd, args.seed)
+            bench = Bench(pd, args.seed, args.arms.split(","))
             try:
                 for round_ in range(args.rounds):
                     for shape in args.shapes.split(","):
