@@ -21,7 +21,8 @@ no arm or round is helped by another's cache):
   the previous answer).
 
 Every turn sends the whole history (the previous answers as assistant messages), streamed
-with ``stream_options.include_usage``, greedy, ``max_tokens`` 32. The arms, ``always``,
+with ``stream_options.include_usage``, greedy, ``max_tokens`` 32 (``--max-tokens``: the
+answers' length, which the prefill server recomputes on every P/D follow-up). The arms, ``always``,
 ``never`` and ``auto`` (one PDChatClient each, ``remote_prefill=`` in the constructor;
 ``--arms`` for fewer), run a conversation of the same shape side by side: turn k of each
 arm in turn, the order rotated per round and shape. Per turn: client TTFT
@@ -59,6 +60,7 @@ from pdclient.local import PDServers, pair_from_env_or_local
 
 ARMS = ("always", "never", "auto")
 MAX_TOKENS = 32
+"""Each answer's ``max_tokens`` unless ``--max-tokens`` says otherwise."""
 # Common words, one or two tokens each; a random sequence of them defeats prefix caching.
 WORDS = tuple(
     "river stone quiet market lantern orbit velvet harbor copper meadow signal winter garden engine canvas "  # noqa: SIM905
@@ -106,8 +108,10 @@ def log(text: str) -> None:
 class Conversation:
     """One arm's conversation: its history, and the client and traces of its arm."""
 
-    def __init__(self, client: PDChatClient, traces: list[PDTrace], model: str, system: str, user: str) -> None:
-        self.client, self.traces, self.model = client, traces, model
+    def __init__(
+        self, client: PDChatClient, traces: list[PDTrace], model: str, system: str, user: str, max_tokens: int
+    ) -> None:
+        self.client, self.traces, self.model, self.max_tokens = client, traces, model, max_tokens
         self.messages: list[dict[str, Any]] = [{"role": "system", "content": system}, {"role": "user", "content": user}]
         self.previous: tuple[int, int] | None = None
 
@@ -120,7 +124,7 @@ class Conversation:
             stream=True,
             stream_options={"include_usage": True},
             temperature=0,
-            max_tokens=MAX_TOKENS,
+            max_tokens=self.max_tokens,
         )
         ttft: float | None = None
         text, usage = "", {}
@@ -139,9 +143,10 @@ class Conversation:
 
 
 class Bench:
-    def __init__(self, pd: PDServers, seed: int, arms: Sequence[str] = ARMS) -> None:
+    def __init__(self, pd: PDServers, seed: int, arms: Sequence[str] = ARMS, max_tokens: int = MAX_TOKENS) -> None:
         self.pd = pd
         self.arms = tuple(arms)
+        self.max_tokens = max_tokens
         self.rng = random.Random(seed)
         self.tokens_per_word = 1.4
         self.traces: dict[str, list[PDTrace]] = {arm: [] for arm in self.arms}
@@ -174,6 +179,7 @@ class Bench:
                 self.pd.model,
                 f"Conversation {uuid.uuid4().hex}. Notes: {body}",
                 user,
+                self.max_tokens,
             )
             for arm in self.arms
         }
@@ -379,6 +385,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=6, help="rounds; each runs every shape with every arm")
     parser.add_argument("--arms", default=",".join(ARMS), help=f"remote_prefill arms (default: {','.join(ARMS)})")
     parser.add_argument("--shapes", default="chat,tool", help="conversation shapes (default: chat,tool)")
+    parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help=f"each answer's max_tokens ({MAX_TOKENS})")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="directory for JSON and PNG")
     parser.add_argument("--from-json", type=Path, metavar="PATH", help="only report on an earlier run's turns")
@@ -406,7 +413,7 @@ def main() -> int:
 
         log("starting or finding the pair")
         with pair_from_env_or_local(max_model_len=8192, extra_server_args=("--enable-prompt-tokens-details",)) as pd:
-            bench = Bench(pd, args.seed, args.arms.split(","))
+            bench = Bench(pd, args.seed, args.arms.split(","), args.max_tokens)
             try:
                 for round_ in range(args.rounds):
                     for shape in args.shapes.split(","):
