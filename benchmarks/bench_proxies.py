@@ -58,18 +58,13 @@ import openai
 
 from pdclient import Outcome, PDChatClient, PDTrace
 from pdclient.cli.bench import Prompts, bootstrap_ci, quantile
+from pdclient.local import cache_dir, server_python
 
 REPO = Path(__file__).resolve().parents[1]
 STUB = REPO / "tests" / "stubserver.py"
 TOY = "peers/vllm-0.32.0/tests/v1/kv_connector/nixl_integration/toy_proxy_server.py"
 ROUTER = "vllm-router-0.1.17/bin/vllm-router"
 PREPROCESS_MS_PER_1K = 1.3
-
-
-def cache_dir() -> Path:
-    from pdclient.local import _prepare
-
-    return _prepare.cache_dir()
 
 
 def log(text: str) -> None:
@@ -188,15 +183,13 @@ def vllm_router(prefill: str, decode: str, logs: Path) -> contextlib.AbstractCon
 
 
 def toy_proxy(prefill: str, decode: str, logs: Path) -> contextlib.AbstractContextManager[Proc]:
-    from pdclient.local import _prepare
-
     script = cache_dir() / TOY
     if not script.exists():
         raise SystemExit(f"{script} is missing: see benchmarks/peers/README.md")
     port = free_port()
     p, d = httpx.URL(prefill), httpx.URL(decode)
     command = [
-        str(_prepare.server_python()), str(script), "--host", "127.0.0.1", "--port", str(port),
+        str(server_python()), str(script), "--host", "127.0.0.1", "--port", str(port),
         "--prefiller-hosts", str(p.host), "--prefiller-ports", str(p.port),
         "--decoder-hosts", str(d.host), "--decoder-ports", str(d.port),
     ]  # fmt: skip

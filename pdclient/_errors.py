@@ -11,7 +11,8 @@ is handed back to the openai SDK as that response (the leg named in the
 ``x-pd-failed-leg`` header), a request that cannot take a P/D handoff is a 400 naming
 why, and a pool with no admitted endpoint a 503 naming each member; the SDK turns them
 into its usual ``openai.APIStatusError`` subclasses, and transport failures into
-``openai.APIConnectionError``. A missing optional extra is an ``ImportError`` naming it.
+``openai.APIConnectionError``. A missing optional extra is an ``ImportError`` naming the
+extra to install (``pip install 'pdclient[otel]'``).
 """
 
 from __future__ import annotations

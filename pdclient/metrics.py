@@ -57,7 +57,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
-from ._errors import PDSetupError
+from ._errors import PDConfigError
 from ._fleet import Fleet
 from ._observe import CallView, LegView, PDObserver
 
@@ -100,7 +100,7 @@ def endpoint_states(source: object) -> list[EndpointState]:
     """The endpoints of a pdclient client (``pd_fleet``), a transport (``fleet``) or a ``Fleet``."""
     fleet = source if isinstance(source, Fleet) else getattr(source, "pd_fleet", getattr(source, "fleet", None))
     if not isinstance(fleet, Fleet):
-        raise TypeError(f"expected a pdclient client, transport or Fleet, got {type(source).__name__}")
+        raise PDConfigError(f"expected a pdclient client, transport or Fleet, got {type(source).__name__}")
     return [
         EndpointState(pool.leg, e.url, e.state, e.admits(), e.in_flight) for pool in fleet.pools for e in pool.endpoints
     ]
@@ -125,7 +125,7 @@ class PrometheusObserver(PDObserver):
         buckets: Sequence[float] = LATENCY_BUCKETS,
     ) -> None:
         if prometheus_client is None:
-            raise PDSetupError("prometheus_client is not installed: pip install 'pdclient[prometheus]'")
+            raise ImportError("prometheus_client is not installed: pip install 'pdclient[prometheus]'")
         self.registry = prometheus_client.REGISTRY if registry is None else registry
         self.namespace = namespace
         p, r = prometheus_client, self.registry

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import httpx
 
 from ._client import _PDClient
-from ._errors import PDSetupError
+from ._errors import PDConfigError
 from ._observe import CallView, LegView, PDObserver
 from ._trace import Outcome, PDTrace
 from ._transport import AsyncPDTransport, PDTransport
@@ -49,7 +49,7 @@ class OTelObserver(PDObserver):
         try:
             self._trace = importlib.import_module("opentelemetry.trace")
         except ImportError:
-            raise PDSetupError(
+            raise ImportError(
                 "OpenTelemetry is not installed: pip install 'pdclient[otel]' (or opentelemetry-api)"
             ) from None
         from . import __version__
@@ -139,7 +139,7 @@ def instrument(client: _T, *, tracer_provider: Any | None = None) -> _T:
             return client
         derived = transport.with_options(options.replace(observers=[*options.observers, OTelObserver(tracer_provider)]))
         return type(client)(transport=derived, timeout=client.timeout, follow_redirects=client.follow_redirects)  # type: ignore[arg-type]
-    raise TypeError(
+    raise PDConfigError(
         "instrument() takes a PDChatClient, an AsyncPDChatClient, or an httpx client whose transport is a "
         f"PDTransport; got {type(client).__name__}"
     )

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from pdclient import AsyncPDChatClient, AsyncPDTransport, PDChatClient, PDTransport
+from pdclient import AsyncPDChatClient, AsyncPDTransport, PDChatClient, PDConfigError, PDTransport
 from pdclient.otel import instrument
 
 from .conftest import DECODE, MODEL, PREFILL, FakePair
@@ -244,7 +244,7 @@ def test_instrument_is_idempotent_and_survives_with_options(
 def test_instrument_rejects_other_clients() -> None:
     import openai
 
-    with pytest.raises(TypeError, match="PDChatClient"):
+    with pytest.raises(PDConfigError, match="PDChatClient"):
         instrument(openai.OpenAI(base_url=DECODE, api_key="EMPTY"))
 
 
@@ -284,11 +284,11 @@ def test_instrument_without_opentelemetry_says_what_to_install() -> None:
         f"""
         import sys
         sys.modules["opentelemetry"] = None  # as if the extra were not installed
-        from pdclient import PDChatClient, PDSetupError
+        from pdclient import PDChatClient
         from pdclient.otel import instrument
         try:
             instrument(PDChatClient(prefill_base_url="{PREFILL}", decode_base_url="{DECODE}", api_key="x"))
-        except PDSetupError as exc:
+        except ImportError as exc:
             print(exc)
         """
     )
