@@ -29,13 +29,15 @@ class DecodeStream(httpx.SyncByteStream):
         if self._drained:
             return  # read to its end already (openai drains a stream again after [DONE])
         received = 0
+        tail = b""
         chunks = iter(self._response.stream)  # type: ignore[arg-type]
         try:
             for chunk in chunks:
                 if not received and chunk:
                     self._call.first_byte()
                 received += len(chunk)
-                if ends_event_stream(chunk):
+                tail = _tail(tail, chunk)
+                if ends_event_stream(tail):
                     # openai stops reading at [DONE] and closes; the body's end is right behind
                     # it, so read it now and the connection goes back to the pool for reuse.
                     # The answer is whole: a connection dropped from here on costs nothing.
@@ -69,13 +71,15 @@ class AsyncDecodeStream(httpx.AsyncByteStream):
         if self._drained:
             return
         received = 0
+        tail = b""
         chunks = aiter(self._response.stream)  # type: ignore[arg-type]
         try:
             async for chunk in chunks:
                 if not received and chunk:
                     self._call.first_byte()
                 received += len(chunk)
-                if ends_event_stream(chunk):
+                tail = _tail(tail, chunk)
+                if ends_event_stream(tail):
                     async for rest in _until_error_async(chunks):
                         chunk += rest
                     self._drained = True
@@ -108,6 +112,11 @@ async def _until_error_async(chunks: AsyncIterator[bytes]) -> AsyncIterator[byte
             yield chunk
     except _STREAM_ERRORS:
         return
+
+
+def _tail(previous: bytes, chunk: bytes) -> bytes:
+    """The body's last bytes after ``chunk``: a network read may end inside ``data: [DONE]``."""
+    return (previous + chunk[-_SSE_TAIL:])[-_SSE_TAIL:]
 
 
 def ends_event_stream(chunk: bytes) -> bool:

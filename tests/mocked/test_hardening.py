@@ -142,9 +142,15 @@ async def test_8_pass_through_keeps_the_callers_timeout(mode: str, pd_routes: re
 # -- 9: [DONE], then a dropped connection -----------------------------------------------------------
 
 
-async def test_9_done_then_dropped_connection_keeps_the_answer(mode: str, pd_routes: respx.MockRouter) -> None:
+@pytest.mark.parametrize("split", [0, 9], ids=["done_whole", "done_split_across_reads"])
+async def test_9_done_then_dropped_connection_keeps_the_answer(
+    mode: str, pd_routes: respx.MockRouter, split: int
+) -> None:
     def body() -> Iterator[bytes]:
-        yield chat_chunk("Hel") + chat_chunk("lo") + b"data: [DONE]\n\n"
+        end = chat_chunk("Hel") + chat_chunk("lo") + b"data: [DONE]\n\n"
+        if split:  # a network read may end inside the last event
+            yield end[:-split]
+        yield end[len(end) - split :] if split else end
         raise httpx.RemoteProtocolError("peer closed connection without sending complete message body")
 
     async def abody() -> Any:
