@@ -1,7 +1,7 @@
 """The real pair as the framework and example tests use it: URLs, clients, environment.
 
-The pair itself is tests/conftest.py's session fixture ``pd`` (one per test process,
-shared with tests/e2e; ``PDCLIENT_E2E_PAIR`` attaches to a running one). Tool calls need
+The pair itself is tests/pair/conftest.py's session fixture ``pd`` (one per test process,
+shared by every test of tests/pair; ``PDCLIENT_E2E_PAIR`` attaches to a running one). Tool calls need
 the servers started with ``--enable-auto-tool-choice --tool-call-parser hermes`` (vLLM 0.32
 answers 400 to any ``tools`` request otherwise), which that fixture does; ``supports_tools``
 probes whether an attached pair has them.

@@ -29,7 +29,7 @@ def client_signing() -> Any:
 
 
 def test_known_vector() -> None:
-    # The vector of both READMEs and docstrings; tests/test_signing.py pins it on the client.
+    # The vector of both READMEs and docstrings; tests/mocked/test_signing.py pins it on the client.
     expected = f"v2;t=1700000000;n={VECTOR_NONCE};s={VECTOR_S}"
     assert signature("secret", "POST", PATH, VECTOR_BODY, ttl=0, now=1_700_000_000, nonce=VECTOR_NONCE) == expected
     twin = client_signing().signature
