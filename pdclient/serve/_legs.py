@@ -74,6 +74,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
                 trace_configs=[trace],
                 auto_decompress=False,  # bodies pass as the servers sent them, as with httpcore
                 cookie_jar=aiohttp.DummyCookieJar(),
+                trust_env=True,  # HTTP(S)_PROXY / NO_PROXY, as the clients' httpx legs and openai honour them
                 skip_auto_headers=("User-Agent", "Accept-Encoding", "Accept", "Content-Type"),
             )
         return self._session
