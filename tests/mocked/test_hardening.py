@@ -71,17 +71,23 @@ async def test_6_non_ascii_failure_policy_is_a_clear_error(mode: str, pd_routes:
     await twin.close()
 
 
-def test_6_a_response_that_cannot_be_wrapped_is_closed(
-    pd_routes: respx.MockRouter, monkeypatch: pytest.MonkeyPatch
+async def test_6_a_response_that_cannot_be_wrapped_is_closed(
+    mode: str, pd_routes: respx.MockRouter, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Whatever goes wrong while wrapping the decode response, its connection and endpoint are freed."""
     closed: list[bool] = []
 
-    class Body(httpx.SyncByteStream):
+    class Body(httpx.SyncByteStream, httpx.AsyncByteStream):
         def __iter__(self) -> Iterator[bytes]:
             yield b"{}"
 
+        async def __aiter__(self) -> Any:
+            yield b"{}"
+
         def close(self) -> None:
+            closed.append(True)
+
+        async def aclose(self) -> None:
             closed.append(True)
 
     def broken(self: PDTrace) -> dict[str, str]:
@@ -89,14 +95,15 @@ def test_6_a_response_that_cannot_be_wrapped_is_closed(
 
     pd_routes["decode"].mock(return_value=httpx.Response(200, stream=Body()))
     monkeypatch.setattr(PDTrace, "to_headers", broken)
-    twin, traces = traced("sync")
+    twin, traces = traced(mode)
     # openai 3.x lets the transport's exception through; 2.x wraps it in APIConnectionError.
     with pytest.raises((RuntimeError, openai.APIConnectionError)) as raised:
-        twin.client.chat.completions.create(model="m", messages=MESSAGES)  # type: ignore[call-overload]
+        await twin.chat(messages=MESSAGES)
     cause = raised.value if isinstance(raised.value, RuntimeError) else raised.value.__cause__
     assert "cannot write the trace headers" in str(cause)
     assert closed and in_flight(twin) == [0, 0]
     assert traces[0].outcome is Outcome.FAILED
+    await twin.close()
 
 
 # -- 7: multipart pass-through ------------------------------------------------------------------
