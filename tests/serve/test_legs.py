@@ -4,15 +4,13 @@ arrives (up to a cut), the trace event the core's KV-release decision reads."""
 from __future__ import annotations
 
 import json
-import threading
-from http.server import ThreadingHTTPServer
 from typing import Any
 
 import httpx
 import pytest
 
 from pdclient.serve._legs import AiohttpTransport
-from tests.stubs.test_hardening import _Proxy
+from tests.stubs.test_hardening import forward_proxy
 from tests.stubserver import Fault, StubServer, closed_port_url
 
 from .conftest import MESSAGES
@@ -94,16 +92,7 @@ async def test_a_cut_body_delivers_what_arrived_then_raises(stub: StubServer) ->
 
 async def test_legs_honour_http_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
     """As the clients' legs do (issue 13, item 16): the proxy's own legs go through HTTP_PROXY."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Proxy)
-    server.seen = []  # type: ignore[attr-defined]
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{server.server_address[1]}")
-        monkeypatch.delenv("NO_PROXY", raising=False)
-        monkeypatch.delenv("no_proxy", raising=False)
+    with forward_proxy(monkeypatch) as seen:
         response, body, _ = await send("http://decode.invalid/v1/chat/completions", CHAT)
         assert response.status_code == 200 and json.loads(body)["choices"][0]["message"]["content"] == "via proxy"
-        assert server.seen == ["http://decode.invalid/v1/chat/completions"]  # type: ignore[attr-defined]
-    finally:
-        server.shutdown()
-        server.server_close()
+        assert seen == ["http://decode.invalid/v1/chat/completions"]

@@ -6,12 +6,14 @@ Every test here failed before its fix (item numbers as in the issue).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import textwrap
 import threading
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -146,7 +148,9 @@ class _Proxy(BaseHTTPRequestHandler):
         pass
 
 
-async def test_16_legs_honour_http_proxy(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@contextlib.contextmanager
+def forward_proxy(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """A ``_Proxy`` on loopback named by ``HTTP_PROXY`` (no ``NO_PROXY``); yields the URLs it was asked for."""
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Proxy)
     server.seen = []  # type: ignore[attr-defined]
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -154,14 +158,19 @@ async def test_16_legs_honour_http_proxy(mode: str, monkeypatch: pytest.MonkeyPa
         monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{server.server_address[1]}")
         monkeypatch.delenv("NO_PROXY", raising=False)
         monkeypatch.delenv("no_proxy", raising=False)
+        yield server.seen  # type: ignore[attr-defined]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+async def test_16_legs_honour_http_proxy(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    with forward_proxy(monkeypatch) as seen:
         twin = Twin(mode, prefill_base_url="http://prefill.invalid/v1", decode_base_url="http://decode.invalid/v1")
         completion = await twin.chat(messages=MESSAGES)
         assert completion.choices[0].message.content == "via proxy"
-        assert server.seen == [  # type: ignore[attr-defined]
+        assert seen == [
             "http://prefill.invalid/v1/chat/completions",
             "http://decode.invalid/v1/chat/completions",
         ]
         await twin.close()
-    finally:
-        server.shutdown()
-        server.server_close()
