@@ -74,12 +74,22 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 if __package__ in (None, ""):  # run as a script: python tests/stubserver.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.fake_vllm import MODEL, NIXL_BLOCK_SIZE, VOCAB, VLLMAnswers, forwarded_ids, is_prefill, seed_of
+from tests.fake_vllm import (
+    MODEL,
+    NIXL_BLOCK_SIZE,
+    VOCAB,
+    VLLMAnswers,
+    chat_json,
+    forwarded_ids,
+    is_prefill,
+    prefill_json,
+    seed_of,
+)
 
 try:  # the stub should cost the client as little time as possible; orjson is a pdclient dependency
     import orjson
@@ -99,6 +109,9 @@ except ImportError:  # pragma: no cover - stdlib fallback
     def _dumps(value: Any) -> bytes:
         return json.dumps(value, separators=(",", ":")).encode()
 
+
+if TYPE_CHECKING:
+    from pytest import MonkeyPatch
 
 DECODE_WORDS = ("Hello", " from", " the", " decode", " stub")
 _PREPROCESS_PATHS = ("/tokenize", "/v1/chat/completions/render", "/v1/completions/render")
@@ -254,6 +267,46 @@ def closed_port_url() -> str:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     return f"http://127.0.0.1:{port}/v1"
+
+
+class _ForwardProxy(BaseHTTPRequestHandler):
+    """A forward proxy that answers every request itself, recording the absolute URLs it was asked for."""
+
+    seen: list[str]
+
+    def do_POST(self) -> None:
+        self.server.seen.append(self.path)  # type: ignore[attr-defined]
+        body = _loads(self.rfile.read(int(self.headers["content-length"])))
+        if (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
+            payload = prefill_json(body)
+        else:
+            payload = chat_json("via proxy")
+        data = _dumps(payload)
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def forward_proxy(monkeypatch: MonkeyPatch) -> Iterator[list[str]]:
+    """A forward proxy on loopback named by ``HTTP_PROXY`` (no ``NO_PROXY``), answering every
+    request itself (a prefill's as the fake vLLM does, else "via proxy"); yields the URLs it was asked for."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _ForwardProxy)
+    server.seen = []  # type: ignore[attr-defined]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{server.server_address[1]}")
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        monkeypatch.delenv("no_proxy", raising=False)
+        yield server.seen  # type: ignore[attr-defined]
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def _leg(body: Any) -> str:

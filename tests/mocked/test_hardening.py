@@ -155,9 +155,10 @@ async def test_9_done_then_dropped_connection_keeps_the_answer(
 ) -> None:
     def body() -> Iterator[bytes]:
         end = chat_chunk("Hel") + chat_chunk("lo") + b"data: [DONE]\n\n"
-        if split:  # a network read may end inside the last event
-            yield end[:-split]
-        yield end[len(end) - split :] if split else end
+        cut = len(end) - split  # a network read may end inside the last event
+        yield end[:cut]
+        if split:
+            yield end[cut:]
         raise httpx.RemoteProtocolError("peer closed connection without sending complete message body")
 
     async def abody() -> Any:

@@ -10,8 +10,7 @@ import httpx
 import pytest
 
 from pdclient.serve._legs import AiohttpTransport
-from tests.stubs.test_hardening import forward_proxy
-from tests.stubserver import Fault, StubServer, closed_port_url
+from tests.stubserver import Fault, StubServer, closed_port_url, forward_proxy
 
 from .conftest import MESSAGES
 

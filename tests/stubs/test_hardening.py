@@ -6,23 +6,17 @@ Every test here failed before its fix (item numbers as in the issue).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import os
 import subprocess
 import sys
 import textwrap
-import threading
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import openai
 import pytest
 
 from pdclient import Outcome, PDTrace, RetrySettings
-from tests.fake_vllm import chat_json, prefill_json
-from tests.stubserver import Fault, StubServer
+from tests.stubserver import Fault, StubServer, forward_proxy
 from tests.twins import Twin
 
 MESSAGES = [{"role": "user", "content": "Is it up?"}]
@@ -123,45 +117,6 @@ async def test_12_decode_timeout_after_sending_is_not_released(mode: str) -> Non
 
 
 # -- 16: HTTP(S)_PROXY ---------------------------------------------------------------------------
-
-
-class _Proxy(BaseHTTPRequestHandler):
-    """A forward proxy that answers every request itself, recording the absolute URLs it was asked for."""
-
-    seen: list[str]
-
-    def do_POST(self) -> None:
-        self.server.seen.append(self.path)  # type: ignore[attr-defined]
-        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
-        if (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
-            payload = prefill_json(body)
-        else:
-            payload = chat_json("via proxy")
-        data = json.dumps(payload).encode()
-        self.send_response(200)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
-@contextlib.contextmanager
-def forward_proxy(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
-    """A ``_Proxy`` on loopback named by ``HTTP_PROXY`` (no ``NO_PROXY``); yields the URLs it was asked for."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Proxy)
-    server.seen = []  # type: ignore[attr-defined]
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{server.server_address[1]}")
-        monkeypatch.delenv("NO_PROXY", raising=False)
-        monkeypatch.delenv("no_proxy", raising=False)
-        yield server.seen  # type: ignore[attr-defined]
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 async def test_16_legs_honour_http_proxy(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
