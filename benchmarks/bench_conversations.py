@@ -390,7 +390,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="directory for JSON and PNG")
     parser.add_argument("--from-json", type=Path, metavar="PATH", help="only report on an earlier run's turns")
     args = parser.parse_args()
-    unknown = set(args.arms.split(",")) - set(ARMS)
+    arms = args.arms.split(",")
+    unknown = set(arms) - set(ARMS)
     if unknown:
         parser.error(f"--arms: unknown {', '.join(sorted(unknown))}; choose from {', '.join(ARMS)}")
     json_path = args.out / "conversations.json"
@@ -413,7 +414,7 @@ def main() -> int:
 
         log("starting or finding the pair")
         with pair_from_env_or_local(max_model_len=8192, extra_server_args=("--enable-prompt-tokens-details",)) as pd:
-            bench = Bench(pd, args.seed, args.arms.split(","), args.max_tokens)
+            bench = Bench(pd, args.seed, arms, args.max_tokens)
             try:
                 for round_ in range(args.rounds):
                     for shape in args.shapes.split(","):
