@@ -1,4 +1,4 @@
-"""Background work for endpoint pools: load scrapes, health probes, DNS re-resolution.
+"""Background work for endpoint pools: load scrapes, health probes, DNS re-resolution, prefill warm-ups.
 
 Each kind of work is a sans-I/O *core*: plain state that says what to do next and takes
 the result, without doing any I/O itself::
@@ -55,12 +55,14 @@ def check_number(owner: str, name: str, value: object, *, low: float = 0.0, inte
 
 @dataclass(frozen=True)
 class Fetch:
-    """A GET to make."""
+    """A GET to make, or a POST of ``content`` when it is given."""
 
     url: str
     timeout: float
     host: str | None = None
     """The DNS name to present (Host header, TLS SNI) when ``url`` holds an address."""
+    content: bytes | None = None
+    headers: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -153,16 +155,21 @@ def host_header(url: httpx.URL, name: str) -> str:
 
 
 def _fetch_args(action: Fetch) -> dict[str, object]:
-    if action.host is None:
-        return {"timeout": action.timeout}
-    url = httpx.URL(action.url)
-    extensions = {"sni_hostname": action.host} if url.scheme == "https" else {}
-    return {"timeout": action.timeout, "headers": {"host": host_header(url, action.host)}, "extensions": extensions}
+    args: dict[str, object] = {"method": "GET" if action.content is None else "POST", "url": action.url}
+    args["timeout"] = action.timeout
+    args["content"] = action.content
+    headers = dict(action.headers)
+    if action.host is not None:
+        url = httpx.URL(action.url)
+        headers["host"] = host_header(url, action.host)
+        args["extensions"] = {"sni_hostname": action.host} if url.scheme == "https" else {}
+    args["headers"] = headers
+    return args
 
 
 def fetch_sync(http: httpx.Client, action: Fetch) -> Fetched:
     try:
-        response = http.get(action.url, **_fetch_args(action))  # type: ignore[arg-type]
+        response = http.request(**_fetch_args(action))  # type: ignore[arg-type]
     except httpx.HTTPError as exc:
         return Fetched(None, error=f"{type(exc).__name__}: {exc}")
     return Fetched(response.status_code, response.text)
@@ -170,7 +177,7 @@ def fetch_sync(http: httpx.Client, action: Fetch) -> Fetched:
 
 async def fetch_async(http: httpx.AsyncClient, action: Fetch) -> Fetched:
     try:
-        response = await http.get(action.url, **_fetch_args(action))  # type: ignore[arg-type]
+        response = await http.request(**_fetch_args(action))  # type: ignore[arg-type]
     except httpx.HTTPError as exc:
         return Fetched(None, error=f"{type(exc).__name__}: {exc}")
     return Fetched(response.status_code, response.text)
@@ -242,10 +249,13 @@ class BackgroundThread(_Driver):
         clock: Callable[[], float] = time.monotonic,
         http: Callable[[], httpx.Client] = httpx.Client,
         max_sleep: float = 1.0,
+        name: str = "pdclient-background",
     ) -> None:
         super().__init__(cores, resolver=resolver, clock=clock, max_sleep=max_sleep)
         self._http = http
+        self.name = name
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
@@ -259,25 +269,32 @@ class BackgroundThread(_Driver):
             if self.running:
                 return
             self._stop = threading.Event()
-            self._thread = threading.Thread(target=self._run, name="pdclient-background", daemon=True)
+            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
             self._thread.start()
+
+    def wake(self) -> None:
+        """Ask the cores for work now, not at the end of the current sleep (from any thread)."""
+        self._wake.set()
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the thread and wait for it (a job in progress ends within its own timeout)."""
         with self._lock:
             thread, self._thread = self._thread, None
             self._stop.set()
+            self._wake.set()
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
 
     def _run(self) -> None:
+        stop = self._stop
         with self._http() as http:
-            while not self._stop.is_set():
+            while not stop.is_set():
+                self._wake.clear()  # before asking: work added from now on wakes the wait below
                 for core, job in self._due():
-                    if self._stop.is_set():
+                    if stop.is_set():
                         return
                     self._apply(core, job, self._perform(http, job.action))
-                self._stop.wait(self._sleep_seconds())
+                self._wake.wait(self._sleep_seconds())
 
     def _perform(self, http: httpx.Client, action: Fetch | Lookup) -> Outcome:
         try:
@@ -299,10 +316,13 @@ class BackgroundTask(_Driver):
         clock: Callable[[], float] = time.monotonic,
         http: Callable[[], httpx.AsyncClient] = httpx.AsyncClient,
         max_sleep: float = 1.0,
+        name: str = "pdclient-background",
     ) -> None:
         super().__init__(cores, resolver=resolver, clock=clock, max_sleep=max_sleep)
         self._http = http
+        self.name = name
         self._stop: asyncio.Event | None = None
+        self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -315,8 +335,24 @@ class BackgroundTask(_Driver):
         if self._task is not None and not self._task.done() and self._task.get_loop() is loop:
             return
         # A task left on another loop (an earlier asyncio.run) is dead with that loop.
-        self._stop = asyncio.Event()
-        self._task = loop.create_task(self._run(self._stop), name="pdclient-background")
+        self._stop, self._wake = asyncio.Event(), asyncio.Event()
+        self._task = loop.create_task(self._run(self._stop, self._wake), name=self.name)
+
+    def wake(self) -> None:
+        """Ask the cores for work now, not at the end of the current sleep (from any thread)."""
+        task, wake = self._task, self._wake
+        if task is None or task.done() or wake is None:
+            return
+        loop = task.get_loop()
+        try:
+            current = asyncio.get_running_loop()
+        except RuntimeError:
+            current = None
+        if current is loop:
+            wake.set()
+            return
+        with contextlib.suppress(RuntimeError):  # its loop is closed
+            loop.call_soon_threadsafe(wake.set)
 
     def cancel(self) -> None:
         """Stop the task without waiting for it; from any thread (its loop runs the cancel)."""
@@ -337,8 +373,9 @@ class BackgroundTask(_Driver):
     async def aclose(self) -> None:
         """Stop the task and wait for it."""
         task, self._task = self._task, None
-        if self._stop is not None:
+        if self._stop is not None and self._wake is not None:
             self._stop.set()
+            self._wake.set()
         if task is None or task.done():
             return
         if task.get_loop() is not asyncio.get_running_loop():
@@ -348,15 +385,16 @@ class BackgroundTask(_Driver):
         with contextlib.suppress(asyncio.CancelledError):
             await task
 
-    async def _run(self, stop: asyncio.Event) -> None:
+    async def _run(self, stop: asyncio.Event, wake: asyncio.Event) -> None:
         async with self._http() as http:
             while not stop.is_set():
+                wake.clear()  # before asking: work added from now on wakes the wait below
                 due = self._due()
                 outcomes = await asyncio.gather(*(self._perform(http, job.action) for _, job in due))
                 for (core, job), outcome in zip(due, outcomes, strict=True):
                     self._apply(core, job, outcome)
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(stop.wait(), self._sleep_seconds())
+                    await asyncio.wait_for(wake.wait(), self._sleep_seconds())
 
     async def _perform(self, http: httpx.AsyncClient, action: Fetch | Lookup) -> Outcome:
         try:
@@ -370,8 +408,17 @@ class BackgroundTask(_Driver):
 class Background:
     """One fleet's background work: its cores, and the driver that runs them once started."""
 
-    def __init__(self, cores: Sequence[Core], *, asynchronous: bool, resolver: Resolver = system_resolver) -> None:
+    def __init__(
+        self,
+        cores: Sequence[Core],
+        *,
+        asynchronous: bool,
+        resolver: Resolver = system_resolver,
+        name: str = "pdclient-background",
+    ) -> None:
         self.cores = tuple(cores)
+        self.name = name
+        """The driver thread's or task's name."""
         self.asynchronous = asynchronous
         """The fleet serves an async client: its driver is a task when started from an asyncio loop."""
         self._resolver = resolver
@@ -412,6 +459,12 @@ class Background:
                 self._driver = self._new_driver()
         self.start()
 
+    def wake(self) -> None:
+        """Have the driver ask its cores for work now (a job was just queued)."""
+        driver = self._driver
+        if driver is not None:
+            driver.wake()
+
     def _new_driver(self) -> BackgroundThread | BackgroundTask:
         if self.asynchronous:
             try:
@@ -419,8 +472,8 @@ class Background:
             except RuntimeError:  # trio (or no loop at all): a thread serves any caller
                 pass
             else:
-                return BackgroundTask(self.cores, resolver=self._resolver)
-        return BackgroundThread(self.cores, resolver=self._resolver)
+                return BackgroundTask(self.cores, resolver=self._resolver, name=self.name)
+        return BackgroundThread(self.cores, resolver=self._resolver, name=self.name)
 
     def close(self, *, wait: bool = True) -> None:
         """Stop for good: a thread is stopped (and joined if ``wait``), a task cancelled on its loop."""
