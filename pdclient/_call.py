@@ -34,6 +34,7 @@ import orjson
 from . import _migrate as migrate
 from . import _retry as retry
 from . import _wire as wire
+from ._background import Fetch
 from ._conversations import SHAPE_FIELDS, AnswerCollector, Decision, decide
 from ._discovery import request_overrides
 from ._endpoints import AllEndpointsOpen, Endpoint, EndpointPool
@@ -44,6 +45,7 @@ from ._prefix_index import plan_text
 from ._routing import RouteDecision, RouteRequest
 from ._signing import SIGNATURE_HEADER, signature
 from ._trace import HEADER_PREFIX, Outcome, PDTrace
+from ._warm import WARM_UP_TIMEOUT
 
 logger = logging.getLogger("pdclient")
 
@@ -197,6 +199,8 @@ class Call:
         """Whether and how the decode stream may move to another endpoint (issue 15, ``_migrate``)."""
         self.decision: Decision | None = None
         """Whether the call gets a remote prefill, and why (``remote_prefill``; issue 11)."""
+        self.warm_up_url: str | None = None
+        """The prefill endpoint this decode-only call's prompt was queued to (``_warm``)."""
         self.collector: AnswerCollector | None = None
         """The answer the caller receives, kept to remember the turn (chat, ``remote_prefill`` not ``always``)."""
         self._conversation: dict[str, Any] | None = None
@@ -276,7 +280,24 @@ class Call:
         if self.decision.remote_prefill:
             return True
         self.outcome = Outcome.DECODE_ONLY
+        if mode == "auto" and options.conversations.warm_prefill:
+            self._warm_prefill()
         return False
+
+    def _warm_prefill(self) -> None:
+        """Queue this decode-only call's prompt for the prefill endpoint its conversation's
+        P/D turns are routed to, so that a later one prefills only what is new (``_warm``)."""
+        assert self.plan is not None
+        try:
+            endpoint = self.context.fleet.prefill.decide(self._route("prefill")).endpoint
+        except AllEndpointsOpen:
+            return  # no prefill endpoint admitted: nothing to keep warm
+        request = self._leg_request(endpoint.url, wire.warm_up_body(self.plan), None)
+        request.headers["x-request-id"] = f"{self.request_id}-warm-up"
+        headers = tuple((k, v) for k, v in request.headers.multi_items() if k != "host")
+        post = Fetch(str(request.url), WARM_UP_TIMEOUT, endpoint.host_name, request.content, headers)
+        self.context.fleet.warm(post)
+        self.warm_up_url = endpoint.url
 
     def conversation_body(self) -> dict[str, Any]:
         """The fields ``ConversationMemory`` reads of this chat call: its messages and its shape."""
@@ -597,6 +618,7 @@ class Call:
             conversation=estimate.match.value if estimate is not None else None,
             estimated_prompt_tokens=estimate.total_tokens if estimate is not None else None,
             estimated_uncached_tokens=estimate.uncached_tokens if estimate is not None else None,
+            prefill_warm_up_url=self.warm_up_url,
         )
 
     def _json_error(self, status: int, message: str, leg: str) -> httpx.Response:

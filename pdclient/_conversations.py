@@ -96,8 +96,13 @@ class ConversationSettings:
     """The learned ratio is over this many most recent samples."""
     overhead_tokens_per_message: int = 8
     """Template tokens per message (role markers, separators) added to every estimate."""
+    warm_prefill: bool = True
+    """A decode-only call by ``auto`` also sends its prompt to the prefill server, off the
+    caller's path, so a later P/D turn prefills only what is new (``_warm``)."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.warm_prefill, bool):
+            raise PDConfigError(f"conversations.warm_prefill must be a bool, got {self.warm_prefill!r}")
         for name in ("threshold_tokens", "ratio_warmup", "overhead_tokens_per_message"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

@@ -7,16 +7,18 @@ per fleet, as openai copies share their connection pool.
 
 The fleet also owns the background work of its pools (load scrapes, health probes, DNS
 discovery; ``_background.Background``): none when those features are off, else one
-driver started on the first call and stopped by ``close()`` / ``aclose()``.
+driver started on the first call and stopped by ``close()`` / ``aclose()``. Prefill
+warm-ups (``_warm``) get a driver of their own, made when the first one is queued.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 
 import httpx
 
-from ._background import Background, Core, system_resolver
+from ._background import Background, Core, Fetch, system_resolver
 from ._conversations import ConversationMemory
 from ._discovery import DiscoverySettings, DnsDiscovery, is_address
 from ._endpoints import EndpointPool
@@ -24,6 +26,7 @@ from ._health import HealthProber, HealthSettings
 from ._load import LoadScraper
 from ._options import PDOptions
 from ._routing import RoutingPolicy, make_policy
+from ._warm import PrefillWarmer
 
 _FLEET_FIELDS = (
     "prefill_base_url",
@@ -51,6 +54,12 @@ class Fleet:
         """The pools' background work, or None when no feature needs any."""
         if self.background is not None:  # a client dropped unclosed does not leave its driver running
             weakref.finalize(self, self.background.close, wait=False).atexit = False
+        self.warmer = PrefillWarmer()
+        """Prefill warm-ups waiting to be posted (``remote_prefill="auto"``, ``_warm``)."""
+        self._warming: Background | None = None
+        self._asynchronous = asynchronous
+        self._closed = False
+        self._lock = threading.Lock()
 
     def serves(self, options: PDOptions) -> bool:
         """Whether ``options`` route exactly as this fleet does."""
@@ -67,14 +76,32 @@ class Fleet:
         if self.background is not None:
             self.background.start()
 
+    def warm(self, post: Fetch) -> None:
+        """Queue a prefill warm-up and have it posted now, off the caller's path (``_warm``)."""
+        with self._lock:
+            if self._closed:
+                return
+            if self._warming is None:
+                self._warming = Background([self.warmer], asynchronous=self._asynchronous, name="pdclient-warm-up")
+                weakref.finalize(self, self._warming.close, wait=False).atexit = False
+            warming = self._warming
+        self.warmer.add(post)
+        warming.start()
+        warming.wake()
+
+    def _stopped(self) -> list[Background]:
+        with self._lock:
+            self._closed = True
+        return [b for b in (self.background, self._warming) if b is not None]
+
     def close(self) -> None:
-        """Stop the background work."""
-        if self.background is not None:
-            self.background.close()
+        """Stop the background work (a warm-up in flight is abandoned)."""
+        for background in self._stopped():
+            background.close()
 
     async def aclose(self) -> None:
-        if self.background is not None:
-            await self.background.aclose()
+        for background in self._stopped():
+            await background.aclose()
 
 
 def _policy(options: PDOptions, leg: str) -> RoutingPolicy:

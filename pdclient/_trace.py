@@ -108,6 +108,9 @@ class PDTrace(BaseModel):
     """``auto``: the prompt's estimated length in tokens."""
     estimated_uncached_tokens: int | None = None
     """``auto``: of those, the tokens estimated not in the decode endpoint's prefix cache."""
+    prefill_warm_up_url: str | None = None
+    """``auto``, decode-only: the prefill endpoint the prompt was queued to, off the caller's
+    path, to keep its prefix cache up with the conversation (``_warm``)."""
     migrations: tuple[Migration, ...] = ()
     """Each time the decode stream broke and the answer continued on another decode endpoint
     (``max_decode_migrations``), in order. Not in the response headers: known only later."""

@@ -221,6 +221,15 @@ def prefill_body(plan: Plan) -> bytes:
     return encode_fields(fields)
 
 
+def warm_up_body(plan: Plan) -> bytes:
+    """A prefill warm-up (``_warm``): the caller's call as a one-token call, and nothing more.
+
+    No ``kv_transfer_params``: the server caches the prompt's blocks as for any call and
+    holds nothing for a decode that will not come.
+    """
+    return encode_fields(_one_token(plan.fields))
+
+
 def prefill_body_for_ids(plan: Plan, ids: bytes) -> bytes:
     """A prefill leg whose prompt is given as token ids (a JSON array), not rendered.
 

@@ -296,6 +296,8 @@ class FakeVLLM:
     decode_bodies: list[Body] = field(default_factory=list)
     decode_urls: list[str] = field(default_factory=list)
     """The base URL each decode body went to."""
+    warm_up_bodies: list[Body] = field(default_factory=list)
+    """Plain calls (no ``do_remote_decode``) to the prefill endpoint: prefill warm-ups (pdclient/_warm.py)."""
     cuts: list[int] = field(default_factory=list)
     """Streamed decodes to break, in order: each sends this many SSE frames, then its connection drops."""
     router: Any = None
@@ -305,12 +307,15 @@ class FakeVLLM:
     def answer(self) -> str:
         return self.answers.text({})
 
-    def respond(self, request: httpx.Request) -> httpx.Response:
+    def respond(self, request: httpx.Request, *, at_prefill: bool = False) -> httpx.Response:
         body = json.loads(request.content)
         path = request.url.path
         if is_prefill(body):
             self.prefill_bodies.append(body)
             return httpx.Response(200, json=self.answers.prefill(path, body))
+        if at_prefill:
+            self.warm_up_bodies.append(body)
+            return httpx.Response(200, json=self.answers.decode(path, body))
         self.decode_bodies.append(body)
         self.decode_urls.append(str(request.url).rsplit(path.removeprefix("/v1"), 1)[0])
         if body.get("stream"):
@@ -329,11 +334,14 @@ class FakeVLLM:
         """
         import respx
 
+        def at_prefill(request: httpx.Request) -> httpx.Response:
+            return self.respond(request, at_prefill=True)
+
         with respx.mock(assert_all_called=False) as router:
             self.router = router
-            router.post(f"{prefill_url}/chat/completions", name="prefill").mock(side_effect=self.respond)
+            router.post(f"{prefill_url}/chat/completions", name="prefill").mock(side_effect=at_prefill)
             router.post(f"{decode_url}/chat/completions", name="decode").mock(side_effect=self.respond)
-            router.post(f"{prefill_url}/completions", name="prefill_completions").mock(side_effect=self.respond)
+            router.post(f"{prefill_url}/completions", name="prefill_completions").mock(side_effect=at_prefill)
             router.post(f"{decode_url}/completions", name="decode_completions").mock(side_effect=self.respond)
             for n, url in enumerate(more_decode_urls, start=2):
                 router.post(f"{url}/chat/completions", name=f"decode{n}").mock(side_effect=self.respond)

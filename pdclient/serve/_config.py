@@ -205,6 +205,7 @@ _CLIENT_HELP: Mapping[str, str] = {
     "conversation_initial_chars_per_token": "the chars-per-token ratio until then (low: over-estimates tokens)",
     "conversation_ratio_window": "recent prefill answers the learned ratio is computed over",
     "conversation_overhead_tokens_per_message": "template tokens added per message to every estimate",
+    "conversation_warm_prefill": "auto: a decode-only call's prompt also goes to the prefill server, off its path",
 }
 
 

@@ -9,9 +9,10 @@ on the decode endpoint that answered it (block size 128), and goes there decode-
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import anyio
 import httpx
 import openai
 import pytest
@@ -141,6 +142,63 @@ async def test_a_tool_loop_goes_decode_only_after_its_first_turn(mode: str, pair
     assert len(pair.prefill_bodies) == 1
     assert traces.traces[1].outcome is Outcome.DECODE_ONLY
     assert traces.traces[1].conversation == "extends_answer"
+    await t.close()
+
+
+async def eventually(condition: Callable[[], bool]) -> None:
+    """Wait up to 5 s for ``condition`` (warm-ups are posted in the background)."""
+    for _ in range(500):
+        if condition():
+            return
+        await anyio.sleep(0.01)
+    raise AssertionError("timed out")
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "json"])
+async def test_a_decode_only_call_sends_its_prompt_to_the_prefill_server_as_a_plain_one_token_call(
+    mode: str, pair: FakeVLLM, stream: bool
+) -> None:
+    t, traces = twin(mode, remote_prefill="auto")
+    await turn(t, TURN1, stream)
+    await turn(t, TURN2, stream, temperature=0.5)
+    await eventually(lambda: len(pair.warm_up_bodies) == 1)
+    (warm_up,) = pair.warm_up_bodies
+    # The prompt as the caller sent it, one token, not streamed, and nothing held for a decode.
+    assert warm_up == {"messages": TURN2, "model": "m", "temperature": 0.5, "stream": False, "max_tokens": 1, "n": 1}
+    request = pair.router.routes["prefill"].calls.last.request
+    assert request.headers["authorization"] == "Bearer sk-test"
+    assert request.headers["x-request-id"].endswith("-warm-up")
+    first, second = traces.traces
+    assert first.prefill_warm_up_url is None
+    assert (second.outcome, second.prefill_url, second.prefill_warm_up_url) == (Outcome.DECODE_ONLY, None, PREFILL)
+    assert len(pair.prefill_bodies) == 1 and pair.decode_urls == [DECODE, DECODE]
+    await t.close()
+
+
+@pytest.mark.parametrize(
+    "settings", [{"remote_prefill": "never"}, {"remote_prefill": "auto", "conversations": "off"}], ids=["never", "off"]
+)
+async def test_no_warm_up_with_never_or_when_turned_off(mode: str, pair: FakeVLLM, settings: dict[str, Any]) -> None:
+    settings = dict(settings)
+    if settings.pop("conversations", None) == "off":
+        settings["conversations"] = ConversationSettings(warm_prefill=False)
+    t, traces = twin(mode, **settings)
+    await turn(t, TURN1, True)
+    await turn(t, TURN2, True)
+    assert traces.traces[1].outcome is Outcome.DECODE_ONLY and traces.traces[1].prefill_warm_up_url is None
+    await anyio.sleep(0.2)
+    assert pair.warm_up_bodies == []
+    await t.close()
+
+
+async def test_a_failing_warm_up_changes_nothing_for_the_caller(mode: str, pair: FakeVLLM) -> None:
+    t, _ = twin(mode, remote_prefill="auto")
+    await turn(t, TURN1, True)
+    pair.router.routes["prefill"].side_effect = httpx.ConnectError("refused")
+    assert await turn(t, TURN2, True) == echo({"messages": TURN2})
+    await eventually(lambda: t.client.pd_fleet.warmer.failed == 1)
+    # The warm-up is the client's own business: the prefill endpoint's breaker is not told.
+    assert all(e.admits() for e in t.client.pd_fleet.prefill.endpoints)
     await t.close()
 
 
@@ -302,6 +360,7 @@ def test_metrics_count_decode_only_calls_apart_from_prefill_failures(pair: FakeV
         "sync",
         decode_base_url=[DECODE, DECODE2],
         remote_prefill="auto",
+        conversations=ConversationSettings(warm_prefill=False),  # the prefill route's answers are counted
         max_decode_migrations=0,
         observers=[PrometheusObserver(registry)],
     )

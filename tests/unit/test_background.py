@@ -19,9 +19,11 @@ from pdclient._background import (
     LookedUp,
     Lookup,
     Outcome,
+    fetch_sync,
     host_header,
     system_resolver,
 )
+from pdclient._warm import PrefillWarmer
 
 
 class Recorder:
@@ -184,3 +186,66 @@ def test_host_header_keeps_an_explicit_port(url: str, expected: str) -> None:
 
 def test_system_resolver_finds_loopback() -> None:
     assert "127.0.0.1" in system_resolver("localhost", 80) or "::1" in system_resolver("localhost", 80)
+
+
+def echo_post(request: httpx.Request) -> httpx.Response:
+    return httpx.Response(200, text=f"{request.method} {request.headers['authorization']} {request.content.decode()}")
+
+
+def test_thread_driver_posts_a_queued_warm_up_at_once() -> None:
+    warmer = PrefillWarmer()
+    driver = BackgroundThread(
+        [warmer], http=lambda: httpx.Client(transport=httpx.MockTransport(echo_post)), max_sleep=60.0
+    )
+    driver.start()
+    wait_for(lambda: driver.running)
+    time.sleep(0.05)  # asleep, for up to a minute
+    warmer.add(Fetch("http://10.0.0.1:8000/v1/chat/completions", 1.0, None, b"{}", (("authorization", "Bearer k"),)))
+    driver.wake()
+    wait_for(lambda: warmer.posted == 1, timeout=2.0)
+    driver.close()
+
+
+async def test_task_driver_posts_a_queued_warm_up_at_once() -> None:
+    warmer = PrefillWarmer()
+    driver = BackgroundTask(
+        [warmer], http=lambda: httpx.AsyncClient(transport=httpx.MockTransport(echo_post)), max_sleep=60.0
+    )
+    driver.start()
+    await asyncio.sleep(0.05)
+    warmer.add(Fetch("http://10.0.0.1:8000/v1/chat/completions", 1.0, None, b"{}", (("authorization", "Bearer k"),)))
+    driver.wake()
+    await until(lambda: warmer.posted == 1, timeout=2.0)
+    await driver.aclose()
+
+
+def test_a_post_sends_its_content_and_headers() -> None:
+    with httpx.Client(transport=httpx.MockTransport(echo_post)) as http:
+        fetched = fetch_sync(http, Fetch("http://10.0.0.1:8000/x", 1.0, None, b'{"a":1}', (("authorization", "B k"),)))
+    assert fetched == Fetched(200, 'POST B k {"a":1}')
+
+
+def test_the_warm_up_queue_is_bounded_and_drops_the_oldest() -> None:
+    warmer = PrefillWarmer(capacity=2)
+    assert warmer.next_due() == float("inf")
+    for n in range(3):
+        warmer.add(Fetch(f"http://p/{n}", 1.0, None, b"{}"))
+    assert warmer.next_due() == 0.0 and warmer.dropped == 1
+    jobs = warmer.due(0.0)
+    assert [job.action.url for job in jobs] == ["http://p/1", "http://p/2"]  # type: ignore[union-attr]
+    assert warmer.due(0.0) == [] and warmer.next_due() == float("inf")
+    warmer.apply(jobs[0], Fetched(200), 0.0)
+    warmer.apply(jobs[1], Fetched(None, error="ConnectError"), 0.0)
+    assert (warmer.posted, warmer.failed) == (1, 1)
+
+
+def test_the_warmer_counts_what_the_prefill_computed() -> None:
+    warmer = PrefillWarmer()
+    warmer.add(Fetch("http://p/1", 1.0, None, b"{}"))
+    warmer.add(Fetch("http://p/2", 1.0, None, b"{}"))
+    assert warmer.pending == 2
+    first, second = warmer.due(0.0)
+    usage = '{"usage": {"prompt_tokens": 700, "prompt_tokens_details": {"cached_tokens": 512}}}'
+    warmer.apply(first, Fetched(200, usage), 0.0)
+    warmer.apply(second, Fetched(200, "not json"), 0.0)
+    assert (warmer.prompt_tokens, warmer.cached_tokens, warmer.pending) == (700, 512, 0)
