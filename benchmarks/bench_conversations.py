@@ -34,8 +34,11 @@ on a P/D call vLLM 0.32's decode reports the prefill's hits, so this is the pref
 Printed per turn type: medians per arm, and the paired ratios auto/always, auto/never and
 auto/(the better of the two) (the median of the per-group ratios, same round, shape and
 turn) with a bootstrap 95 % interval; then per arm, where the prompt tokens were computed
-(a P/D turn's on the prefill server, a decode-only turn's on the decode server) and the
-largest computation one turn put on the decode server.
+(a P/D turn's on the prefill server, a decode-only turn's on the decode server, and
+what auto's prefill warm-ups computed on the prefill server, from their ``usage``) and the
+largest computation one turn put on the decode server. After an auto turn with a warm-up,
+the next turn (of any arm) waits until the warm-up has ended: the prefill server serves
+every arm, and in use the next message of a conversation comes later than its answer.
 Results: ``benchmarks/results/conversations.{json,png}`` (``--out``), the JSON rewritten
 after every turn so a run stopped half-way keeps what it measured.
 """
@@ -99,6 +102,10 @@ class Turn:
     estimated_uncached_tokens: int | None
     decode_url: str | None
     started_at: float
+    warm_up_computed_tokens: int = 0
+    """What this turn's prefill warm-up (auto, decode-only) computed on the prefill server."""
+    warm_up_wait_ms: float = 0.0
+    """How long after the turn its warm-up took to end (the next turn waited for it)."""
 
 
 def log(text: str) -> None:
@@ -191,7 +198,17 @@ class Bench:
                     prefix = "Tool result: " if shape == "tool" else "And this: "
                     c.messages.append({"role": "user", "content": prefix + text})
                 at = time.time()
+                warmer = c.client.pd_fleet.warmer
+                warmed_before = warmer.prompt_tokens - warmer.cached_tokens
                 ttft, latency, _, usage, trace = c.turn()
+                # The next turn, of any arm, waits for this one's warm-up: the prefill server is
+                # the other arms' too, and a user's or a tool's next message takes its time.
+                wait_started = time.perf_counter()
+                deadline = wait_started + 300
+                while warmer.pending and time.perf_counter() < deadline:
+                    time.sleep(0.005)
+                warm_up_wait_ms = (time.perf_counter() - wait_started) * 1000
+                warmed = warmer.prompt_tokens - warmer.cached_tokens - warmed_before
                 prompt = int(usage["prompt_tokens"])
                 new = 0 if c.previous is None else prompt - c.previous[0] - c.previous[1]
                 c.previous = (prompt, int(usage["completion_tokens"]))
@@ -220,12 +237,19 @@ class Bench:
                     estimated_uncached_tokens=trace.estimated_uncached_tokens,
                     decode_url=trace.decode_url,
                     started_at=at,
+                    warm_up_computed_tokens=warmed,
+                    warm_up_wait_ms=warm_up_wait_ms,
                 )
                 save(turn)
                 log(
                     f"round {round_} {shape} turn {index} ({kind}) {arm}: prompt {prompt}, new {new}, "
                     f"computed {computed}, {turn.outcome} ({turn.reason}, est. uncached "
                     f"{turn.estimated_uncached_tokens}), TTFT {ttft:.0f} ms, turn {latency:.0f} ms"
+                    + (
+                        f", warm-up computed {warmed} in {warm_up_wait_ms:.0f} ms more"
+                        if trace.prefill_warm_up_url
+                        else ""
+                    )
                 )
 
 
@@ -309,19 +333,20 @@ def report(turns: Sequence[Turn]) -> str:
         )
     lines += [
         "",
-        "| arm | prompt tokens computed on the prefill server | on the decode server | decode server's share "
-        "| largest on the decode server in one turn (its type) |",
-        "|---|---:|---:|---:|---|",
+        "| arm | prompt tokens computed on the prefill server | of which warm-ups | on the decode server "
+        "| decode server's share | largest on the decode server in one turn (its type) |",
+        "|---|---:|---:|---:|---:|---|",
     ]
     for arm in arms:
         mine = [t for t in turns if t.arm == arm and t.computed_tokens is not None]
         decode = [t for t in mine if on_decode(t)]
         on_d = sum(t.computed_tokens or 0 for t in decode)
-        on_p = sum(t.computed_tokens or 0 for t in mine if not on_decode(t))
+        warm_ups = sum(t.warm_up_computed_tokens for t in mine)
+        on_p = sum(t.computed_tokens or 0 for t in mine if not on_decode(t)) + warm_ups
         largest = max(decode, key=lambda t: t.computed_tokens or 0, default=None)
         share = f"{100 * on_d / (on_d + on_p):.0f} %" if on_d + on_p else "-"
         top = f"{largest.computed_tokens} ({largest.type})" if largest else "-"
-        lines.append(f"| {arm} | {on_p} | {on_d} | {share} | {top} |")
+        lines.append(f"| {arm} | {on_p} | {warm_ups} | {on_d} | {share} | {top} |")
     return "\n".join(lines)
 
 

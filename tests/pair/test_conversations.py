@@ -80,16 +80,16 @@ def prefill_warmed(pd: PDServers, queries_before: float, prompt_tokens: int, tim
 
 def test_a_p_d_turn_after_a_decode_only_turn_prefills_only_what_is_new(pd: PDServers) -> None:
     """Without the warm-up, the prefill server would hold turn 1's prompt only, and turn 3
-    would prefill turn 2 (its answer, its ~150-token message) again."""
+    would prefill turn 2 (its answer, its ~100-token message) again."""
     system = f"Conversation {uuid.uuid4().hex}. " + "Notes: the robot paints in the morning and sleeps at noon. " * 40
-    detail = "Add this: the robot keeps a red brush, a blue brush and a small ladder in its shed. " * 8
+    detail = "Add this: the robot keeps a red brush, a blue brush and a small ladder in its shed. " * 5
     document = "Appendix: the robot's garden has roses, tulips, daisies and a narrow stone path. " * 25
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": system},
         {"role": "user", "content": "Tell me a short story about the robot in the notes."},
     ]
     traces: list[PDTrace] = []
-    # The chars-per-token ratio learned from turn 1 already: the ~150-token detail is estimated as such.
+    # The chars-per-token ratio learned from turn 1 already: the ~100-token detail is estimated as such.
     conversations = ConversationSettings(ratio_warmup=1)
     with pd.client(remote_prefill="auto", conversations=conversations, on_trace=traces.append) as client:
         first = client.chat.completions.create(model=pd.model, messages=messages, **GREEDY)
@@ -108,7 +108,8 @@ def test_a_p_d_turn_after_a_decode_only_turn_prefills_only_what_is_new(pd: PDSer
         hits_before = metric(pd.prefill_url, HITS)
         client.chat.completions.create(model=pd.model, messages=messages, **GREEDY)
         hits = metric(pd.prefill_url, HITS) - hits_before
-    assert [t.outcome for t in traces] == [Outcome.DISAGGREGATED, Outcome.DECODE_ONLY, Outcome.DISAGGREGATED]
+    decided = [(t.outcome, t.estimated_prompt_tokens, t.estimated_uncached_tokens) for t in traces]
+    assert [t.outcome for t in traces] == [Outcome.DISAGGREGATED, Outcome.DECODE_ONLY, Outcome.DISAGGREGATED], decided
     block = 128  # vLLM's CPU block size
     assert second.usage.prompt_tokens // block > first.usage.prompt_tokens // block, "turn 2 fills a block of its own"
     # Turn 3's prefill found turn 2's whole prompt (its full blocks) cached, not only turn 1's.
