@@ -343,6 +343,7 @@ class Call:
             endpoint.url,
             prompt_tokens=prompt_tokens,
             cached_floor=floor,
+            prompt_pulled=self.outcome is Outcome.DISAGGREGATED,
         )
 
     def prefill_retrying(self) -> dict[str, object]:

@@ -87,6 +87,20 @@ def test_an_extension_is_uncached_only_in_its_new_messages_and_the_partial_block
     assert estimate.uncached_tokens == estimate.total_tokens - 1408
 
 
+def test_after_a_p_d_turn_only_the_prompts_whole_blocks_count_as_cached() -> None:
+    # Measured on the real pair (bench_conversations, 128-id answers): after a P/D turn of
+    # 666 ids and a 128-id answer, the next prompt found 640 cached, not 768.
+    mem = memory()
+    turn1 = body(SYSTEM, USER)
+    answer = Answer(STORY, completion_tokens=128)
+    mem.remember(key_of(turn1), turn1, answer, D1, prompt_tokens=666, prompt_pulled=True)
+    turn2 = body(SYSTEM, USER, {"role": "assistant", "content": STORY}, FOLLOW_UP)
+    estimate = mem.estimate(key_of(turn2), turn2, ADMITTED)
+    assert estimate.match is Match.EXTENDS_ANSWER
+    assert estimate.cached_tokens == 640
+    assert estimate.total_tokens == 666 + 128 + new_tokens(mem, FOLLOW_UP, ratio=own(turn1, 666))
+
+
 def test_the_answer_may_come_back_as_the_sdk_dumps_it() -> None:
     mem = memory()
     first_turn(mem)
