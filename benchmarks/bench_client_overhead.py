@@ -125,13 +125,21 @@ def usage_prompt_tokens(stream: Any) -> int:
 def make_arms(
     prefill_url: str, decode_url: str, messages: Any, traces: list[PDTrace], signed_traces: list[PDTrace]
 ) -> list[Arm]:
-    pd = PDChatClient(prefill_base_url=prefill_url, decode_base_url=decode_url, api_key="-", on_trace=traces.append)
+    # Every call a handoff: the same prompt again would go decode-only under the default "auto".
+    pd = PDChatClient(
+        prefill_base_url=prefill_url,
+        decode_base_url=decode_url,
+        api_key="-",
+        on_trace=traces.append,
+        remote_prefill="always",
+    )
     signing = PDChatClient(
         prefill_base_url=prefill_url,
         decode_base_url=decode_url,
         api_key="-",
         on_trace=signed_traces.append,
         reuse_secret="bench-secret",
+        remote_prefill="always",
     )
     # What a user writes by hand: two plain clients with their default HTTP client.
     prefill = openai.OpenAI(base_url=prefill_url, api_key="-")

@@ -108,7 +108,9 @@ class Bench:
         timeout = httpx.Timeout(180.0, connect=10.0)
         # pdclient, the public recipe: any openai client over an httpx client with PDTransport.
         self.traces: list[PDTrace] = []
-        transport = PDTransport(options=PDOptions(prefill, decode, on_trace=self.traces.append))
+        transport = PDTransport(
+            options=PDOptions(prefill, decode, on_trace=self.traces.append, remote_prefill="always")
+        )
         self.pd = openai.OpenAI(
             base_url=decode,
             api_key="EMPTY",

@@ -106,6 +106,7 @@ async def client_a(arm: str, prefill: str, urls: list[str], calls: int, concurre
         prefill_base_url=prefill,
         decode_base_url=urls,
         decode_routing=arm,
+        remote_prefill="always",  # what is measured is where each handoff goes
         api_key="-",
         max_retries=0,
         timeout=60,
@@ -263,6 +264,7 @@ async def run_cache(arm: str, kind: str, urls: list[str], decode: str, seed: int
         prefill_base_url=urls,
         decode_base_url=decode,
         prefill_routing=arm,
+        remote_prefill="always",  # every turn's prefill is routed: what is measured
         api_key="-",
         max_retries=0,
         timeout=120,

@@ -63,6 +63,7 @@ def run_arm(
         prefill_base_url=prefills,
         decode_base_url=decode,
         prefill_routing=arm,
+        remote_prefill="always",  # every turn's prefill is routed: what is measured
         api_key="-",
         max_retries=0,
         timeout=600,

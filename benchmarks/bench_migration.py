@@ -104,6 +104,7 @@ def one_round(round_: int, arm: str, pd: LocalPD, d2: ExtraDecode, args: argpars
         prefill_base_url=pd.prefill_url,
         decode_base_url=[d2.url, pd.decode_url],
         routing=Prefer(d2.url),
+        remote_prefill="always",
         api_key="-",
         max_retries=0,
         timeout=600,

@@ -161,6 +161,7 @@ def pdclient_serve(prefill: str, decode: str, logs: Path, workers: int = 1) -> c
     command = [
         sys.executable, "-m", "pdclient", "serve", "--prefill", prefill, "--decode", decode,
         "--port", str(port), "--workers", str(workers), "--log-level", "info",
+        "--remote-prefill", "always",  # as the routers: every call a handoff (the stubs' calls repeat one prompt)
     ]  # fmt: skip
     name = "pdclient serve" if workers == 1 else f"pdclient serve x{workers}"
     base = f"http://127.0.0.1:{port}"
@@ -227,6 +228,7 @@ class PairArms:
                 max_retries=0,
                 timeout=timeout,
                 on_trace=self.traces.append,
+                remote_prefill="always",  # as the routers: every call a handoff
             )
         }
         for name, url in proxies.items():

@@ -31,7 +31,9 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def run_policy(policy: str, prefills: list[str], decodes: list[str], calls: int, concurrency: int) -> list[float]:
-    client = AsyncPDChatClient(prefill_base_url=prefills, decode_base_url=decodes, api_key="-", routing=policy)
+    client = AsyncPDChatClient(
+        prefill_base_url=prefills, decode_base_url=decodes, api_key="-", routing=policy, remote_prefill="always"
+    )
     gate = asyncio.Semaphore(concurrency)
     latencies: list[float] = []
 

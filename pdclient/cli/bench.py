@@ -299,7 +299,13 @@ def _run_on_pair(args: argparse.Namespace, sizes: list[int]) -> list[Sample]:
     from .. import PDChatClient
 
     traces: list[PDTrace] = []
-    client_args: dict[str, Any] = {"on_trace": traces.append, "max_retries": 0, "timeout": 600.0}
+    # Every call a handoff: what is compared with the decode server alone.
+    client_args: dict[str, Any] = {
+        "on_trace": traces.append,
+        "max_retries": 0,
+        "timeout": 600.0,
+        "remote_prefill": "always",
+    }
     if args.local:
         from ..local import LocalPD
 
