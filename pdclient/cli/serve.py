@@ -42,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "help": f"{setting.help}{default}{env}",
         }
         if setting.is_switch:
-            kwargs["action"] = "store_true"
+            # A switch that is on by default needs its --no- form to be turned off.
+            kwargs["action"] = argparse.BooleanOptionalAction if setting.default is True else "store_true"
         elif setting.multiple:
             # --decode A B, --api-key K --api-key L: a list of strings, parsed with the rest.
             kwargs.update(metavar=setting.metavar, action="extend", nargs="+", type=str)

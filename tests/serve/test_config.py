@@ -59,6 +59,12 @@ def test_conversation_flags_reach_the_options() -> None:
     )
 
 
+def test_a_switch_on_by_default_has_its_no_form() -> None:
+    assert parse("--prefill", P, "--decode", D1).options.conversations.warm_prefill is True
+    config = parse("--prefill", P, "--decode", D1, "--no-conversation-warm-prefill", "--remote-prefill", "always")
+    assert config.options.conversations.warm_prefill is False and config.options.remote_prefill == "always"
+
+
 def test_defaults_are_the_clients() -> None:
     config = parse("--prefill", P, "--decode", D1)
     assert (config.host, config.port, config.workers, config.grace_period) == ("127.0.0.1", 8000, 1, 30.0)
