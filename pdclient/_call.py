@@ -33,6 +33,7 @@ import orjson
 
 from . import _migrate as migrate
 from . import _retry as retry
+from . import _usage as usage
 from . import _wire as wire
 from ._background import Fetch
 from ._conversations import SHAPE_FIELDS, AnswerCollector, Decision, decide
@@ -201,6 +202,8 @@ class Call:
         """Whether the call gets a remote prefill, and why (``remote_prefill``; issue 11)."""
         self.warm_up_url: str | None = None
         """The prefill endpoint this decode-only call's prompt was queued to (``_warm``)."""
+        self.usage_merge: usage.UsageMerge | None = None
+        """The caller's usage made of both legs' (``_usage``): set with the decode body's stream."""
         self.collector: AnswerCollector | None = None
         """The answer the caller receives, kept to remember the turn (chat, ``remote_prefill`` not ``always``)."""
         self._conversation: dict[str, Any] | None = None
@@ -450,6 +453,28 @@ class Call:
         if event in _SENDING:
             self.decode_may_have_reached = True
 
+    def caller_usage(self, response: httpx.Response) -> usage.UsageMerge | None:
+        """How the decode body's ``usage`` is merged on its way to the caller, if it is.
+
+        A disaggregated call's prompt side (``prompt_tokens``, ``prompt_tokens_details``:
+        the cached tokens) is the prefill's, as vllm-router reports it; the completion side
+        is the decode's. A decode-only or fallback call's usage is the decode's, unchanged.
+        """
+        result = self.prefill_result
+        if self.outcome is not Outcome.DISAGGREGATED or result is None or result.ids is None:
+            return None
+        if response.status_code != 200:
+            return None
+        prefill: dict[str, Any] = {"prompt_tokens": result.count}
+        if result.prompt_tokens_details is not None:
+            prefill["prompt_tokens_details"] = orjson.loads(result.prompt_tokens_details)
+        content_type = response.headers.get("content-type", "")
+        if content_type.startswith("text/event-stream"):
+            self.usage_merge = usage.UsageMerge(prefill, stream=True)
+        elif content_type.startswith("application/json"):
+            self.usage_merge = usage.UsageMerge(prefill, stream=False)
+        return self.usage_merge
+
     def decode_response(
         self, response: httpx.Response, stream: httpx.SyncByteStream | httpx.AsyncByteStream
     ) -> httpx.Response:
@@ -463,6 +488,8 @@ class Call:
             self.error = f"decode answered HTTP {response.status_code}"
             self.failed_leg = "decode"
         headers = _without_trace_headers(response.headers)
+        if self.usage_merge is not None and not self.usage_merge.stream:
+            headers.pop("content-length", None)  # the merged usage changes the body's length
         if self.kind is not None:
             headers.update(self.trace().to_headers())
         return httpx.Response(response.status_code, headers=headers, stream=stream, extensions=response.extensions)

@@ -83,6 +83,7 @@ class MigratingDecodeStream(httpx.SyncByteStream):
         self._transport = transport
         self._closed = False
         self._drained = False
+        self._merge = call.caller_usage(response)  # the first decode's: a continuation keeps the prompt side
 
     def __iter__(self) -> Iterator[bytes]:
         if self._drained:
@@ -108,15 +109,24 @@ class MigratingDecodeStream(httpx.SyncByteStream):
                             first = False
                             call.first_byte()
                         migration.delivered(time.perf_counter())
+                    if out and self._merge:
+                        out = self._merge.feed(out)
+                    if out:
                         call.answer_bytes(out)
                         yield out
                     if self._drained:
-                        return
-                rest = tracker.end()
-                self._drained = True
-                if rest:
-                    call.answer_bytes(rest)
-                    yield rest
+                        break
+                else:
+                    rest = tracker.end()
+                    self._drained = True
+                    if rest and self._merge:
+                        rest = self._merge.feed(rest)
+                    if rest:
+                        call.answer_bytes(rest)
+                        yield rest
+                if held := (self._merge.end() if self._merge else b""):
+                    call.answer_bytes(held)
+                    yield held
                 return
             except _STREAM_ERRORS as exc:
                 self._response = self._move(exc, received)
@@ -219,6 +229,7 @@ class AsyncMigratingDecodeStream(httpx.AsyncByteStream):
         self._transport = transport
         self._closed = False
         self._drained = False
+        self._merge = call.caller_usage(response)  # the first decode's: a continuation keeps the prompt side
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         if self._drained:
@@ -243,15 +254,24 @@ class AsyncMigratingDecodeStream(httpx.AsyncByteStream):
                             first = False
                             call.first_byte()
                         migration.delivered(time.perf_counter())
+                    if out and self._merge:
+                        out = self._merge.feed(out)
+                    if out:
                         call.answer_bytes(out)
                         yield out
                     if self._drained:
-                        return
-                rest = tracker.end()
-                self._drained = True
-                if rest:
-                    call.answer_bytes(rest)
-                    yield rest
+                        break
+                else:
+                    rest = tracker.end()
+                    self._drained = True
+                    if rest and self._merge:
+                        rest = self._merge.feed(rest)
+                    if rest:
+                        call.answer_bytes(rest)
+                        yield rest
+                if held := (self._merge.end() if self._merge else b""):
+                    call.answer_bytes(held)
+                    yield held
                 return
             except _STREAM_ERRORS as exc:
                 self._response = await self._move(exc, received)

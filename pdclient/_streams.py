@@ -1,8 +1,9 @@
 """The decode's body on its way to the caller, chunk by chunk, never buffered.
 
 The stream tells the call when its first byte arrives, turns a cut mid-way into the
-openai error callers already handle, and ends the call when the caller closes it. The
-sync and async twins differ only by ``await``.
+openai error callers already handle, and ends the call when the caller closes it. A
+disaggregated call's ``usage`` is merged on the way (``_usage.UsageMerge``: whole SSE
+events; a JSON body once whole). The sync and async twins differ only by ``await``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class DecodeStream(httpx.SyncByteStream):
         self._call = call
         self._closed = False
         self._drained = False
+        self._merge = call.caller_usage(response)
 
     def __iter__(self) -> Iterator[bytes]:
         if self._drained:
@@ -44,11 +46,16 @@ class DecodeStream(httpx.SyncByteStream):
                     for rest in _until_error(chunks):
                         chunk += rest
                     self._drained = True
-                self._call.answer_bytes(chunk)
-                yield chunk
+                out = self._merge.feed(chunk) if self._merge else chunk
+                if out:
+                    self._call.answer_bytes(out)
+                    yield out
         except _STREAM_ERRORS as exc:
             raise self._call.broken_stream(exc, received) from exc
         self._drained = True
+        if held := (self._merge.end() if self._merge else b""):
+            self._call.answer_bytes(held)
+            yield held
 
     def close(self) -> None:
         if self._closed:
@@ -66,6 +73,7 @@ class AsyncDecodeStream(httpx.AsyncByteStream):
         self._call = call
         self._closed = False
         self._drained = False
+        self._merge = call.caller_usage(response)
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         if self._drained:
@@ -83,11 +91,16 @@ class AsyncDecodeStream(httpx.AsyncByteStream):
                     async for rest in _until_error_async(chunks):
                         chunk += rest
                     self._drained = True
-                self._call.answer_bytes(chunk)
-                yield chunk
+                out = self._merge.feed(chunk) if self._merge else chunk
+                if out:
+                    self._call.answer_bytes(out)
+                    yield out
         except _STREAM_ERRORS as exc:
             raise self._call.broken_stream(exc, received) from exc
         self._drained = True
+        if held := (self._merge.end() if self._merge else b""):
+            self._call.answer_bytes(held)
+            yield held
 
     async def aclose(self) -> None:
         if self._closed:

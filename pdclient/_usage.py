@@ -32,6 +32,8 @@ from typing import Any
 import orjson
 
 _USAGE_KEY = b'"usage"'
+_FLUSH_UNFRAMED = 1 << 16
+"""An SSE body with no event end in this many bytes is passed on as it is."""
 
 
 def prefill_usage(payload: object) -> dict[str, Any] | None:
@@ -155,3 +157,41 @@ def _rewrite_event(event: bytes, prefill: Mapping[str, Any]) -> bytes | None:
     payload["usage"] = merged
     lines[index] = b"data: " + orjson.dumps(payload) + ending
     return b"".join(lines)
+
+
+class UsageMerge:
+    """A decode body on its way to the caller, with its usage merged (``merge_usage``).
+
+    Streamed: passed on in whole SSE events, as they complete (a partial event waits for
+    its end, as every SSE client waits for it), the final usage event rewritten. JSON:
+    held until whole (nothing reads half a JSON body), then rewritten once.
+    """
+
+    __slots__ = ("_buffer", "_prefill", "stream")
+
+    def __init__(self, prefill: Mapping[str, Any], *, stream: bool) -> None:
+        self._prefill = prefill
+        self.stream = stream
+        self._buffer = b""
+
+    def feed(self, data: bytes) -> bytes:
+        """The body bytes just read; returns what goes to the caller now."""
+        buffer = self._buffer + data if self._buffer else data
+        if not self.stream:
+            self._buffer = buffer
+            return b""
+        cut = buffer.rfind(b"\n\n") + 2
+        if cut < 2:
+            if len(buffer) < _FLUSH_UNFRAMED:
+                self._buffer = buffer
+                return b""
+            cut = len(buffer)
+        self._buffer = buffer[cut:]
+        return merge_usage_sse(buffer[:cut], self._prefill)
+
+    def end(self) -> bytes:
+        """The rest, once the body is whole."""
+        rest, self._buffer = self._buffer, b""
+        if self.stream:
+            return merge_usage_sse(rest, self._prefill)
+        return merge_usage_json(rest, self._prefill)

@@ -258,6 +258,8 @@ class PrefillResult:
     """The prefill's ``kv_transfer_params`` JSON object, or None when it sent none."""
     problem: str | None = None
     """Why no ids were taken from the response, when ``ids`` is None."""
+    prompt_tokens_details: bytes | None = None
+    """The prefill's ``usage.prompt_tokens_details`` JSON object (its cached tokens), when it sent one."""
 
     @property
     def holds_remote_kv(self) -> bool:
@@ -267,6 +269,7 @@ class PrefillResult:
 
 class _Usage(msgspec.Struct):
     prompt_tokens: int | None = None
+    prompt_tokens_details: msgspec.Raw = msgspec.Raw(b"null")
 
 
 class _ChatIds(msgspec.Struct):
@@ -327,10 +330,11 @@ def _read_compact(kind: Kind, content: bytes) -> PrefillResult | None:
     count = _count_token_ids(ids, decoded.usage.prompt_tokens if decoded.usage else None)
     if count == 0:
         return None
-    return PrefillResult(ids, count, _kv_object(bytes(decoded.kv_transfer_params)))
+    details = _json_object(bytes(decoded.usage.prompt_tokens_details)) if decoded.usage else None
+    return PrefillResult(ids, count, _json_object(bytes(decoded.kv_transfer_params)), None, details)
 
 
-def _kv_object(raw: bytes) -> bytes | None:
+def _json_object(raw: bytes) -> bytes | None:
     raw = raw.strip()
     return raw if raw.startswith(b"{") else None
 
@@ -355,7 +359,10 @@ def _read_parsed(kind: Kind, content: bytes) -> PrefillResult:
         return PrefillResult(None, 0, kv_params, "prefill response has no prompt_token_ids")
     if not isinstance(ids, list) or not ids or not all(type(i) is int and i >= 0 for i in ids):
         return PrefillResult(None, 0, kv_params, "prefill prompt_token_ids is not a non-empty list of token ids")
-    return PrefillResult(orjson.dumps(ids), len(ids), kv_params)
+    usage = payload.get("usage")
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    details_raw = orjson.dumps(details) if isinstance(details, dict) else None
+    return PrefillResult(orjson.dumps(ids), len(ids), kv_params, None, details_raw)
 
 
 def _count_token_ids(array: bytes, expected: int | None) -> int:

@@ -129,6 +129,8 @@ class VLLMServer:
             "--dtype", "bfloat16",
             # Eager starts in ~35 s; compiled takes 2-3 min every start (its cache does not reload).
             "--enforce-eager",
+            # usage.prompt_tokens_details (cached tokens): what the client's usage merge reports.
+            "--enable-prompt-tokens-details",
         ]  # fmt: skip
         if kv_connector is not None:
             self.argv += ["--kv-transfer-config", json.dumps(KV_CONNECTORS[kv_connector])]

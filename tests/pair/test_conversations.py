@@ -118,3 +118,27 @@ def test_a_p_d_turn_after_a_decode_only_turn_prefills_only_what_is_new(pd: PDSer
         first.usage.prompt_tokens,
         second.usage.prompt_tokens,
     )
+
+
+def test_a_p_d_calls_usage_reports_the_prefill_servers_cache(pd: PDServers) -> None:
+    """The caller's usage of a handoff: the prompt side is the prefill's (LocalPD runs
+    ``--enable-prompt-tokens-details``). The decode reports 0 ``created_cache_tokens`` on
+    the P/D path whatever the prefill cached, so a positive count is the prefill's."""
+    system = f"Conversation {uuid.uuid4().hex}. " + "Notes: the robot paints in the morning and sleeps at noon. " * 30
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Say hi."}]
+    with pd.client(remote_prefill="always") as client:
+        hits_before = metric(pd.prefill_url, HITS)
+        stream = client.chat.completions.create(
+            model=pd.model, messages=messages, stream=True, stream_options={"include_usage": True}, **GREEDY
+        )
+        usage = [c.usage for c in stream if c.usage is not None][-1]
+        hits = metric(pd.prefill_url, HITS) - hits_before
+        json_usage = client.chat.completions.create(model=pd.model, messages=messages, **GREEDY).usage
+    assert usage.prompt_tokens_details is not None and json_usage is not None
+    assert usage.prompt_tokens_details.cached_tokens == hits
+    created = (usage.prompt_tokens_details.model_extra or {}).get("created_cache_tokens")
+    assert created is not None and created >= 128, usage
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    # The same prompt again: the prefill server's cache holds its whole blocks now.
+    assert json_usage.prompt_tokens_details is not None
+    assert json_usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens // 128 * 128

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from pdclient._usage import merge_usage, merge_usage_json, merge_usage_sse, prefill_usage
+from pdclient._usage import UsageMerge, merge_usage, merge_usage_json, merge_usage_sse, prefill_usage
 
 # The prefill leg of a P/D follow-up: 1280 of its 1493 ids were in its prefix cache.
 PREFILL_RESPONSE: dict[str, Any] = {
@@ -154,3 +154,22 @@ def test_a_split_usage_event_is_rewritten_once_whole() -> None:
     prefill = prefill_usage(PREFILL_RESPONSE)
     assert merge_usage_sse(head, prefill) is head  # the caller keeps bytes until an event is whole
     assert json.loads(merge_usage_sse(head + tail, prefill).split(b"\n\n")[0][6:])["usage"] == MERGED
+
+
+@pytest.mark.parametrize("size", [1, 5, 17, 64, 10_000])
+def test_a_stream_merged_in_pieces_of_any_size_is_the_stream_merged_whole(size: int) -> None:
+    body = CONTENT_CHUNK * 3 + usage_chunk(DECODE_USAGE) + DONE
+    prefill = prefill_usage(PREFILL_RESPONSE)
+    assert prefill is not None
+    merge = UsageMerge(prefill, stream=True)
+    out = [merge.feed(body[i : i + size]) for i in range(0, len(body), size)]
+    out.append(merge.end())
+    assert b"".join(out) == merge_usage_sse(body, prefill)
+    assert all(piece.endswith(b"\n\n") for piece in out if piece), "only whole events go on"
+
+
+def test_a_json_body_is_held_until_whole_then_merged() -> None:
+    body = json.dumps({"id": "c", "choices": [], "usage": DECODE_USAGE}).encode()
+    merge = UsageMerge(prefill_usage(PREFILL_RESPONSE) or {}, stream=False)
+    assert merge.feed(body[:10]) == b"" and merge.feed(body[10:]) == b""
+    assert json.loads(merge.end())["usage"] == MERGED

@@ -342,3 +342,14 @@ def test_read_prefill_checks_the_count_against_the_servers_usage() -> None:
     assert read_prefill(Kind.CHAT, doubled).ids is None
     miscounted = read_prefill(Kind.CHAT, chat_response([1, 2, 3], usage={"prompt_tokens": 2}))
     assert miscounted.ids == b"[1,2,3]" and miscounted.count == 3
+
+
+@pytest.mark.parametrize("compact", [True, False], ids=["fast-path", "parsed"])
+def test_read_prefill_keeps_the_prefills_prompt_tokens_details(compact: bool) -> None:
+    details = {"cached_tokens": 256, "created_cache_tokens": 128}
+    body: dict[str, Any] = {"prompt_token_ids": [5, 6], "usage": {"prompt_tokens": 2, "prompt_tokens_details": details}}
+    content = orjson.dumps(body) if compact else json.dumps(body, indent=1).encode()
+    result = read_prefill(Kind.CHAT, content)
+    assert result.count == 2 and result.prompt_tokens_details is not None
+    assert orjson.loads(result.prompt_tokens_details) == details
+    assert read_prefill(Kind.CHAT, orjson.dumps({"prompt_token_ids": [5]})).prompt_tokens_details is None
