@@ -159,12 +159,13 @@ class PDOptions:
     max_decode_migrations: int = 1
     """How many times one streamed call may move to another decode endpoint after its stream
     broke, continuing the answer token for token (pdclient/_migrate.py); 0 turns it off."""
-    remote_prefill: str = "always"
-    """Whether a chat or completions call gets a remote prefill: ``"always"`` (every call is a
-    P/D handoff), ``"never"`` (every call goes decode-only, as the caller sent it), or
-    ``"auto"``: a chat call that extends a conversation the client remembers goes
-    decode-only to the decode endpoint that answered its previous turn when few of its
-    tokens are not in that server's prefix cache (``conversations``; issue 11)."""
+    remote_prefill: str = "auto"
+    """Whether a chat or completions call gets a remote prefill: ``"auto"`` (the default): a
+    chat call that extends a conversation the client remembers goes decode-only to the
+    decode endpoint that answered its previous turn when few of its tokens are not in that
+    server's prefix cache, every other call is a P/D handoff (``conversations``; issue 11);
+    ``"always"`` (every call is a P/D handoff, its behaviour before issue 11: no memory, no
+    warm-ups) or ``"never"`` (every call goes decode-only, as the caller sent it)."""
     conversations: ConversationSettings = field(default_factory=ConversationSettings)
     """How ``"auto"`` decides (``threshold_tokens``, ``max_uncached_ratio``) and how the
     conversations are remembered (one memory per fleet, shared by the client's copies)."""

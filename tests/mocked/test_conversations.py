@@ -229,9 +229,17 @@ async def test_auto_hands_off_completions_calls(mode: str, pair: FakeVLLM) -> No
     await t.close()
 
 
-async def test_always_is_the_default_and_remembers_nothing(mode: str, pair: FakeVLLM) -> None:
+async def test_auto_is_the_default(mode: str, pair: FakeVLLM) -> None:
     t, traces = twin(mode)
-    assert t.client.pd_options.remote_prefill == "always"
+    assert t.client.pd_options.remote_prefill == "auto"
+    await turn(t, TURN1, True)
+    await turn(t, TURN2, True)
+    assert [tr.outcome for tr in traces.traces] == [Outcome.DISAGGREGATED, Outcome.DECODE_ONLY]
+    await t.close()
+
+
+async def test_always_remembers_nothing(mode: str, pair: FakeVLLM) -> None:
+    t, traces = twin(mode, remote_prefill="always")
     await turn(t, TURN1, True)
     await turn(t, TURN2, True)
     assert len(pair.prefill_bodies) == 2
