@@ -15,7 +15,6 @@ import contextlib
 import hmac
 import logging
 import os
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -30,7 +29,8 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from .. import AsyncPDTransport, PDObserver
-from .._streams import ends_event_stream  # the one internal name: where a decode body ends
+from .._call import new_request_id  # the clients' request ids, cheaper than uuid4
+from .._streams import ends_event_stream  # where a decode body ends
 from ..metrics import PrometheusObserver, endpoint_states
 from ._config import CONFIG_ENV, ServeConfig
 from ._legs import AiohttpTransport
@@ -127,7 +127,7 @@ class Proxy:
         # The path as the caller encoded it (raw_path): "org%2Fmodel" stays one segment.
         raw_path: bytes = request.scope.get("raw_path") or request.url.path.encode()
         path = raw_path.decode("latin-1")[len(API_PREFIX) :]
-        request_id = request.headers.get("x-request-id") or f"pd-{uuid.uuid4().hex}"
+        request_id = request.headers.get("x-request-id") or new_request_id()
         upstream = httpx.Request(
             request.method,
             httpx.URL(self.api_base + path, query=request.url.query.encode()),
