@@ -96,7 +96,11 @@ def test_node_openai_streams_a_chat_through_the_proxy(pd: PDServers, serve: Serv
     assert done.returncode == 0, done.stderr
     lines = [json.loads(line) for line in done.stdout.splitlines()]
     assert lines[-1] == {"done": True, "text": reference}
-    assert len(lines) > 3, "streamed in chunks"
+    # A role chunk, content, the end. How many content chunks depends on vLLM: a busy API
+    # server merges the tokens its reader has not taken yet into one delta (its output
+    # collector), seen as one delta of 16 tokens on a loaded CI run. That the proxy passes
+    # a stream on chunk by chunk is shown on the stubs (tests/serve/test_clients.py).
+    assert len(lines) >= 3 and all("delta" in line for line in lines[:-1]), lines
     seen.assert_each_forwarded_ids(1)
 
 
