@@ -126,21 +126,9 @@ def make_arms(
     prefill_url: str, decode_url: str, messages: Any, traces: list[PDTrace], signed_traces: list[PDTrace]
 ) -> list[Arm]:
     # Every call a handoff: the same prompt again would go decode-only under the default "auto".
-    pd = PDChatClient(
-        prefill_base_url=prefill_url,
-        decode_base_url=decode_url,
-        api_key="-",
-        on_trace=traces.append,
-        remote_prefill="always",
-    )
-    signing = PDChatClient(
-        prefill_base_url=prefill_url,
-        decode_base_url=decode_url,
-        api_key="-",
-        on_trace=signed_traces.append,
-        reuse_secret="bench-secret",
-        remote_prefill="always",
-    )
+    urls = {"prefill_base_url": prefill_url, "decode_base_url": decode_url, "api_key": "-", "remote_prefill": "always"}
+    pd = PDChatClient(**urls, on_trace=traces.append)
+    signing = PDChatClient(**urls, on_trace=signed_traces.append, reuse_secret="bench-secret")
     # What a user writes by hand: two plain clients with their default HTTP client.
     prefill = openai.OpenAI(base_url=prefill_url, api_key="-")
     decode = openai.OpenAI(base_url=decode_url, api_key="-")

@@ -305,6 +305,20 @@ class BackgroundThread(_Driver):
             return self._failed(action, exc)
 
 
+def _on_loop(loop: asyncio.AbstractEventLoop, callback: Callable[[], object]) -> None:
+    """Run ``callback`` on ``loop``: now when called from it, else through the loop's own
+    thread-safe queue (nothing when the loop is closed: its tasks died with it)."""
+    try:
+        current = asyncio.get_running_loop()
+    except RuntimeError:
+        current = None
+    if current is loop:
+        callback()
+        return
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(callback)
+
+
 class BackgroundTask(_Driver):
     """Runs the cores in one asyncio task with one ``httpx.AsyncClient`` (async clients)."""
 
@@ -341,34 +355,14 @@ class BackgroundTask(_Driver):
     def wake(self) -> None:
         """Ask the cores for work now, not at the end of the current sleep (from any thread)."""
         task, wake = self._task, self._wake
-        if task is None or task.done() or wake is None:
-            return
-        loop = task.get_loop()
-        try:
-            current = asyncio.get_running_loop()
-        except RuntimeError:
-            current = None
-        if current is loop:
-            wake.set()
-            return
-        with contextlib.suppress(RuntimeError):  # its loop is closed
-            loop.call_soon_threadsafe(wake.set)
+        if task is not None and not task.done() and wake is not None:
+            _on_loop(task.get_loop(), wake.set)
 
     def cancel(self) -> None:
         """Stop the task without waiting for it; from any thread (its loop runs the cancel)."""
         task, self._task = self._task, None
-        if task is None or task.done():
-            return
-        loop = task.get_loop()
-        try:
-            current = asyncio.get_running_loop()
-        except RuntimeError:
-            current = None
-        if current is loop:
-            task.cancel()
-            return
-        with contextlib.suppress(RuntimeError):  # its loop is closed: the task died with it
-            loop.call_soon_threadsafe(task.cancel)
+        if task is not None and not task.done():
+            _on_loop(task.get_loop(), task.cancel)
 
     async def aclose(self) -> None:
         """Stop the task and wait for it."""
