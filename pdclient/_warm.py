@@ -26,6 +26,7 @@ from collections import deque
 import orjson
 
 from ._background import Fetch, Fetched, Job, Outcome
+from ._usage import prefill_usage
 
 logger = logging.getLogger("pdclient")
 
@@ -95,10 +96,12 @@ class PrefillWarmer:
 
 
 def _usage(text: str) -> tuple[int, int]:
-    """A chat answer's prompt tokens and cached prompt tokens (0 for what it does not say)."""
+    """A prefill answer's prompt tokens and cached prompt tokens (0 for what it does not say)."""
     try:
-        usage = orjson.loads(text).get("usage") or {}
-        details = usage.get("prompt_tokens_details") or {}
-        return int(usage.get("prompt_tokens") or 0), int(details.get("cached_tokens") or 0)
-    except (orjson.JSONDecodeError, AttributeError, TypeError, ValueError):
+        usage = prefill_usage(orjson.loads(text))
+    except orjson.JSONDecodeError:
         return 0, 0
+    if usage is None:
+        return 0, 0
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    return usage["prompt_tokens"], cached if type(cached) is int else 0
