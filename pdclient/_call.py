@@ -231,7 +231,7 @@ class Call:
         self.warm_up_url: str | None = None
         """The prefill endpoint this decode-only call's prompt was queued to (``_warm``)."""
         self.usage_merge: usage.UsageMerge | None = None
-        """The caller's usage made of both legs' (``_usage``): set with the decode body's stream."""
+        """The caller's usage made of both legs' (``_usage``): set with the decode's response."""
         self.collector: AnswerCollector | None = None
         """The answer the caller receives, kept to remember the turn (chat, ``remote_prefill`` not ``always``)."""
         self._conversation: dict[str, Any] | None = None
@@ -346,10 +346,24 @@ class Call:
             self._conversation = body
         return self._conversation
 
-    def answer_bytes(self, chunk: bytes) -> None:
-        """Bytes of the decode body handed to the caller (the streams call this)."""
-        if self.collector is not None:
-            self.collector.feed(chunk)
+    def to_caller(self, data: bytes) -> bytes:
+        """Bytes of the decode body on their way to the caller (the streams call this): the
+        usage merged on a disaggregated call, the answer collected. Returns what goes on now
+        (the merge holds a partial SSE event until its end, a JSON body until it is whole)."""
+        if self.usage_merge is not None:
+            data = self.usage_merge.feed(data)
+        if data and self.collector is not None:
+            self.collector.feed(data)
+        return data
+
+    def caller_rest(self) -> bytes:
+        """What the usage merge still holds, once the decode body is whole (the streams call this)."""
+        if self.usage_merge is None:
+            return b""
+        rest = self.usage_merge.end()
+        if rest and self.collector is not None:
+            self.collector.feed(rest)
+        return rest
 
     def _remember(self) -> None:
         """A whole answer of a call that went as planned: the next turn's prefix on its decode endpoint."""
@@ -481,7 +495,7 @@ class Call:
         if event in _SENDING:
             self.decode_may_have_reached = True
 
-    def caller_usage(self, response: httpx.Response) -> usage.UsageMerge | None:
+    def _usage_merge_for(self, response: httpx.Response) -> usage.UsageMerge | None:
         """How the decode body's ``usage`` is merged on its way to the caller, if it is.
 
         A disaggregated call's prompt side (``prompt_tokens``, ``prompt_tokens_details``:
@@ -498,10 +512,10 @@ class Call:
             prefill["prompt_tokens_details"] = orjson.loads(result.prompt_tokens_details)
         content_type = response.headers.get("content-type", "")
         if content_type.startswith("text/event-stream"):
-            self.usage_merge = usage.UsageMerge(prefill, stream=True)
-        elif content_type.startswith("application/json"):
-            self.usage_merge = usage.UsageMerge(prefill, stream=False)
-        return self.usage_merge
+            return usage.UsageMerge(prefill, stream=True)
+        if content_type.startswith("application/json"):
+            return usage.UsageMerge(prefill, stream=False)
+        return None
 
     def decode_response(
         self, response: httpx.Response, stream: httpx.SyncByteStream | httpx.AsyncByteStream
@@ -515,6 +529,8 @@ class Call:
             self.outcome = Outcome.FAILED
             self.error = f"decode answered HTTP {response.status_code}"
             self.failed_leg = "decode"
+        # Before the caller reads a byte; a continuation after a migration keeps it (same prompt side).
+        self.usage_merge = self._usage_merge_for(response)
         headers = _without_trace_headers(response.headers)
         if self.usage_merge is not None and not self.usage_merge.stream:
             headers.pop("content-length", None)  # the merged usage changes the body's length

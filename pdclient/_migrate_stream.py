@@ -83,7 +83,6 @@ class MigratingDecodeStream(httpx.SyncByteStream):
         self._transport = transport
         self._closed = False
         self._drained = False
-        self._merge = call.caller_usage(response)  # the first decode's: a continuation keeps the prompt side
 
     def __iter__(self) -> Iterator[bytes]:
         if self._drained:
@@ -109,23 +108,17 @@ class MigratingDecodeStream(httpx.SyncByteStream):
                             first = False
                             call.first_byte()
                         migration.delivered(time.perf_counter())
-                    if out and self._merge:
-                        out = self._merge.feed(out)
+                        out = call.to_caller(out)
                     if out:
-                        call.answer_bytes(out)
                         yield out
                     if self._drained:
                         break
                 else:
                     rest = tracker.end()
                     self._drained = True
-                    if rest and self._merge:
-                        rest = self._merge.feed(rest)
-                    if rest:
-                        call.answer_bytes(rest)
+                    if rest := call.to_caller(rest):
                         yield rest
-                if held := (self._merge.end() if self._merge else b""):
-                    call.answer_bytes(held)
+                if held := call.caller_rest():
                     yield held
                 return
             except _STREAM_ERRORS as exc:
@@ -229,7 +222,6 @@ class AsyncMigratingDecodeStream(httpx.AsyncByteStream):
         self._transport = transport
         self._closed = False
         self._drained = False
-        self._merge = call.caller_usage(response)  # the first decode's: a continuation keeps the prompt side
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         if self._drained:
@@ -254,23 +246,17 @@ class AsyncMigratingDecodeStream(httpx.AsyncByteStream):
                             first = False
                             call.first_byte()
                         migration.delivered(time.perf_counter())
-                    if out and self._merge:
-                        out = self._merge.feed(out)
+                        out = call.to_caller(out)
                     if out:
-                        call.answer_bytes(out)
                         yield out
                     if self._drained:
                         break
                 else:
                     rest = tracker.end()
                     self._drained = True
-                    if rest and self._merge:
-                        rest = self._merge.feed(rest)
-                    if rest:
-                        call.answer_bytes(rest)
+                    if rest := call.to_caller(rest):
                         yield rest
-                if held := (self._merge.end() if self._merge else b""):
-                    call.answer_bytes(held)
+                if held := call.caller_rest():
                     yield held
                 return
             except _STREAM_ERRORS as exc:

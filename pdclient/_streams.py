@@ -25,7 +25,6 @@ class DecodeStream(httpx.SyncByteStream):
         self._call = call
         self._closed = False
         self._drained = False
-        self._merge = call.caller_usage(response)
 
     def __iter__(self) -> Iterator[bytes]:
         if self._drained:
@@ -46,15 +45,12 @@ class DecodeStream(httpx.SyncByteStream):
                     for rest in _until_error(chunks):
                         chunk += rest
                     self._drained = True
-                out = self._merge.feed(chunk) if self._merge else chunk
-                if out:
-                    self._call.answer_bytes(out)
+                if out := self._call.to_caller(chunk):
                     yield out
         except _STREAM_ERRORS as exc:
             raise self._call.broken_stream(exc, received) from exc
         self._drained = True
-        if held := (self._merge.end() if self._merge else b""):
-            self._call.answer_bytes(held)
+        if held := self._call.caller_rest():
             yield held
 
     def close(self) -> None:
@@ -73,7 +69,6 @@ class AsyncDecodeStream(httpx.AsyncByteStream):
         self._call = call
         self._closed = False
         self._drained = False
-        self._merge = call.caller_usage(response)
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         if self._drained:
@@ -91,15 +86,12 @@ class AsyncDecodeStream(httpx.AsyncByteStream):
                     async for rest in _until_error_async(chunks):
                         chunk += rest
                     self._drained = True
-                out = self._merge.feed(chunk) if self._merge else chunk
-                if out:
-                    self._call.answer_bytes(out)
+                if out := self._call.to_caller(chunk):
                     yield out
         except _STREAM_ERRORS as exc:
             raise self._call.broken_stream(exc, received) from exc
         self._drained = True
-        if held := (self._merge.end() if self._merge else b""):
-            self._call.answer_bytes(held)
+        if held := self._call.caller_rest():
             yield held
 
     async def aclose(self) -> None:
