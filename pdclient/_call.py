@@ -170,6 +170,11 @@ class Leg:
         self._call.observers.leg_start(self._call, self)
         return request
 
+    def answered(self, chunks: int = 1) -> None:
+        """The answer is whole, in ``chunks`` pieces: the endpoint's latency learns the time per piece."""
+        if self.endpoint is not None:
+            self.endpoint.latency.observe((time.perf_counter() - self.sent_at) * 1000 / max(1, chunks))
+
     def end(self, status: int | None, error: BaseException | None) -> None:
         """The attempt is over: free the endpoint (its breaker learns the outcome), tell the observers."""
         if not self._open:
@@ -356,6 +361,11 @@ class Call:
             self.collector.feed(data)
         return data
 
+    def decode_streamed(self, reads: int) -> None:
+        """The decode's event stream is whole after ``reads`` network reads (the streams call
+        this): its endpoint learns the time per read, about one step of its batch."""
+        self.decode.answered(reads)
+
     def caller_rest(self) -> bytes:
         """What the usage merge still holds, once the decode body is whole (the streams call this)."""
         if self.usage_merge is None:
@@ -408,6 +418,8 @@ class Call:
     def check_prefill(self, response: httpx.Response) -> httpx.Response | None:
         """Judge one prefill attempt, body read: raise to retry, return a response to end the call, or None."""
         assert self.kind is not None
+        if response.status_code < 300:
+            self.prefill.answered()  # one token
         self.prefill.end(response.status_code, None)
         if retry.is_transient_status(response.status_code):
             raise retry.RetryableStatus(response)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from ._errors import PDConfigError, PDError
+from ._latency import PeakEWMA
 from ._routing import LeastOutstanding, RouteDecision, RouteRequest, decide
 
 if TYPE_CHECKING:
@@ -89,6 +90,8 @@ class Endpoint:
         self.in_flight = 0
         self.load: LoadSample | None = None
         """The server's own load as its last /metrics scrape said (``_load.LoadScraper`` writes it)."""
+        self.latency = PeakEWMA(clock=clock)
+        """How fast it answered this process's calls (``Leg.answered`` feeds it; see ``_latency``)."""
         self._breaker = breaker
         self._clock = clock
         self._failures = 0

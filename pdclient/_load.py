@@ -34,6 +34,7 @@ import logging
 import math
 import random
 import re
+import statistics
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -242,11 +243,26 @@ class LoadAware:
     routes alike, so for each call this one placed since, the others placed about
     ``scale - 1`` more. Counting only its own (scale 1), every process piles onto the
     server the last scrape showed idlest until the next scrape (measured: bench_fleet.py
-    (a), p99 0.75x least-outstanding's without, 0.49x with). When any candidate has no
-    fresh sample, the scores are not comparable and it routes as ``LeastOutstanding``
-    (this process's own view). Ties go to the endpoint with fewer of this process's calls
+    (a), p99 0.75x least-outstanding's without, 0.49x with). Ends are scaled as starts
+    are: scaling only the starts (the others' calls do not end where this one's do)
+    inflated every busy server's score between scrapes, and sent ~9 % of the calls to
+    the slowed one (p99 1.0-1.5x least-outstanding's, in one 3-round run).
+
+    When any candidate has no fresh sample, the scores are not comparable and it routes
+    as ``LeastOutstanding`` (this process's own view). Ties go to the endpoint with fewer of this process's calls
     (least-outstanding's rule, which differs between processes), then to a random one,
     so processes that read the same scrape do not all pick the same server.
+
+    ``latency`` (on by default) multiplies each score + 1 by how much slower than the
+    pool's median the endpoint has been answering this process (``Endpoint.latency``, a
+    peak-sensitive moving average of its answer times, ``_latency``; 1 when it has no
+    estimate or is not slower): the counts are the same for a server that works through
+    them 4x more slowly, or whose slots another tenant's long requests hold; its latency
+    is not. A penalty, never a bonus, so an endpoint whose estimate decayed while it was
+    avoided competes again by its counts alone. This is the cost of Finagle's and tower's
+    ``PeakEwma`` balancers, latency x (outstanding + 1), relative to the pool (measured,
+    bench_fleet.py (a): p99 0.85x least-outstanding's on a slow server that the counts
+    alone cannot tell, 1.00x; see the README).
 
     Defaults: a server's load is its outstanding requests, queued or running, as the
     SGLang / vllm-router ``cache_aware`` balancer counts a worker's load; the two weights
@@ -267,6 +283,7 @@ class LoadAware:
         running_weight: float = 1.0,
         kv_threshold: float = 0.8,
         extrapolate: bool = True,
+        latency: bool = True,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
     ) -> None:
@@ -276,6 +293,7 @@ class LoadAware:
         self.running_weight = running_weight
         self.kv_threshold = kv_threshold
         self.extrapolate = extrapolate
+        self.latency = latency
         self._clock = clock
         self._rng = rng or random.Random()
 
@@ -289,12 +307,24 @@ class LoadAware:
                 return None
             samples.append(sample)
         scale = self._scale(samples) if self.extrapolate else 1.0
+        slowness = self.slowness(endpoints) if self.latency else [1.0] * len(endpoints)
         scores = []
-        for endpoint, sample in zip(endpoints, samples, strict=True):
+        for endpoint, sample, slower in zip(endpoints, samples, slowness, strict=True):
             since = endpoint.in_flight - sample.local_in_flight
             server = self.waiting_weight * sample.waiting + self.running_weight * sample.running
-            scores.append(max(0.0, server + scale * since))
+            counts = max(0.0, server + scale * since)
+            scores.append(counts if slower == 1.0 else (counts + 1) * slower - 1)
         return scores
+
+    @staticmethod
+    def slowness(endpoints: Sequence[Endpoint]) -> list[float]:
+        """Each endpoint's latency estimate over the median of theirs, at least 1 (1 without an estimate)."""
+        estimates = [e.latency.estimate() for e in endpoints]
+        known = [x for x in estimates if x is not None and x > 0]
+        if len(known) < 2:
+            return [1.0] * len(endpoints)
+        median = statistics.median(known)
+        return [1.0 if x is None else max(1.0, x / median) for x in estimates]
 
     @staticmethod
     def _scale(samples: Sequence[LoadSample]) -> float:

@@ -94,15 +94,18 @@ class MigratingDecodeStream(httpx.SyncByteStream):
         first = True
         while True:
             chunks = iter(self._response.stream)  # type: ignore[arg-type]
+            reads = 0  # of this response: a move starts a leg of its own
             try:
                 for chunk in chunks:
                     received += len(chunk)
+                    reads += 1
                     out = tracker.feed(chunk)
                     if tracker.done:
                         # The answer is whole: read the body's end so the connection is reused.
                         for rest in _until_error(chunks):
                             out += rest
                         self._drained = True
+                        call.decode_streamed(reads)
                     if out:
                         if first:
                             first = False
@@ -233,14 +236,17 @@ class AsyncMigratingDecodeStream(httpx.AsyncByteStream):
         first = True
         while True:
             chunks = aiter(self._response.stream)  # type: ignore[arg-type]
+            reads = 0  # of this response: a move starts a leg of its own
             try:
                 async for chunk in chunks:
                     received += len(chunk)
+                    reads += 1
                     out = tracker.feed(chunk)
                     if tracker.done:
                         async for rest in _until_error_async(chunks):
                             out += rest
                         self._drained = True
+                        call.decode_streamed(reads)
                     if out:
                         if first:
                             first = False

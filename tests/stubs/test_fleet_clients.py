@@ -115,6 +115,35 @@ async def test_load_aware_routes_around_another_clients_load(
     await anyio.to_thread.run_sync(lambda: [t.join() for t in others])
 
 
+async def test_load_aware_weighs_a_server_slower_at_the_same_load(
+    mode: str, prefill: StubServer, decodes: list[StubServer]
+) -> None:
+    """Idle servers all score 0 by their counts; the one whose steps take 12x as long is
+    seen in this process's own streams (time per read) and left alone."""
+    traces: list[PDTrace] = []
+    twin = Twin(
+        mode,
+        prefill_base_url=prefill.url,
+        decode_base_url=[d.url for d in decodes],
+        decode_routing="load_aware",
+        load_signals=FAST_SCRAPES,
+        on_trace=traces.append,
+    )
+    decodes[2].step_seconds = 0.12
+    endpoints = twin.client.pd_fleet.decode.endpoints
+    for _ in range(60):  # ties go to a random member: until each has answered a stream
+        await twin.stream_text(messages=MESSAGES)
+        if all(e.latency.estimate() is not None for e in endpoints):
+            break
+    slow, fast = endpoints[2].latency.estimate(), max(e.latency.estimate() or 0 for e in endpoints[:2])
+    assert slow is not None and slow > 3 * fast, [e.latency for e in endpoints]
+    traces.clear()
+    for _ in range(6):
+        await twin.stream_text(messages=MESSAGES)
+    assert decodes[2].url not in {t.decode_url for t in traces}
+    await twin.close()
+
+
 # -- health checks ----------------------------------------------------------------------------------
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,7 @@ import pytest
 from pdclient._background import Fetch, Fetched
 from pdclient._endpoints import BreakerSettings, EndpointPool
 from pdclient._errors import PDConfigError
+from pdclient._latency import PeakEWMA
 from pdclient._load import (
     LoadAware,
     LoadSample,
@@ -355,3 +358,60 @@ def test_bad_settings_are_config_errors() -> None:
         ScrapeSettings(interval=2.0, staleness=1.0)
     with pytest.raises(PDConfigError):
         LoadAware(kv_threshold=0)
+
+
+# -- latency ------------------------------------------------------------------------------------
+
+
+def test_peak_ewma_jumps_to_a_peak_and_forgives_slowly() -> None:
+    clock = Clock()
+    latency = PeakEWMA(tau=10.0, clock=clock)
+    assert latency.estimate() is None
+    latency.observe(40.0)
+    assert latency.estimate() == 40.0
+    clock.now += 0.1
+    latency.observe(400.0)
+    assert latency.estimate() == 400.0, "a peak replaces the estimate at once"
+    clock.now += 0.1
+    latency.observe(40.0)
+    assert 390 < latency.estimate() < 400, "one fast answer 0.1 s later barely moves it"  # type: ignore[operator]
+    clock.now += 30.0
+    assert latency.estimate() < 400 * math.exp(-2.9), "it decays while nothing is observed"  # type: ignore[operator]
+    latency.observe(40.0)
+    assert latency.estimate() == 40.0, "a decayed estimate takes the next answer as its peak"
+
+
+def test_latency_is_a_penalty_relative_to_the_pool_never_a_bonus() -> None:
+    clock = Clock()
+    a, b, c = make_pool(3, clock).endpoints
+    for endpoint, ms in ((a, 30.0), (b, 40.0), (c, 160.0)):
+        endpoint.latency.observe(ms)
+    assert LoadAware.slowness([a, b, c]) == [1.0, 1.0, 4.0], "over the median (40), at least 1"
+    a.load, b.load, c.load = sample(clock, 0, 6), sample(clock, 0, 6), sample(clock, 0, 1)
+    policy = LoadAware(clock=clock, extrapolate=False)
+    assert policy.scores([a, b, c]) == [6, 6, 7], "(1 + 1) x 4 - 1"
+    assert policy.choose([a, b, c], REQUEST) in (a, b), "fewer requests, but 4x slower at them"
+    assert LoadAware(clock=clock, extrapolate=False, latency=False).choose([a, b, c], REQUEST) is c
+
+
+def test_latency_needs_two_estimates_to_compare() -> None:
+    clock = Clock()
+    a, b = make_pool(2, clock).endpoints
+    a.latency.observe(500.0)
+    assert LoadAware.slowness([a, b]) == [1.0, 1.0]
+
+
+def test_a_whole_answer_feeds_its_endpoints_latency_per_piece() -> None:
+    from pdclient._call import Leg
+
+    pool = make_pool(1)
+
+    class FakeCall:
+        request = None
+
+    leg = Leg(FakeCall(), "decode", pool)  # type: ignore[arg-type]
+    leg.pick(RouteRequest("decode"))
+    leg.sent_at = time.perf_counter() - 0.5
+    leg.answered(10)
+    estimate = pool.endpoints[0].latency.estimate()
+    assert estimate is not None and 50 <= estimate < 60, "0.5 s over 10 reads"
