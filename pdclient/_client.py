@@ -20,12 +20,13 @@ from ._endpoints import BreakerSettings, URLArg
 from ._errors import PDConfigError
 from ._fleet import Fleet
 from ._health import HealthSettings
+from ._leg_client import LEG_LIMITS
 from ._load import ScrapeSettings
 from ._observe import PDObserver
 from ._options import PDOptions
 from ._retry import RetrySettings
 from ._routing import RoutingPolicy
-from ._transport import LEG_LIMITS, AsyncPDTransport, PDTransport
+from ._transport import AsyncPDTransport, PDTransport
 
 if TYPE_CHECKING:
     from ._trace import PDTrace

@@ -155,7 +155,7 @@ class MigratingDecodeStream(httpx.SyncByteStream):
             continuation.route, continuation.note = Route.DECODE, f"no prefill endpoint: {exc}"
             return
         try:
-            response = self._transport._legs.send(request, stream=True)
+            response = self._transport._legs.send(request)
             try:
                 response.read()
             finally:
@@ -196,7 +196,7 @@ class MigratingDecodeStream(httpx.SyncByteStream):
             return
         leg, request = pending
         try:
-            response = self._transport._legs.send(request, stream=True)
+            response = self._transport._legs.send(request)
             try:
                 response.read()
             finally:
@@ -295,7 +295,7 @@ class AsyncMigratingDecodeStream(httpx.AsyncByteStream):
             continuation.route, continuation.note = Route.DECODE, f"no prefill endpoint: {exc}"
             return
         try:
-            response = await self._transport._legs.send(request, stream=True)
+            response = await self._transport._legs.send(request)
             try:
                 await response.aread()
             finally:
@@ -337,7 +337,7 @@ class AsyncMigratingDecodeStream(httpx.AsyncByteStream):
         leg, request = pending
         with anyio.CancelScope(shield=True):
             try:
-                response = await self._transport._legs.send(request, stream=True)
+                response = await self._transport._legs.send(request)
                 try:
                     await response.aread()
                 finally:

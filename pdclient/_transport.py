@@ -24,13 +24,11 @@ from ._call import Call, CallContext
 from ._endpoints import AllEndpointsOpen, URLArg
 from ._errors import PDConfigError
 from ._fleet import Fleet
+from ._leg_client import AsyncLegClient, LegClient
 from ._migrate_stream import async_decode_stream, decode_stream
 from ._observe import Observers, TraceCallback
 from ._options import PDOptions
 from ._wire import Refusal
-
-# The openai SDK's own pool limits, kept for the legs so a drop-in client pools alike.
-LEG_LIMITS = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
 
 
 def _resolve(prefill_base_url: URLArg, decode_base_url: URLArg, options: PDOptions | None) -> PDOptions:
@@ -60,7 +58,7 @@ class _TransportBase:
     """What the two transports share besides sending: their options, their fleet, derived copies."""
 
     _context: CallContext
-    _legs: httpx.Client | httpx.AsyncClient
+    _legs: LegClient | AsyncLegClient
     _asynchronous: ClassVar[bool]
     """Whether the transport serves an async client: its fleet's background work is then a task."""
 
@@ -94,7 +92,7 @@ class PDTransport(_TransportBase, httpx.BaseTransport):
     honouring ``HTTP(S)_PROXY`` / ``NO_PROXY`` as httpx does).
     """
 
-    _legs: httpx.Client
+    _legs: LegClient
     _asynchronous = False
 
     def __init__(
@@ -106,7 +104,7 @@ class PDTransport(_TransportBase, httpx.BaseTransport):
         leg_transport: httpx.BaseTransport | None = None,
     ) -> None:
         self._context = _context(_resolve(prefill_base_url, decode_base_url, options), None, asynchronous=False)
-        self._legs = httpx.Client(transport=leg_transport, limits=LEG_LIMITS, timeout=None)
+        self._legs = LegClient(leg_transport)
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         self._context.fleet.start()
@@ -136,7 +134,7 @@ class PDTransport(_TransportBase, httpx.BaseTransport):
                 with attempt:
                     request = call.prefill_request()
                     try:
-                        response = self._legs.send(request, stream=True)
+                        response = self._legs.send(request)
                         try:
                             response.read()
                         finally:
@@ -170,7 +168,7 @@ class PDTransport(_TransportBase, httpx.BaseTransport):
                 request = call.decode_request()
                 request.extensions["trace"] = lambda event, info: call.decode_event(event)
                 try:
-                    return self._legs.send(request, stream=True)
+                    return self._legs.send(request)
                 except BaseException as exc:
                     call.decode_attempt_failed(exc)
                     raise
@@ -184,7 +182,7 @@ class PDTransport(_TransportBase, httpx.BaseTransport):
             return
         leg, request = pending
         try:
-            response = self._legs.send(request, stream=True)
+            response = self._legs.send(request)
             try:
                 response.read()
             finally:
@@ -201,7 +199,7 @@ class PDTransport(_TransportBase, httpx.BaseTransport):
 class AsyncPDTransport(_TransportBase, httpx.AsyncBaseTransport):
     """Async twin of ``PDTransport`` (asyncio and trio)."""
 
-    _legs: httpx.AsyncClient
+    _legs: AsyncLegClient
     _asynchronous = True
 
     def __init__(
@@ -213,7 +211,7 @@ class AsyncPDTransport(_TransportBase, httpx.AsyncBaseTransport):
         leg_transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self._context = _context(_resolve(prefill_base_url, decode_base_url, options), None, asynchronous=True)
-        self._legs = httpx.AsyncClient(transport=leg_transport, limits=LEG_LIMITS, timeout=None)
+        self._legs = AsyncLegClient(leg_transport)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         self._context.fleet.start()
@@ -243,7 +241,7 @@ class AsyncPDTransport(_TransportBase, httpx.AsyncBaseTransport):
                 with attempt:
                     request = call.prefill_request()
                     try:
-                        response = await self._legs.send(request, stream=True)
+                        response = await self._legs.send(request)
                         try:
                             await response.aread()
                         finally:
@@ -281,7 +279,7 @@ class AsyncPDTransport(_TransportBase, httpx.AsyncBaseTransport):
 
                 request.extensions["trace"] = watch
                 try:
-                    return await self._legs.send(request, stream=True)
+                    return await self._legs.send(request)
                 except BaseException as exc:
                     call.decode_attempt_failed(exc)
                     raise
@@ -295,7 +293,7 @@ class AsyncPDTransport(_TransportBase, httpx.AsyncBaseTransport):
         leg, request = pending
         with anyio.CancelScope(shield=True):
             try:
-                response = await self._legs.send(request, stream=True)
+                response = await self._legs.send(request)
                 try:
                     await response.aread()
                 finally:

@@ -338,6 +338,8 @@ class StubServer:
         self.counts: dict[str, int] = {}
         """Requests served per path (``GET /stub/counts``)."""
         self.fault_hook: FaultHook | None = None
+        self.set_cookie: str | None = None
+        """A ``Set-Cookie`` value for every JSON answer (a load balancer's sticky-session cookie, say)."""
         self.healthy = True
         """False: /health answers 503 (vLLM's answer once its engine is dead)."""
         self.kv_usage: float | None = None
@@ -606,6 +608,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("content-length", str(len(data)))
         if request_id:
             self.send_header("x-request-id", request_id)
+        if self.stub.set_cookie:
+            self.send_header("set-cookie", self.stub.set_cookie)
         self.end_headers()
         self.wfile.write(data)
 

@@ -154,7 +154,7 @@ async def test_soak_random_faults_never_mix_ids_or_leak() -> None:
         fleet = client.pd_fleet
         in_flight = [e.in_flight for e in (*fleet.prefill.endpoints, *fleet.decode.endpoints)]
         # httpcore's pool, read for the test only: every leg connection must be back in it.
-        pool = client._client._transport._legs._transport._pool  # type: ignore[attr-defined]
+        pool = client._client._transport._legs._client._transport._pool  # type: ignore[attr-defined]
         busy_connections = [c for c in pool.connections if "ACTIVE" in c.info()]
         await client.close()
 

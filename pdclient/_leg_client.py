@@ -1,0 +1,75 @@
+"""Sending the legs: a pooled httpx client's transports, without the client's own layers.
+
+An httpx client around each leg request would add, per request, its auth and redirect
+loops, a timer wrapper on the body and a cookie jar: ``extract_cookies`` runs
+``http.cookiejar`` on every response, ~7 % of ``pdclient serve``'s CPU per call, for
+cookies it would never send (the legs are built as requests, not through the client's
+``build_request``, which is where a jar's cookies are added). Cookies are the caller's:
+their ``Cookie`` header reaches the legs with the request, and the decode's
+``Set-Cookie`` goes back in the response the caller's client is handed.
+
+So the client is kept for what it sets up once (the connection pool, the proxy mounts
+for ``HTTP(S)_PROXY`` / ``NO_PROXY``), and a leg goes straight to the transport the
+client would pick for its URL. What the client would do per request and the legs need is
+done here: Basic auth from credentials in a URL, and the request on a transport error.
+"""
+
+from __future__ import annotations
+
+import httpx
+
+# The openai SDK's own pool limits, kept for the legs so a drop-in client pools alike.
+LEG_LIMITS = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+
+
+def _with_url_auth(request: httpx.Request) -> httpx.Request:
+    """Credentials in the URL (``http://user:pass@host``) as Basic auth, as httpx's client sends them."""
+    url = request.url
+    if url.username or url.password:
+        return next(httpx.BasicAuth(url.username, url.password).sync_auth_flow(request))
+    return request
+
+
+class LegClient:
+    """Sends each leg, streamed, on ``transport`` (default: a pooled ``httpx.HTTPTransport``)."""
+
+    def __init__(self, transport: httpx.BaseTransport | None = None) -> None:
+        self._client = httpx.Client(transport=transport, limits=LEG_LIMITS, timeout=None)
+
+    def send(self, request: httpx.Request) -> httpx.Response:
+        """The response with its body unread; the caller closes it."""
+        request = _with_url_auth(request)
+        try:
+            response = self._client._transport_for_url(request.url).handle_request(request)
+        except httpx.RequestError as exc:
+            exc.request = request
+            raise
+        response.request = request
+        return response
+
+    def close(self) -> None:
+        self._client.close()
+
+
+class AsyncLegClient:
+    """Async twin of ``LegClient``."""
+
+    def __init__(self, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self._client = httpx.AsyncClient(transport=transport, limits=LEG_LIMITS, timeout=None)
+
+    async def send(self, request: httpx.Request) -> httpx.Response:
+        """The response with its body unread; the caller closes it."""
+        request = _with_url_auth(request)
+        try:
+            response = await self._client._transport_for_url(request.url).handle_async_request(request)
+        except httpx.RequestError as exc:
+            exc.request = request
+            raise
+        response.request = request
+        return response
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+__all__ = ["LEG_LIMITS", "AsyncLegClient", "LegClient"]
