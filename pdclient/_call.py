@@ -53,7 +53,8 @@ from ._warm import WARM_UP_TIMEOUT
 logger = logging.getLogger("pdclient")
 
 # Hop-by-hop or derived headers that must not be copied onto a leg's new request.
-_DROPPED_REQUEST_HEADERS = ("host", "content-length", "transfer-encoding", "connection")
+_RAW_HEADER_PREFIX = HEADER_PREFIX.encode("ascii")
+_DROPPED_REQUEST_HEADERS = frozenset({b"host", b"content-length", b"transfer-encoding", b"connection", b"x-request-id"})
 # The one-token decode that frees an abandoned handoff's KV: bounded, so a caller that
 # is going away (Ctrl-C, a cancelled task) waits at most this long for it.
 RELEASE_TIMEOUT = 10.0
@@ -84,7 +85,7 @@ new_request_id = _RequestIds().next
 
 
 @functools.lru_cache(maxsize=1024)
-def _leg_url(base: str, path: str, query: bytes) -> httpx.URL:
+def leg_url(base: str, path: str, query: bytes) -> httpx.URL:
     """A leg's URL, parsed once per endpoint, path and query (httpx URLs are immutable)."""
     return httpx.URL(base + path, query=query or None)
 
@@ -205,7 +206,7 @@ class Call:
         self.data: dict[Any, Any] = {}
         self.phase = Phase.PLANNING
         fleet = context.fleet
-        url = str(request.url.copy_with(query=None))
+        url = str(request.url).partition("?")[0]  # copy_with(query=None) would parse the URL again
         base = fleet.decode.base_of(url)
         self.relative_path = url[len(base) :] if base is not None else ""
         self.kind = wire.route_kind(self.relative_path) if base is not None and request.method == "POST" else None
@@ -731,16 +732,15 @@ class Call:
         ``content`` None forwards the caller's body stream as it is (pass-through: a
         multipart upload is never read into memory here).
         """
-        headers = self.request.headers.copy()
-        for name in _DROPPED_REQUEST_HEADERS:
-            headers.pop(name, None)
-        headers["x-request-id"] = self.request_id
         url = self.request.url
         if self.relative_path:
-            url = _leg_url(base, self.relative_path, url.query)
-        headers["host"] = url.netloc.decode("ascii")
+            url = leg_url(base, self.relative_path, url.query)
+        # One pass over the caller's raw headers: httpx's Headers.pop scans them per name.
+        headers = [(k, v) for k, v in self.request.headers.raw if k.lower() not in _DROPPED_REQUEST_HEADERS]
+        # The caller's own id goes on as the bytes it came as (decoded with the headers' encoding).
+        headers += [(b"x-request-id", self.request_id.encode(self.request.headers.encoding)), (b"host", url.netloc)]
         if signed_with is not None:
-            headers[SIGNATURE_HEADER] = signed_with
+            headers.append((SIGNATURE_HEADER.encode("ascii"), signed_with.encode("ascii")))
         extensions = _timeout_within(self.request.extensions, deadline)
         if content is None:
             return httpx.Request(
@@ -761,7 +761,8 @@ def _timeout_within(extensions: dict[str, Any], deadline: float | None) -> dict[
 
 def _without_trace_headers(headers: httpx.Headers) -> httpx.Headers:
     """A server's response headers without any ``x-pd-*`` of its own: only pdclient writes those."""
-    return httpx.Headers([(k, v) for k, v in headers.multi_items() if not k.lower().startswith(HEADER_PREFIX)])
+    # As raw bytes: a value beyond ASCII passes as it came (as str, httpx would encode it as ASCII).
+    return httpx.Headers([(k, v) for k, v in headers.raw if not k.lower().startswith(_RAW_HEADER_PREFIX)])
 
 
 def _text(response: httpx.Response) -> str:

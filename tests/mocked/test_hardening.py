@@ -284,6 +284,20 @@ async def test_15_server_trace_headers_do_not_leak(mode: str, pd_routes: respx.M
     await twin.close()
 
 
+async def test_15_a_server_header_beyond_ascii_reaches_the_caller_as_it_came(
+    mode: str, pd_routes: respx.MockRouter
+) -> None:
+    """Dropping the servers' x-pd-* headers rebuilt them as str, which httpx encodes as ASCII:
+    a UTF-8 header from the decode server was a crash."""
+    note = "Zoë".encode()
+    pd_routes["decode"].mock(return_value=httpx.Response(200, json=chat_json("ok"), headers=[(b"x-note", note)]))
+    twin, traces = traced(mode)
+    raw = await twin.call(twin.client.chat.completions.with_raw_response.create, model="m", messages=MESSAGES)
+    assert raw.headers.raw[[k for k, _ in raw.headers.raw].index(b"x-note")][1] == note
+    assert traces[0].outcome is Outcome.DISAGGREGATED
+    await twin.close()
+
+
 # -- 17: an undecodable prefill body --------------------------------------------------------------
 
 
