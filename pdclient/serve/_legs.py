@@ -39,7 +39,7 @@ from yarl import URL
 
 _SENDING = "http11.send_request_headers.started"
 # Hop-by-hop, or computed by aiohttp for the body it sends.
-_DROPPED = ("transfer-encoding", "connection", "keep-alive")
+_DROPPED = (b"transfer-encoding", b"connection", b"keep-alive")
 
 Trace = Callable[[str, dict[str, Any]], Awaitable[None]]
 
@@ -48,6 +48,16 @@ async def _headers_sent(session: aiohttp.ClientSession, context: SimpleNamespace
     trace: Trace | None = (context.trace_request_ctx or {}).get("trace")
     if trace is not None:
         await trace(_SENDING, {})
+
+
+def _header_text(value: bytes) -> str:
+    """A header value as the str aiohttp takes: it writes values as UTF-8, so UTF-8 bytes pass
+    unchanged; other bytes beyond ASCII (rare: Latin-1 from an old client) go as UTF-8 of
+    their Latin-1 reading, the only way aiohttp can send them."""
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        return value.decode("latin-1")
 
 
 def _httpx_error(exc: BaseException, request: httpx.Request) -> httpx.TransportError:
@@ -69,21 +79,29 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
 
     def __init__(self, *, max_connections: int = 1000) -> None:
         self._max_connections = max_connections
-        self._session: aiohttp.ClientSession | None = None
+        self._connector: aiohttp.TCPConnector | None = None
+        self._sessions: dict[bool, aiohttp.ClientSession] = {}
         self._proxies: dict[tuple[str, str, int | None], tuple[URL | None, aiohttp.BasicAuth | None]] = {}
 
-    def _get_session(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            trace = aiohttp.TraceConfig()
-            trace.on_request_headers_sent.append(_headers_sent)
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=0),
-                trace_configs=[trace],
+    def _get_session(self, traced: bool) -> aiohttp.ClientSession:
+        """One pool of connections; two sessions on it, as aiohttp's tracing costs every request
+        of a session that has it (~4 % of the proxy's CPU) and only decode legs watch for it."""
+        session = self._sessions.get(traced)
+        if session is None:
+            if self._connector is None:
+                self._connector = aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=0)
+            traces = [aiohttp.TraceConfig()] if traced else []
+            for trace in traces:
+                trace.on_request_headers_sent.append(_headers_sent)
+            session = self._sessions[traced] = aiohttp.ClientSession(
+                connector=self._connector,
+                connector_owner=False,
+                trace_configs=traces,
                 auto_decompress=False,  # bodies pass as the servers sent them, as with httpcore
                 cookie_jar=aiohttp.DummyCookieJar(),
                 skip_auto_headers=("User-Agent", "Accept-Encoding", "Accept", "Content-Type"),
             )
-        return self._session
+        return session
 
     def _proxy_for(self, url: httpx.URL) -> tuple[URL | None, aiohttp.BasicAuth | None]:
         """The proxy the environment names for ``url``'s origin (as the clients' httpx legs and
@@ -105,16 +123,17 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             sock_read=timeouts.get("read"),
         )
         headers = [
-            (name.decode("latin-1"), value.decode("latin-1"))
+            (name.decode("latin-1"), _header_text(value))
             for name, value in request.headers.raw
-            if name.lower().decode("latin-1") not in _DROPPED
+            if name.lower() not in _DROPPED
         ]
         # In memory (a leg's body, or none for a GET), or a pass-through upload streamed as it arrives.
         stream = request.stream
         data = (b"".join(stream) or None) if isinstance(stream, httpx.ByteStream) else _body_of(request)
         proxy, proxy_auth = self._proxy_for(request.url)
+        trace = request.extensions.get("trace")
         try:
-            response = await self._get_session().request(
+            response = await self._get_session(trace is not None).request(
                 request.method,
                 str(request.url),
                 headers=headers,
@@ -123,21 +142,24 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
                 proxy=proxy,
                 proxy_auth=proxy_auth,
                 allow_redirects=False,
-                trace_request_ctx={"trace": request.extensions.get("trace")},
+                trace_request_ctx={"trace": trace},
             )
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise _httpx_error(exc, request) from exc
         return httpx.Response(
             response.status,
-            headers=[(name.decode("latin-1"), value.decode("latin-1")) for name, value in response.raw_headers],
+            headers=response.raw_headers,  # as bytes: a value beyond ASCII passes as it came
             stream=_Body(response, request),
             extensions={"http_version": b"HTTP/1.1", "reason_phrase": (response.reason or "").encode("latin-1")},
         )
 
     async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        sessions, self._sessions = self._sessions, {}
+        for session in sessions.values():
+            await session.close()
+        if self._connector is not None:
+            await self._connector.close()
+            self._connector = None
 
 
 async def _body_of(request: httpx.Request) -> AsyncIterator[bytes]:

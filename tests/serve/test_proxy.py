@@ -69,6 +69,25 @@ async def test_each_chunk_reaches_the_caller_before_the_stub_sends_the_next(stub
     assert [s.how for s in stub.streams] == ["completed"]
 
 
+async def test_a_method_it_does_not_proxy_is_a_405_naming_it(proxy: RunningProxy, stub: StubServer) -> None:
+    async with httpx.AsyncClient() as http:
+        response = await http.request("TRACE", proxy.base_url + "/models")
+    assert response.status_code == 405 and "TRACE" in response.json()["error"]["message"]
+    assert "POST" in response.headers["allow"] and not stub.received
+
+
+async def test_header_bytes_beyond_ascii_reach_both_legs_unchanged(proxy: RunningProxy, stub: StubServer) -> None:
+    """A header value in UTF-8 (some clients send them) passes as the caller's bytes."""
+    async with httpx.AsyncClient() as http:
+        headers = {"x-user": "Zoë".encode(), "x-request-id": b"r-\xc3\xa9"}
+        response = await http.post(proxy.base_url + "/chat/completions", json=CHAT, headers=headers)
+    assert response.status_code == 200
+    for leg in (*stub.legs("prefill"), *stub.legs("decode")):
+        # http.server decodes header bytes as latin-1: the UTF-8 bytes show as two characters each.
+        assert leg.headers["x-user"] == "Zoë".encode().decode("latin-1")
+        assert leg.headers["x-request-id"] == "r-\xc3\xa9"
+
+
 async def test_request_id_is_kept_and_query_passes_through(proxy: RunningProxy, stub: StubServer) -> None:
     async with httpx.AsyncClient() as http:
         response = await http.get(proxy.base_url + "/models?limit=5", headers={"x-request-id": "caller-7"})
