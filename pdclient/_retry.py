@@ -15,6 +15,7 @@ whole call after a transport error, 408, 409, 429 or 5xx)::
 from __future__ import annotations
 
 import email.utils
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -121,26 +122,32 @@ class _WaitRetryAfterOrBackoff(tenacity.wait.wait_base):
         return float(self._backoff(retry_state))
 
 
-def _stop_at(deadline: float) -> tenacity.stop.stop_base:
+class _StopAtDeadline(tenacity.stop.stop_base):
     """Stop when the next attempt could not start before the call's deadline."""
 
-    class _StopAtDeadline(tenacity.stop.stop_base):
-        def __call__(self, retry_state: tenacity.RetryCallState) -> bool:
-            return time.monotonic() + (retry_state.upcoming_sleep or 0) >= deadline
+    def __init__(self, deadline: float) -> None:
+        self._deadline = deadline
 
-    return _StopAtDeadline()
+    def __call__(self, retry_state: tenacity.RetryCallState) -> bool:
+        return time.monotonic() + (retry_state.upcoming_sleep or 0) >= self._deadline
+
+
+@functools.lru_cache(maxsize=64)
+def _prefill_parts(settings: RetrySettings) -> tuple[tenacity.stop.stop_base, _WaitRetryAfterOrBackoff]:
+    # tenacity's stop and wait objects hold no state: built once per settings, not per call.
+    return tenacity.stop_after_attempt(settings.prefill_attempts), _WaitRetryAfterOrBackoff(settings)
+
+
+_PREFILL_RETRY = tenacity.retry_if_exception_type(PREFILL_RETRYABLE)
 
 
 def prefill_policy(settings: RetrySettings, deadline: float) -> dict[str, object]:
     """tenacity arguments for the prefill leg (shared by ``Retrying`` and ``AsyncRetrying``)."""
-    return {
-        "stop": tenacity.stop_after_attempt(settings.prefill_attempts) | _stop_at(deadline),
-        "wait": _WaitRetryAfterOrBackoff(settings),
-        "retry": tenacity.retry_if_exception_type(PREFILL_RETRYABLE),
-        "reraise": True,
-    }
+    attempts, wait = _prefill_parts(settings)
+    return {"stop": attempts | _StopAtDeadline(deadline), "wait": wait, "retry": _PREFILL_RETRY, "reraise": True}
 
 
+@functools.lru_cache(maxsize=64)
 def decode_policy(settings: RetrySettings) -> dict[str, object]:
     """tenacity arguments for opening the decode leg: only when nothing reached a server."""
     return {
