@@ -52,9 +52,10 @@ from ._warm import WARM_UP_TIMEOUT
 
 logger = logging.getLogger("pdclient")
 
-# Hop-by-hop or derived headers that must not be copied onto a leg's new request.
-_RAW_HEADER_PREFIX = HEADER_PREFIX.encode("ascii")
+# Hop-by-hop or derived headers that must not be copied onto a leg's new request (the
+# request id is set anew, as the call's).
 _DROPPED_REQUEST_HEADERS = frozenset({b"host", b"content-length", b"transfer-encoding", b"connection", b"x-request-id"})
+_RAW_HEADER_PREFIX = HEADER_PREFIX.encode("ascii")
 # The one-token decode that frees an abandoned handoff's KV: bounded, so a caller that
 # is going away (Ctrl-C, a cancelled task) waits at most this long for it.
 RELEASE_TIMEOUT = 10.0

@@ -18,7 +18,9 @@ import email.utils
 import functools
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import httpx
 import tenacity
@@ -148,13 +150,17 @@ def prefill_policy(settings: RetrySettings, deadline: float) -> dict[str, object
 
 
 @functools.lru_cache(maxsize=64)
-def decode_policy(settings: RetrySettings) -> dict[str, object]:
-    """tenacity arguments for opening the decode leg: only when nothing reached a server."""
-    return {
-        "stop": tenacity.stop_after_attempt(settings.decode_attempts),
-        "wait": tenacity.wait_exponential_jitter(
-            multiplier=settings.backoff_initial, max=settings.backoff_max, jitter=settings.backoff_initial
-        ),
-        "retry": tenacity.retry_if_exception_type((httpx.ConnectError, httpx.ConnectTimeout)),
-        "reraise": True,
-    }
+def decode_policy(settings: RetrySettings) -> Mapping[str, object]:
+    """tenacity arguments for opening the decode leg: only when nothing reached a server.
+
+    One read-only mapping per settings (cached): every call unpacks the same one."""
+    return MappingProxyType(
+        {
+            "stop": tenacity.stop_after_attempt(settings.decode_attempts),
+            "wait": tenacity.wait_exponential_jitter(
+                multiplier=settings.backoff_initial, max=settings.backoff_max, jitter=settings.backoff_initial
+            ),
+            "retry": tenacity.retry_if_exception_type((httpx.ConnectError, httpx.ConnectTimeout)),
+            "reraise": True,
+        }
+    )

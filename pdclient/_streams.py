@@ -29,7 +29,7 @@ class DecodeStream(httpx.SyncByteStream):
     def __iter__(self) -> Iterator[bytes]:
         if self._drained:
             return  # read to its end already (openai drains a stream again after [DONE])
-        received = chunked = 0
+        received = reads = 0
         tail = b""
         chunks = iter(self._response.stream)  # type: ignore[arg-type]
         try:
@@ -37,7 +37,7 @@ class DecodeStream(httpx.SyncByteStream):
                 if not received and chunk:
                     self._call.first_byte()
                 received += len(chunk)
-                chunked += 1
+                reads += 1
                 tail = _tail(tail, chunk)
                 if ends_event_stream(tail):
                     # openai stops reading at [DONE] and closes; the body's end is right behind
@@ -46,7 +46,7 @@ class DecodeStream(httpx.SyncByteStream):
                     for rest in _until_error(chunks):
                         chunk += rest
                     self._drained = True
-                    self._call.decode_streamed(chunked)
+                    self._call.decode_streamed(reads)
                 if out := self._call.to_caller(chunk):
                     yield out
         except _STREAM_ERRORS as exc:
@@ -75,7 +75,7 @@ class AsyncDecodeStream(httpx.AsyncByteStream):
     async def __aiter__(self) -> AsyncIterator[bytes]:
         if self._drained:
             return
-        received = chunked = 0
+        received = reads = 0
         tail = b""
         chunks = aiter(self._response.stream)  # type: ignore[arg-type]
         try:
@@ -83,13 +83,13 @@ class AsyncDecodeStream(httpx.AsyncByteStream):
                 if not received and chunk:
                     self._call.first_byte()
                 received += len(chunk)
-                chunked += 1
+                reads += 1
                 tail = _tail(tail, chunk)
                 if ends_event_stream(tail):
                     async for rest in _until_error_async(chunks):
                         chunk += rest
                     self._drained = True
-                    self._call.decode_streamed(chunked)
+                    self._call.decode_streamed(reads)
                 if out := self._call.to_caller(chunk):
                     yield out
         except _STREAM_ERRORS as exc:
