@@ -55,6 +55,9 @@ logger = logging.getLogger("pdclient")
 # Hop-by-hop or derived headers that must not be copied onto a leg's new request (the
 # request id is set anew, as the call's).
 _DROPPED_REQUEST_HEADERS = frozenset({b"host", b"content-length", b"transfer-encoding", b"connection", b"x-request-id"})
+# How the caller framed its body: kept when its body stream goes on unread (a leg without
+# them would declare no body, and h11 refuses to send one).
+_BODY_FRAMING = frozenset({b"content-length", b"transfer-encoding"})
 _RAW_HEADER_PREFIX = HEADER_PREFIX.encode("ascii")
 # The one-token decode that frees an abandoned handoff's KV: bounded, so a caller that
 # is going away (Ctrl-C, a cancelled task) waits at most this long for it.
@@ -737,13 +740,15 @@ class Call:
         if self.relative_path:
             url = leg_url(base, self.relative_path, url.query)
         # One pass over the caller's raw headers: httpx's Headers.pop scans them per name.
-        headers = [(k, v) for k, v in self.request.headers.raw if k.lower() not in _DROPPED_REQUEST_HEADERS]
+        raw = self.request.headers.raw
+        headers = [(k, v) for k, v in raw if k.lower() not in _DROPPED_REQUEST_HEADERS]
         # The caller's own id goes on as the bytes it came as (decoded with the headers' encoding).
         headers += [(b"x-request-id", self.request_id.encode(self.request.headers.encoding)), (b"host", url.netloc)]
         if signed_with is not None:
             headers.append((SIGNATURE_HEADER.encode("ascii"), signed_with.encode("ascii")))
         extensions = _timeout_within(self.request.extensions, deadline)
         if content is None:
+            headers += [(k, v) for k, v in raw if k.lower() in _BODY_FRAMING]
             return httpx.Request(
                 self.request.method, url, headers=headers, stream=self.request.stream, extensions=extensions
             )

@@ -9,7 +9,8 @@ so the code under test runs its true connection path, unlike a respx mock:
   ``choices[0]`` for completions) and a NIXL-like ``kv_transfer_params`` dict;
 - any other POST there is answered as a decode: an SSE stream of a few chunks when
   ``stream`` is true (chunked transfer encoding, one event per chunk), JSON otherwise;
-- GET ``/v1/models`` lists one model;
+- GET ``/v1/models`` lists one model; POST ``/v1/files`` answers a file object whose
+  ``bytes`` is the length of the body it read (an upload passed through);
 - GET ``/metrics`` answers vLLM-shaped Prometheus text: its own
   ``vllm:num_requests_running`` / ``vllm:num_requests_waiting`` (generation requests
   being answered / queued for a slot when ``max_running`` is set), a
@@ -179,6 +180,8 @@ class Received:
     """Chat decode with ids: whether they are the ones a prefill of this request returns."""
     query: str = ""
     """The request's query string, without the ``?``."""
+    raw_body: bytes = b""
+    """The body's bytes as they arrived (a multipart upload's, say)."""
 
 
 FaultHook = Callable[[Received], Fault | None]
@@ -579,7 +582,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self.rfile.readline()
         return self.rfile.read(int(self.headers.get("content-length") or 0))
 
-    def _received(self, leg: str, body: Any, path: str) -> Received:
+    def _received(self, leg: str, body: Any, path: str, raw_body: bytes = b"") -> Received:
         forwarded = ids_match = None
         if leg == "decode" and isinstance(body, dict):
             ids = forwarded_ids(path, body)
@@ -597,6 +600,7 @@ class _Handler(BaseHTTPRequestHandler):
             forwarded_ids=forwarded,
             ids_match=ids_match,
             query=self.path.partition("?")[2],
+            raw_body=raw_body,
         )
 
     # -- writing ---------------------------------------------------------------------
@@ -723,7 +727,7 @@ class _Handler(BaseHTTPRequestHandler):
             body = None
         routed = path in ("/v1/chat/completions", "/v1/completions")
         leg = _leg(body) if routed else "other"
-        received = self._received(leg, body, path)
+        received = self._received(leg, body, path, raw)
         fault = self.stub._fault_for(received)
         if self._faulted(fault):
             return
@@ -741,6 +745,10 @@ class _Handler(BaseHTTPRequestHandler):
                     capacity_chars=capacity, block_chars=cache.block_chars, seconds_per_char=cache.seconds_per_char
                 )
             self._send(200, {"healthy": self.stub.healthy, "kv_usage": self.stub.kv_usage})
+            return
+        if path == "/v1/files":  # an upload (multipart): what a file object says of the bytes read
+            file = {"id": "file-stub", "object": "file", "bytes": len(raw), "created_at": 0, "filename": "upload"}
+            self._send(200, {**file, "purpose": "batch", "status": "processed"})
             return
         if not routed:
             self._error(404, f"no route POST {path}")

@@ -111,6 +111,16 @@ async def test_other_routes_pass_through_to_decode_unchanged(proxy: RunningProxy
         assert missing.status_code == 404 and len(stub.received) == 2  # outside /v1: not proxied
 
 
+async def test_a_multipart_upload_reaches_the_decode_whole(proxy: RunningProxy, stub: StubServer) -> None:
+    """A file upload (the openai SDK's files API) passes through, body and framing intact."""
+    content = "é\n".encode() * 5000
+    async with openai.AsyncOpenAI(base_url=proxy.base_url, api_key="-", max_retries=0) as client:
+        created = await client.files.create(file=("a.jsonl", content), purpose="batch")
+    (upload,) = stub.received
+    assert upload.path == "/v1/files" and created.bytes == len(upload.raw_body)
+    assert b'filename="a.jsonl"' in upload.raw_body and content in upload.raw_body
+
+
 @pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
 async def test_body_over_the_limit_is_413_naming_the_limit(stub: StubServer, chunked: bool) -> None:
     big = orjson.dumps({**CHAT, "padding": "x" * 5000})

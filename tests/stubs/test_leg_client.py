@@ -1,4 +1,5 @@
-"""The legs keep no cookie jar of their own (pdclient/_leg_client.py), on real sockets."""
+"""How the legs go out (pdclient/_leg_client.py, ``Call._leg_request``), on real sockets: no
+cookie jar of their own, credentials from the URL, a streamed body with its framing."""
 
 from __future__ import annotations
 
@@ -35,4 +36,17 @@ async def test_credentials_in_a_url_are_sent_as_basic_auth(mode: str) -> None:
         await twin.chat(messages=MESSAGES, max_tokens=4)
         expected = "Basic " + base64.b64encode(b"user:pa ss").decode()
         assert prefill.legs("prefill")[0].headers["authorization"] == expected
+        await twin.close()
+
+
+async def test_a_multipart_upload_passes_through_with_its_framing(mode: str) -> None:
+    """The caller's body stream goes on unread, so its Content-Length (or chunked framing)
+    goes with it: without either, h11 would declare an empty body and refuse to send it."""
+    with StubServer() as stub:
+        twin = Twin(mode, prefill_base_url=stub.url, decode_base_url=stub.url)
+        content = "é\n".encode() * 5000
+        created = await twin.call(twin.client.files.create, file=("a.jsonl", content), purpose="batch")
+        (upload,) = stub.received
+        assert upload.path == "/v1/files" and created.bytes == len(upload.raw_body)
+        assert b'filename="a.jsonl"' in upload.raw_body and content in upload.raw_body
         await twin.close()
