@@ -29,7 +29,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from .. import AsyncPDTransport, PDObserver
-from .._call import leg_url, new_request_id  # URLs parsed once per path; ids cheaper than uuid4
+from .._call import leg_url, new_request_id, request_with_content  # the per-call costs, cut once (see each)
 from .._streams import ends_event_stream  # where a decode body ends
 from ..metrics import PrometheusObserver, endpoint_states
 from ._config import CONFIG_ENV, ServeConfig
@@ -144,12 +144,12 @@ class Proxy:
         path = raw_path.decode("latin-1")[len(API_PREFIX) :]
         given_id = _header(headers, b"x-request-id")
         request_id = given_id.decode("latin-1") if given_id else new_request_id()
-        upstream = httpx.Request(
+        upstream = request_with_content(
             scope["method"],
             leg_url(self.api_base, path, scope["query_string"]),
-            headers=self._upstream_headers(headers, request_id),
-            content=body,
-            extensions={"timeout": self._timeouts},
+            self._upstream_headers(headers, request_id),
+            body,
+            {"timeout": self._timeouts},
         )
         await _ProxiedResponse(self, upstream, request_id)(scope, receive, send)
 
