@@ -16,7 +16,6 @@ from typing import ClassVar
 
 import anyio
 import httpx
-import tenacity
 from typing_extensions import Self
 
 from . import _retry as retry
@@ -130,22 +129,22 @@ class PDTransport(_TransportBase, httpx.BaseTransport):
 
     def _prefill(self, call: Call) -> httpx.Response | None:
         try:
-            for attempt in tenacity.Retrying(**call.prefill_retrying()):  # type: ignore[arg-type]
-                with attempt:
-                    request = call.prefill_request()
-                    try:
-                        response = self._legs.send(request)
-                        try:
-                            response.read()
-                        finally:
-                            response.close()
-                    except BaseException as exc:
-                        call.prefill.end(None, exc)
-                        raise
-                    return call.check_prefill(response)
+            return retry.run(call.prefill_retrying(), self._prefill_attempt, call)
         except (*retry.PREFILL_RETRYABLE, AllEndpointsOpen) as exc:
             return call.prefill_failed(exc)
-        return None
+
+    def _prefill_attempt(self, call: Call) -> httpx.Response | None:
+        request = call.prefill_request()
+        try:
+            response = self._legs.send(request)
+            try:
+                response.read()
+            finally:
+                response.close()
+        except BaseException as exc:
+            call.prefill.end(None, exc)
+            raise
+        return call.check_prefill(response)
 
     def _decode(self, call: Call) -> httpx.Response:
         try:
@@ -163,16 +162,16 @@ class PDTransport(_TransportBase, httpx.BaseTransport):
             raise
 
     def _open_decode(self, call: Call) -> httpx.Response:
-        for attempt in tenacity.Retrying(**retry.decode_policy(self._context.options.retries)):  # type: ignore[arg-type]
-            with attempt:
-                request = call.decode_request()
-                request.extensions["trace"] = lambda event, info: call.decode_event(event)
-                try:
-                    return self._legs.send(request)
-                except BaseException as exc:
-                    call.decode_attempt_failed(exc)
-                    raise
-        raise AssertionError("unreachable: tenacity reraises the last error")
+        return retry.run(retry.decode_policy(self._context.options.retries), self._decode_attempt, call)
+
+    def _decode_attempt(self, call: Call) -> httpx.Response:
+        request = call.decode_request()
+        request.extensions["trace"] = lambda event, info: call.decode_event(event)
+        try:
+            return self._legs.send(request)
+        except BaseException as exc:
+            call.decode_attempt_failed(exc)
+            raise
 
     def _release(self, call: Call) -> None:
         """The handoff was abandoned between the legs: free the prefill's KV blocks now,
@@ -237,22 +236,22 @@ class AsyncPDTransport(_TransportBase, httpx.AsyncBaseTransport):
 
     async def _prefill(self, call: Call) -> httpx.Response | None:
         try:
-            async for attempt in tenacity.AsyncRetrying(**call.prefill_retrying()):  # type: ignore[arg-type]
-                with attempt:
-                    request = call.prefill_request()
-                    try:
-                        response = await self._legs.send(request)
-                        try:
-                            await response.aread()
-                        finally:
-                            await response.aclose()
-                    except BaseException as exc:
-                        call.prefill.end(None, exc)
-                        raise
-                    return call.check_prefill(response)
+            return await retry.run_async(call.prefill_retrying(), self._prefill_attempt, call)
         except (*retry.PREFILL_RETRYABLE, AllEndpointsOpen) as exc:
             return call.prefill_failed(exc)
-        return None
+
+    async def _prefill_attempt(self, call: Call) -> httpx.Response | None:
+        request = call.prefill_request()
+        try:
+            response = await self._legs.send(request)
+            try:
+                await response.aread()
+            finally:
+                await response.aclose()
+        except BaseException as exc:
+            call.prefill.end(None, exc)
+            raise
+        return call.check_prefill(response)
 
     async def _decode(self, call: Call) -> httpx.Response:
         try:
@@ -270,20 +269,20 @@ class AsyncPDTransport(_TransportBase, httpx.AsyncBaseTransport):
             raise
 
     async def _open_decode(self, call: Call) -> httpx.Response:
-        async for attempt in tenacity.AsyncRetrying(**retry.decode_policy(self._context.options.retries)):  # type: ignore[arg-type]
-            with attempt:
-                request = call.decode_request()
+        return await retry.run_async(retry.decode_policy(self._context.options.retries), self._decode_attempt, call)
 
-                async def watch(event: str, info: object) -> None:
-                    call.decode_event(event)
+    async def _decode_attempt(self, call: Call) -> httpx.Response:
+        request = call.decode_request()
 
-                request.extensions["trace"] = watch
-                try:
-                    return await self._legs.send(request)
-                except BaseException as exc:
-                    call.decode_attempt_failed(exc)
-                    raise
-        raise AssertionError("unreachable: tenacity reraises the last error")
+        async def watch(event: str, info: object) -> None:
+            call.decode_event(event)
+
+        request.extensions["trace"] = watch
+        try:
+            return await self._legs.send(request)
+        except BaseException as exc:
+            call.decode_attempt_failed(exc)
+            raise
 
     async def _release(self, call: Call) -> None:
         """Async twin of ``PDTransport._release``: shielded, so a cancelled caller still sends it."""

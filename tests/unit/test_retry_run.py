@@ -1,0 +1,78 @@
+"""``_retry.run`` / ``run_async``: tenacity's loop from the first attempt's failure, attempts counted as tenacity does."""
+
+from __future__ import annotations
+
+import anyio
+import httpx
+import pytest
+import tenacity
+
+from pdclient import _retry as retry
+
+POLICY = {
+    "stop": tenacity.stop_after_attempt(3),
+    "wait": tenacity.wait_fixed(0.01),
+    "retry": tenacity.retry_if_exception_type(httpx.ConnectError),
+    "reraise": True,
+}
+
+
+class Flaky:
+    """Fails with ``error`` the first ``failures`` times, then answers its attempt number."""
+
+    def __init__(self, failures: int, error: BaseException | None = None) -> None:
+        self.failures = failures
+        self.error = error or httpx.ConnectError("refused")
+        self.attempts = 0
+
+    def __call__(self, tag: str) -> str:
+        self.attempts += 1
+        if self.attempts <= self.failures:
+            raise self.error
+        return f"{tag}-{self.attempts}"
+
+    async def async_call(self, tag: str) -> str:
+        await anyio.sleep(0)
+        return self(tag)
+
+
+async def run(mode: str, flaky: Flaky, policy: dict[str, object] = POLICY) -> str:
+    if mode == "sync":
+        return retry.run(policy, flaky, "a")
+    return await retry.run_async(policy, flaky.async_call, "a")
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+async def test_the_first_attempt_that_answers_ends_it(mode: str) -> None:
+    for failures in (0, 1, 2):
+        flaky = Flaky(failures)
+        assert await run(mode, flaky) == f"a-{failures + 1}" and flaky.attempts == failures + 1
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+async def test_the_bare_first_attempt_counts_against_the_stop(mode: str) -> None:
+    flaky = Flaky(5)
+    with pytest.raises(httpx.ConnectError):
+        await run(mode, flaky)
+    assert flaky.attempts == 3
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+async def test_an_error_the_policy_does_not_retry_is_raised_at_once(mode: str) -> None:
+    flaky = Flaky(1, httpx.ReadTimeout("slow"))
+    with pytest.raises(httpx.ReadTimeout):
+        await run(mode, flaky)
+    assert flaky.attempts == 1
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+async def test_the_waits_see_the_attempt_numbers_tenacity_gives(mode: str) -> None:
+    seen: list[int] = []
+
+    def wait(state: tenacity.RetryCallState) -> float:
+        seen.append(state.attempt_number)
+        return 0.0
+
+    flaky = Flaky(2)
+    assert await run(mode, flaky, {**POLICY, "wait": wait}) == "a-3"
+    assert seen == [1, 2]  # as tenacity.Retrying(...)(fn): the wait after attempt 1, then after 2
