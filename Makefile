@@ -14,7 +14,7 @@ VENV_OPENAI2 = $(shell tools/venv.sh requirements-openai2.txt)
 PYTEST = -m pytest -ra -p no:cacheprovider
 
 .PHONY: test install system-packages install-openai2 lint typecheck test-client test-openai2 test-server-patch test-fast demo \
-        bench-client-overhead bench-decode-ttft bench-proxies bench-migration bench-conversations
+        bench-client-overhead bench-decode-ttft bench-proxies bench-serve-cpu bench-migration bench-conversations
 
 # Every tier, in the order a failure is cheapest to find (docs/ARCHITECTURE.md, "Tests").
 test: lint typecheck test-client test-openai2 test-server-patch
@@ -72,6 +72,10 @@ bench-decode-ttft: install
 # (added latency and throughput on loopback stubs). The peers: benchmarks/peers/README.md.
 bench-proxies: install
 	$(VENV)/bin/python benchmarks/bench_proxies.py $(ARGS)
+
+# pdclient serve's own CPU per call against another revision, in process: ARGS="--against REV".
+bench-serve-cpu: install
+	$(VENV)/bin/python benchmarks/bench_serve_cpu.py $(ARGS)
 
 # Decode migration: the caller's pause when a decode server is SIGKILLed mid-answer, against
 # a full retry, on a trio it starts (~20 min; wrap it in `vllm-slot --exclusive` on a shared host).
