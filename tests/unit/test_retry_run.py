@@ -1,8 +1,9 @@
-"""``_retry.run`` / ``run_async``: tenacity's loop from the first attempt's failure, attempts counted as tenacity does."""
+"""``_retry.run`` / ``run_async``: tenacity's loop from the first attempt's failure, counted as
+tenacity counts."""
 
 from __future__ import annotations
 
-import anyio
+import anyio.lowlevel
 import httpx
 import pytest
 import tenacity
@@ -32,7 +33,7 @@ class Flaky:
         return f"{tag}-{self.attempts}"
 
     async def async_call(self, tag: str) -> str:
-        await anyio.sleep(0)
+        await anyio.lowlevel.checkpoint()
         return self(tag)
 
 
