@@ -136,11 +136,7 @@ class PDTransport(_TransportBase, httpx.BaseTransport):
     def _prefill_attempt(self, call: Call) -> httpx.Response | None:
         request = call.prefill_request()
         try:
-            response = self._legs.send(request)
-            try:
-                response.read()
-            finally:
-                response.close()
+            response = self._read(request)
         except BaseException as exc:
             call.prefill.end(None, exc)
             raise
@@ -181,14 +177,19 @@ class PDTransport(_TransportBase, httpx.BaseTransport):
             return
         leg, request = pending
         try:
-            response = self._legs.send(request)
-            try:
-                response.read()
-            finally:
-                response.close()
+            response = self._read(request)
             leg.end(response.status_code, None)
         except Exception as exc:
             leg.end(None, exc)
+
+    def _read(self, request: httpx.Request) -> httpx.Response:
+        """A leg's response, its body read and its connection back in the pool."""
+        response = self._legs.send(request)
+        try:
+            response.read()
+        finally:
+            response.close()
+        return response
 
     def close(self) -> None:
         self._context.fleet.close()
@@ -243,11 +244,7 @@ class AsyncPDTransport(_TransportBase, httpx.AsyncBaseTransport):
     async def _prefill_attempt(self, call: Call) -> httpx.Response | None:
         request = call.prefill_request()
         try:
-            response = await self._legs.send(request)
-            try:
-                await response.aread()
-            finally:
-                await response.aclose()
+            response = await self._read(request)
         except BaseException as exc:
             call.prefill.end(None, exc)
             raise
@@ -292,14 +289,18 @@ class AsyncPDTransport(_TransportBase, httpx.AsyncBaseTransport):
         leg, request = pending
         with anyio.CancelScope(shield=True):
             try:
-                response = await self._legs.send(request)
-                try:
-                    await response.aread()
-                finally:
-                    await response.aclose()
+                response = await self._read(request)
                 leg.end(response.status_code, None)
             except Exception as exc:
                 leg.end(None, exc)
+
+    async def _read(self, request: httpx.Request) -> httpx.Response:
+        response = await self._legs.send(request)
+        try:
+            await response.aread()
+        finally:
+            await response.aclose()
+        return response
 
     async def aclose(self) -> None:
         await self._context.fleet.aclose()
