@@ -130,6 +130,12 @@ class PDOptions:
     name a fallback URL. A server that passes its callers' bodies on (``pdclient serve``)
     turns this off, else any caller could make it send requests to any address; such a
     call is then refused (400) before any server is called."""
+    allow_call_overrides: bool = True
+    """Whether a call's own options (``extra_body={"pdclient": {...}}``) may make it less
+    conservative than these options: raise ``max_decode_migrations``, turn an
+    ``on_prefill_failure`` of ``"fail"`` into ``"decode"``, or choose a ``remote_prefill``
+    other than this one. Off, such an option is refused (400 naming it) and only
+    narrowing ones pass: ``pdclient serve`` turns it off unless its operator allows them."""
     routing: str | RoutingPolicy = "least_outstanding"
     """Both legs' policy: ``"least_outstanding"``, ``"round_robin"``, ``"power_of_two"``,
     ``"affinity"``, ``"load_aware"`` (the servers' own queues from /metrics), or a
@@ -178,6 +184,7 @@ class PDOptions:
         set_(self, "decode_base_url", resolve_urls(self.decode_base_url, argument="decode_base_url", env=DECODE_ENV))
         set_(self, "on_prefill_failure", check_failure_policy(self.on_prefill_failure, "on_prefill_failure"))
         _check_type("allow_call_fallback_url", self.allow_call_fallback_url, bool)
+        _check_type("allow_call_overrides", self.allow_call_overrides, bool)
         set_(self, "routing", _check_routing(self.routing))
         _check_type("breaker", self.breaker, BreakerSettings)
         _check_type("retries", self.retries, RetrySettings)

@@ -23,6 +23,12 @@ if TYPE_CHECKING:
     from ._endpoints import Endpoint
 
 
+TENANT_EXTENSION = "pdclient.tenant"
+"""The httpx request extension that names the caller's tenant (``RouteRequest.tenant``):
+set by a server that passes many callers' requests on (``pdclient serve``), never read
+from anything a caller sends."""
+
+
 @dataclass(frozen=True)
 class RouteRequest:
     """What a policy may know of the leg it routes."""
@@ -34,6 +40,10 @@ class RouteRequest:
     prompt_text: str | None = None
     """The chat messages' text, role-tagged, in order; computed only for a policy whose
     ``wants_prompt_text`` is true (``_prefix_index.prompt_text`` renders it)."""
+    tenant: str | None = None
+    """Who is calling, as an opaque digest (``pdclient serve`` sets one per API key or per
+    the header its operator names; None in process). State a policy keeps per prompt or
+    conversation is kept per tenant, so no caller learns of or evicts another's."""
 
 
 @dataclass(frozen=True)
