@@ -170,6 +170,8 @@ _SPECIAL: Mapping[str, dict[str, Any]] = {
     "on_prefill_failure": {"metavar": "POLICY"},
     "reuse_secret": {"env": SECRET_ENV, "metavar": "SECRET"},
     "remote_prefill": {"parse": _str, "choices": REMOTE_PREFILL_MODES},
+    # Callers of a proxy are not its operator: their per-call options may only narrow these settings.
+    "allow_call_overrides": {"default": False},
     "conversation_max_uncached_ratio": {"metavar": "RATIO"},
     "conversation_initial_chars_per_token": {"metavar": "RATIO"},
 }
@@ -206,6 +208,8 @@ _CLIENT_HELP: Mapping[str, str] = {
     "conversation_ratio_window": "recent prefill answers the learned ratio is computed over",
     "conversation_overhead_tokens_per_message": "template tokens added per message to every estimate",
     "conversation_warm_prefill": "auto: a decode-only call's prompt also goes to the prefill server, off its path",
+    "allow_call_overrides": "let callers' per-call options (extra_body {'pdclient': {...}}) loosen these settings: "
+    "more decode migrations, decode-only after a failed prefill, another remote_prefill (off: refused with a 400)",
 }
 
 
