@@ -4,10 +4,12 @@
     pdclient serve --config serve.toml --api-key "$KEY" --workers 4
     python -m pdclient serve ...
 
-Settings come from a config file (``--config``, TOML or JSON, keys as the flags without
-``--``), then the environment (``$PDCLIENT_PREFILL_BASE_URL`` / ``$PDCLIENT_DECODE_BASE_URL``
-comma-separated, ``$PDCLIENT_SERVE_API_KEYS``, ``$PDCLIENT_SERVE_UPSTREAM_API_KEY``,
-``$PDCLIENT_REUSE_SECRET``), then flags, each overriding the one before. The flags are
+Settings come from a config file (``--config`` or ``$PDCLIENT_SERVE_CONFIG``, TOML or
+JSON, keys as the flags without ``--``), then the environment (every setting as
+``$PDCLIENT_SERVE_<NAME>``, e.g. ``$PDCLIENT_SERVE_PORT``; the URLs as
+``$PDCLIENT_PREFILL_BASE_URL`` / ``$PDCLIENT_DECODE_BASE_URL``, comma-separated, and
+``$PDCLIENT_REUSE_SECRET``, as the library reads them), then flags, each overriding the one
+before. The flags are
 made from the settings (``pdclient.serve.SETTINGS``: ``PDOptions``'s fields, then the
 proxy's own), so a setting has one name everywhere. Errors are raised; ``pdclient.cli.main``
 reports them.
@@ -16,10 +18,12 @@ reports them.
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 from .. import PDConfigError
 from ..serve import SETTINGS, ServeConfig, Setting
+from ..serve._config import CONFIG_FILE_ENV
 from . import CLIError
 
 
@@ -31,7 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "proxy": parser.add_argument_group("the proxy"),
     }
     groups["proxy"].add_argument(
-        "--config", metavar="FILE", default=argparse.SUPPRESS, help="settings file (.toml, or JSON)"
+        "--config",
+        metavar="FILE",
+        default=argparse.SUPPRESS,
+        help=f"settings file (.toml, or JSON); ${CONFIG_FILE_ENV}",
     )
     for setting in SETTINGS:
         default = "" if setting.default in ((), None) or setting.is_switch else f" (default: {setting.default})"
@@ -66,7 +73,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     """The config a parsed command line describes (with its config file and environment)."""
     names = {s.name for s in SETTINGS}
     given = {k: v for k, v in vars(args).items() if k in names}
-    return ServeConfig.load(getattr(args, "config", None), **given)
+    return ServeConfig.load(getattr(args, "config", None) or os.environ.get(CONFIG_FILE_ENV) or None, **given)
 
 
 def register(commands: Any) -> None:

@@ -30,10 +30,16 @@ from .._endpoints import DECODE_ENV, PREFILL_ENV
 from .._routing import POLICIES
 from .._signing import SECRET_ENV
 
+ENV_PREFIX = "PDCLIENT_SERVE_"
+"""Every setting is also ``$PDCLIENT_SERVE_<NAME>`` (``--log-format`` is
+``$PDCLIENT_SERVE_LOG_FORMAT``), except those PDOptions itself reads from the environment
+(the base URLs, the reuse secret), which keep their one name."""
 API_KEYS_ENV = "PDCLIENT_SERVE_API_KEYS"
 UPSTREAM_API_KEY_ENV = "PDCLIENT_SERVE_UPSTREAM_API_KEY"
-CONFIG_ENV = "PDCLIENT_SERVE_CONFIG"
-"""The resolved config as JSON, for the worker processes of ``--workers N``."""
+CONFIG_FILE_ENV = "PDCLIENT_SERVE_CONFIG"
+"""The settings file, as ``--config`` names it."""
+CONFIG_ENV = "_PDCLIENT_SERVE_WORKER_CONFIG"
+"""Internal, not a setting: the resolved config as JSON, for the worker processes of ``--workers N``."""
 
 
 # -- parsing one value -------------------------------------------------------------------
@@ -243,6 +249,7 @@ def _setting(name: str, annotation: str, default: Any, path: tuple[str, ...]) ->
         raise TypeError(f"pdclient serve has no setting for PDOptions field {'.'.join(path)} ({annotation})")
     special.setdefault("default", default)
     special.setdefault("metavar", _METAVARS.get(parse))
+    special.setdefault("env", ENV_PREFIX + name.upper())
     return Setting(name, _CLIENT_HELP[name], parse, path=("options", *path), group="client", **special)
 
 
@@ -434,7 +441,7 @@ def _own_settings() -> list[Setting]:
             f.metadata["parse"],
             f.default,
             (f.name,),
-            env=f.metadata["env"],
+            env=f.metadata["env"] or ENV_PREFIX + f.name.upper(),
             choices=f.metadata["choices"],
             flag=f.metadata["flag"],
             metavar=f.metadata["metavar"],

@@ -22,13 +22,7 @@ def parse(*argv: str) -> ServeConfig:
 
 @pytest.fixture(autouse=True)
 def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in (
-        "PDCLIENT_PREFILL_BASE_URL",
-        "PDCLIENT_DECODE_BASE_URL",
-        "PDCLIENT_SERVE_API_KEYS",
-        "PDCLIENT_SERVE_UPSTREAM_API_KEY",
-        "PDCLIENT_REUSE_SECRET",
-    ):
+    for name in {s.env for s in SETTINGS if s.env} | {"PDCLIENT_SERVE_CONFIG"}:
         monkeypatch.delenv(name, raising=False)
 
 
@@ -80,6 +74,50 @@ def test_environment_gives_urls_and_keys(monkeypatch: pytest.MonkeyPatch) -> Non
     assert config.options.prefill_urls == (P,) and config.options.decode_urls == (D1, D2)
     assert config.api_keys == ("k1", "k2")
     assert parse("--decode", D2).options.decode_urls == (D2,)  # a flag wins over the environment
+
+
+def test_every_setting_is_also_an_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``$PDCLIENT_SERVE_<NAME>`` for each, but the names the library itself reads."""
+    own = {"prefill": "PDCLIENT_PREFILL_BASE_URL", "decode": "PDCLIENT_DECODE_BASE_URL"}
+    own["reuse_secret"] = "PDCLIENT_REUSE_SECRET"
+    for setting in SETTINGS:
+        assert setting.env == own.get(setting.name, f"PDCLIENT_SERVE_{setting.name.upper()}"), setting.name
+    for name, value in {
+        "PDCLIENT_PREFILL_BASE_URL": P,
+        "PDCLIENT_DECODE_BASE_URL": D1,
+        "PDCLIENT_SERVE_PORT": "9100",
+        "PDCLIENT_SERVE_HOST": "0.0.0.0",
+        "PDCLIENT_SERVE_WORKERS": "3",
+        "PDCLIENT_SERVE_LOG_FORMAT": "json",
+        "PDCLIENT_SERVE_TRACE_HEADERS": "on",
+        "PDCLIENT_SERVE_BREAKER_FAILURES": "7",
+        "PDCLIENT_SERVE_ROUTING": "round_robin",
+        "PDCLIENT_SERVE_CONVERSATION_WARM_PREFILL": "off",
+    }.items():
+        monkeypatch.setenv(name, value)
+    config = parse()
+    assert (config.port, config.host, config.workers, config.log_format) == (9100, "0.0.0.0", 3, "json")
+    assert config.trace_headers is True and config.options.breaker.failures == 7
+    assert config.options.routing == "round_robin" and config.options.conversations.warm_prefill is False
+    assert parse("--port", "9200", "--no-conversation-warm-prefill").port == 9200  # flags win
+    monkeypatch.setenv("PDCLIENT_SERVE_WORKERS", "zero")
+    with pytest.raises(PDConfigError, match="workers"):
+        parse()
+
+
+def test_the_config_file_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    file = tmp_path / "serve.json"
+    file.write_text(json.dumps({"prefill": [P], "decode": [D1], "port": 7000}))
+    monkeypatch.setenv("PDCLIENT_SERVE_CONFIG", str(file))
+    assert parse().port == 7000
+    monkeypatch.setenv("PDCLIENT_SERVE_PORT", "7001")
+    assert parse().port == 7001  # file < environment
+
+
+def test_the_worker_variable_is_not_a_setting() -> None:
+    from pdclient.serve._config import CONFIG_ENV
+
+    assert CONFIG_ENV.startswith("_") and CONFIG_ENV not in {s.env for s in SETTINGS}
 
 
 @pytest.mark.parametrize("suffix", [".toml", ".json"])
