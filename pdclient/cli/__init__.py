@@ -1,9 +1,12 @@
 """The `pdclient` command line (also `python -m pdclient`): one module per subcommand.
 
-    pdclient chat     stream an answer through a P/D pair (a local one when none is given)
+    pdclient chat     stream an answer through a P/D pair
     pdclient bench    decode and client TTFT with and without forwarded ids, on a pair
     pdclient doctor   can this pair do a token-reusing handoff?
     pdclient serve    the handoff as an OpenAI-compatible P/D proxy, for clients in any language
+
+chat, bench and doctor name their pair alike (``open_pair``): ``--prefill`` / ``--decode``,
+else the environment, else ``--local`` to start one; nothing is started unless asked.
 
 Each subcommand module has ``register(subparsers)`` and a ``run(args) -> int`` that raises
 on failure; ``main`` reports every failure as one line on stderr with exit code 1, never a
@@ -17,7 +20,7 @@ import contextlib
 import logging
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .. import __version__
@@ -36,9 +39,12 @@ class CLIError(Exception):
 
 
 def add_pair_arguments(parser: argparse.ArgumentParser) -> None:
-    """The endpoint arguments shared by the subcommands that talk to a pair."""
+    """The arguments that name a pair, the same for every subcommand that talks to one."""
     parser.add_argument("--prefill", metavar="URL", help=f"prefill base URL (default: ${PREFILL_ENV})")
     parser.add_argument("--decode", metavar="URL", help=f"decode base URL (default: ${DECODE_ENV})")
+    parser.add_argument(
+        "--local", action="store_true", help="start a local prefill+decode vLLM pair for the command (~1 min)"
+    )
     parser.add_argument("--model", help="model name (default: the first one the decode server lists)")
     parser.add_argument(
         "--api-key",
@@ -48,30 +54,43 @@ def add_pair_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 @contextlib.contextmanager
-def open_client(args: argparse.Namespace, **client_args: Any) -> Iterator[tuple[PDChatClient, str]]:
-    """A PDChatClient for --prefill/--decode, else for the pair in the environment, else for a
-    LocalPD started for the command (and stopped after it); and the model to call."""
+def open_pair(args: argparse.Namespace, **local_pd_args: Any) -> Iterator[tuple[str, str, str | None]]:
+    """The pair a command names, as (prefill URL, decode URL, model or None): --prefill and
+    --decode, else $PDCLIENT_PREFILL_BASE_URL / $PDCLIENT_DECODE_BASE_URL, else with --local a
+    LocalPD started for the command (and stopped after it). Nothing is started unless asked."""
+    given = (args.prefill, args.decode)
+    if any(given) and not all(given):
+        raise CLIError("give both --prefill and --decode (or neither)")
+    prefill, decode = given if all(given) else (os.environ.get(PREFILL_ENV), os.environ.get(DECODE_ENV))
+    if args.local:
+        if prefill or decode:
+            raise CLIError("--local starts a pair: give it without --prefill/--decode (or unset their variables)")
+        from ..local import LocalPD
+
+        # LocalPD reports its long steps (first-time setup, server starts) on this logger.
+        logging.getLogger("pdclient.local").setLevel(logging.INFO)
+        with LocalPD(**local_pd_args) as pair:
+            yield pair.prefill_url, pair.decode_url, args.model or pair.model
+        return
+    if bool(prefill) != bool(decode):
+        raise CLIError(f"${PREFILL_ENV} and ${DECODE_ENV} go together: set both, or give --prefill and --decode")
+    if not prefill or not decode:
+        raise CLIError(f"no pair: give --prefill and --decode (or set ${PREFILL_ENV} / ${DECODE_ENV}), or --local")
+    yield prefill, decode, args.model
+
+
+@contextlib.contextmanager
+def open_client(
+    args: argparse.Namespace, local_pd_args: Mapping[str, Any] | None = None, **client_args: Any
+) -> Iterator[tuple[PDChatClient, str]]:
+    """A PDChatClient for the pair the command names (``open_pair``), and the model to call."""
     from .. import PDChatClient
 
-    if bool(args.prefill) != bool(args.decode):
-        raise CLIError("give both --prefill and --decode (or neither)")
-    if args.prefill:
-        with PDChatClient(
-            prefill_base_url=args.prefill, decode_base_url=args.decode, api_key=args.api_key, **client_args
-        ) as client:
-            yield client, args.model or first_model(client)
-        return
-    from ..local import pair_from_env_or_local
-
-    # LocalPD reports its long steps (first-time setup, server starts) on this logger.
-    logging.getLogger("pdclient.local").setLevel(logging.INFO)
     with (
-        pair_from_env_or_local() as pair,
-        PDChatClient(
-            prefill_base_url=pair.prefill_url, decode_base_url=pair.decode_url, api_key=args.api_key, **client_args
-        ) as client,
+        open_pair(args, **(local_pd_args or {})) as (prefill, decode, model),
+        PDChatClient(prefill_base_url=prefill, decode_base_url=decode, api_key=args.api_key, **client_args) as client,
     ):
-        yield client, args.model or pair.model
+        yield client, model or first_model(client)
 
 
 def first_model(client: Any) -> str:

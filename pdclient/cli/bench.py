@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
-import os
 import random
 import statistics
 import sys
@@ -30,9 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._endpoints import DECODE_ENV, PREFILL_ENV
 from .._trace import PDTrace
-from . import CLIError, add_pair_arguments, first_model
+from . import CLIError, add_pair_arguments, open_client
 
 ARMS = ("ids", "no ids")
 # Common words, one or two tokens each; a random sequence of them defeats prefix caching.
@@ -52,7 +49,6 @@ def register(commands: Any) -> None:
         "to first byte and client time to first token per prompt size, a table and a PNG plot.",
     )
     add_pair_arguments(bench)
-    bench.add_argument("--local", action="store_true", help="start a local prefill+decode pair for the run")
     bench.add_argument(
         "--sizes", default="1000,4000", help="prompt sizes in tokens, comma-separated (default: 1000,4000)"
     )
@@ -296,8 +292,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_on_pair(args: argparse.Namespace, sizes: list[int]) -> list[Sample]:
-    from .. import PDChatClient
-
     traces: list[PDTrace] = []
     # Every call a handoff: what is compared with the decode server alone.
     client_args: dict[str, Any] = {
@@ -306,16 +300,5 @@ def _run_on_pair(args: argparse.Namespace, sizes: list[int]) -> list[Sample]:
         "timeout": 600.0,
         "remote_prefill": "always",
     }
-    if args.local:
-        from ..local import LocalPD
-
-        logging.getLogger("pdclient.local").setLevel(logging.INFO)
-        print("starting a local prefill+decode pair (~1 min)", file=sys.stderr)
-        with LocalPD(max_model_len=max(2048, max(sizes) + 512)) as pd, pd.client(**client_args) as client:
-            return measure(client, traces, args.model or pd.model, args, sizes)
-    prefill = args.prefill or os.environ.get(PREFILL_ENV)
-    decode = args.decode or os.environ.get(DECODE_ENV)
-    if not (prefill and decode):
-        raise CLIError(f"give --prefill and --decode (or ${PREFILL_ENV} / ${DECODE_ENV}), or --local")
-    with PDChatClient(prefill_base_url=prefill, decode_base_url=decode, api_key=args.api_key, **client_args) as client:
-        return measure(client, traces, args.model or first_model(client), args, sizes)
+    with open_client(args, {"max_model_len": max(2048, max(sizes) + 512)}, **client_args) as (client, model):
+        return measure(client, traces, model, args, sizes)

@@ -1,13 +1,13 @@
 """`pdclient chat`: stream an answer from a P/D pair (or from a local pair started for it).
 
-    pdclient chat "What is the capital of France?"                      # local pair (starts one)
     pdclient chat --prefill http://p:8100/v1 --decode http://d:8200/v1 "Hi"
+    pdclient chat --local "What is the capital of France?"             # starts a local pair
     echo "Hi" | pdclient chat --trace                                   # PDTrace to stderr
     pdclient chat                                                       # interactive, on a terminal
 
-URLs default to ``$PDCLIENT_PREFILL_BASE_URL`` / ``$PDCLIENT_DECODE_BASE_URL``; with
-neither, a ``pdclient.local.LocalPD`` pair is started (progress on stderr) and stopped
-on exit.
+URLs default to ``$PDCLIENT_PREFILL_BASE_URL`` / ``$PDCLIENT_DECODE_BASE_URL``; ``--local``
+starts a ``pdclient.local.LocalPD`` pair (progress on stderr) and stops it on exit. The
+pair is named the same way in ``bench`` and ``doctor`` (``pdclient.cli.open_pair``).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ def register(commands: Any) -> None:
     """Add the `chat` subcommand to the `pdclient` parser's subparsers."""
     chat = commands.add_parser(
         "chat",
-        help="stream a chat answer through a P/D pair (a local one when no URLs are given)",
-        description="Stream an answer through PDChatClient. Without --prefill/--decode (or their environment "
-        "variables) a local prefill+decode vLLM pair is started for the call and stopped afterwards.",
+        help="stream a chat answer through a P/D pair (--local: one started for it)",
+        description="Stream an answer through PDChatClient, on --prefill/--decode (or their environment "
+        "variables), or with --local on a local prefill+decode vLLM pair started for it and stopped afterwards.",
     )
     add_pair_arguments(chat)
     chat.add_argument("message", nargs="*", help="the user message (default: stdin, or interactive on a terminal)")

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import re
 import secrets
 import time
@@ -29,6 +28,7 @@ from typing import Any
 import httpx
 
 from .._wire import PREFILL_KV_TRANSFER_PARAMS
+from . import add_pair_arguments, open_pair
 
 _EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
 _ANSWER_TOKENS = 12
@@ -272,21 +272,13 @@ def register(commands: Any) -> None:
         description="Probe a prefill and a decode server the way PDChatClient uses them and print one table. "
         "Exit code 0 only when the pair can do a token-reusing P/D handoff.",
     )
-    doctor.add_argument(
-        "--prefill", required=True, metavar="URL", help="prefill server base URL, e.g. http://host:8100/v1"
-    )
-    doctor.add_argument("--decode", required=True, metavar="URL", help="decode server base URL")
-    doctor.add_argument("--model", help="model name (default: the first model both servers serve)")
-    doctor.add_argument(
-        "--api-key",
-        default=os.environ.get("OPENAI_API_KEY"),
-        help="bearer token for both servers (default: $OPENAI_API_KEY)",
-    )
+    add_pair_arguments(doctor)
     doctor.add_argument("--timeout", type=float, default=120.0, help="seconds per HTTP request (default: 120)")
     doctor.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    report = run_doctor(args.prefill, args.decode, args.model, api_key=args.api_key, timeout=args.timeout)
+    with open_pair(args) as (prefill, decode, model):
+        report = run_doctor(prefill, decode, model, api_key=args.api_key, timeout=args.timeout)
     print(report.table())
     return 0 if report.can_reuse_tokens else 1

@@ -68,6 +68,37 @@ def test_chat_unreachable_server_is_one_line(capsys: pytest.CaptureFixture[str])
     assert err.startswith("pdclient chat: error: ") and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("command", ["chat", "bench", "doctor"])
+def test_no_pair_is_one_error_and_starts_nothing(
+    command: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """chat, bench and doctor name a pair the same way, and start a local one only with --local."""
+    monkeypatch.delenv("PDCLIENT_PREFILL_BASE_URL", raising=False)
+    monkeypatch.delenv("PDCLIENT_DECODE_BASE_URL", raising=False)
+
+    def no_local_pair(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a LocalPD was started without --local")
+
+    monkeypatch.setattr("pdclient.local.LocalPD.__init__", no_local_pair)
+    assert main([command, *(["hi"] if command == "chat" else [])]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"pdclient {command}: error: no pair: give --prefill and --decode") and "--local" in err
+    monkeypatch.setenv("PDCLIENT_PREFILL_BASE_URL", PREFILL)
+    assert main([command, "--local", *(["hi"] if command == "chat" else [])]) == 1
+    assert "--local starts a pair" in capsys.readouterr().err
+
+
+def test_doctor_reads_the_urls_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prefill, decode = "http://127.0.0.1:9/v1", "http://127.0.0.2:9/v1"  # nothing listens there
+    monkeypatch.setenv("PDCLIENT_PREFILL_BASE_URL", prefill)
+    monkeypatch.setenv("PDCLIENT_DECODE_BASE_URL", decode)
+    assert main(["doctor", "--timeout", "5"]) == 1
+    out = capsys.readouterr().out
+    assert f"prefill={prefill}  decode={decode}" in out and "Connection refused" in out
+
+
 def test_chat_needs_both_urls(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PDCLIENT_DECODE_BASE_URL", raising=False)
     assert main(["chat", "--prefill", PREFILL, "hi"]) == 1
