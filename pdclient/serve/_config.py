@@ -27,7 +27,7 @@ from .. import PDConfigError, PDOptions
 # Constants with no public name: the environment variables PDOptions reads, the policy names.
 from .._conversations import REMOTE_PREFILL_MODES
 from .._endpoints import DECODE_ENV, PREFILL_ENV
-from .._routing import POLICIES
+from .._routing import POLICIES, PREFILL_ONLY
 from .._signing import SECRET_ENV
 
 ENV_PREFIX = "PDCLIENT_SERVE_"
@@ -167,9 +167,14 @@ def _urls(value: object, source: str) -> tuple[str, ...]:
 _SPECIAL: Mapping[str, dict[str, Any]] = {
     "prefill": {"parse": _urls, "env": PREFILL_ENV, "metavar": "URL", "multiple": True, "default": ()},
     "decode": {"parse": _urls, "env": DECODE_ENV, "metavar": "URL", "multiple": True, "default": ()},
-    "routing": {"parse": _str, "choices": tuple(sorted(POLICIES))},
+    # Each leg's flag offers only the policies that route that leg (cache_aware is prefill only).
+    "routing": {"parse": _str, "choices": tuple(sorted(POLICIES.keys() - PREFILL_ONLY))},
     "prefill_routing": {"parse": _optional_str, "choices": tuple(sorted(POLICIES)), "metavar": "POLICY"},
-    "decode_routing": {"parse": _optional_str, "choices": tuple(sorted(POLICIES)), "metavar": "POLICY"},
+    "decode_routing": {
+        "parse": _optional_str,
+        "choices": tuple(sorted(POLICIES.keys() - PREFILL_ONLY)),
+        "metavar": "POLICY",
+    },
     "load_signals": {"parse": _on_off_default, "metavar": "on|off|auto"},
     "health_checks": {"parse": _on_off_default, "metavar": "on|off"},
     "discovery": {"parse": _on_off_default, "metavar": "on|off"},

@@ -114,6 +114,17 @@ def test_the_config_file_from_the_environment(tmp_path: Path, monkeypatch: pytes
     assert parse().port == 7001  # file < environment
 
 
+def test_each_routing_flag_offers_only_what_it_accepts(capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse("--prefill", P, "--decode", D1, "--prefill-routing", "cache_aware").options.prefill_routing
+    for flag in ("--routing", "--decode-routing"):
+        with pytest.raises(SystemExit):
+            parse("--prefill", P, "--decode", D1, flag, "cache_aware")
+        assert "invalid choice: 'cache_aware'" in capsys.readouterr().err
+    help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()  # type: ignore[union-attr]
+    routing_help = help_text.split("--routing ", 1)[1].split("\n", 1)[0]
+    assert "cache_aware" not in routing_help and "least_outstanding" in routing_help
+
+
 def test_the_worker_variable_is_not_a_setting() -> None:
     from pdclient.serve._config import CONFIG_ENV
 
