@@ -7,7 +7,9 @@ lives in the transport and the call state (``_transport``, ``_call``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import difflib
+import inspect
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import httpx
@@ -92,6 +94,7 @@ class _PDClient:
             # A copy (with_options) with other P/D options: a new transport on the same connections.
             assert http_client is not None
             http_client = self._http_client_type(transport=wired.with_options(options), timeout=http_client.timeout)  # type: ignore[arg-type]
+        _check_sdk_arguments(type(self).__name__, kwargs, super().__init__)
         # openai 3.x annotates httpx2 clients but accepts httpx ones (it checks for both).
         super().__init__(base_url=_api_base(options, base_url), http_client=http_client, **kwargs)  # type: ignore[call-arg]
         self.pd_options = options
@@ -149,6 +152,22 @@ class _PDClient:
         return copied
 
     with_options = copy
+
+
+def _check_sdk_arguments(client: str, given: Mapping[str, Any], sdk_init: Callable[..., None]) -> None:
+    """A misspelt argument is a PDConfigError naming it and what it may have meant, not the
+    bare TypeError the SDK's constructor would raise."""
+    accepted = inspect.signature(sdk_init).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        return
+    unknown = [name for name in given if name not in accepted]
+    if not unknown:
+        return
+    known = sorted({*PDOptions.names(), *(n for n in accepted if not n.startswith("_")), "options", "http_client"})
+    name = unknown[0]
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise PDConfigError(f"{client} got an unknown argument {name!r}{hint} Known: {', '.join(known)}")
 
 
 def _api_base(options: PDOptions, base_url: object) -> str:

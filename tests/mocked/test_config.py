@@ -74,6 +74,9 @@ def test_urls_from_environment_comma_separated(client_type: type, monkeypatch: p
         ({"on_trace": "print"}, "on_trace must be callable"),
         ({"base_url": "http://elsewhere/v1"}, "base_url 'http://elsewhere/v1' is not one of decode_base_url"),
         ({"http_client": "not-a-client"}, "http_client must be"),
+        ({"routng": "affinity"}, "unknown argument 'routng'; did you mean 'routing'? Known: "),
+        ({"max_retry": 2}, "unknown argument 'max_retry'; did you mean 'max_retries'?"),
+        ({"zzz": 1}, "unknown argument 'zzz' Known: "),
     ],
 )
 def test_bad_settings_name_what_is_wrong(client_type: type, kwargs: dict[str, object], message: str) -> None:
