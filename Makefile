@@ -78,12 +78,12 @@ bench-serve-cpu: install
 	$(VENV)/bin/python benchmarks/bench_serve_cpu.py $(ARGS)
 
 # Decode migration: the caller's pause when a decode server is SIGKILLed mid-answer, against
-# a full retry, on a trio it starts (~20 min; wrap it in `vllm-slot --exclusive` on a shared host).
+# a full retry, on a trio it starts (~20 min; run it with nothing else on the machine's cores).
 bench-migration: install
 	$(VENV)/bin/python benchmarks/bench_migration.py $(ARGS)
 
 # remote_prefill "auto" against "always" through PDChatClient: multi-turn chat and tool-loop
 # conversations on a pair from $PDCLIENT_{PREFILL,DECODE}_BASE_URL or a LocalPD it starts
-# (~30 min at 6 rounds on this loaded machine; wrap it in `vllm-slot` on a shared host).
+# (~30 min at 6 rounds on this loaded machine; its timings want the cores to themselves).
 bench-conversations: install
 	$(VENV)/bin/python benchmarks/bench_conversations.py $(ARGS)

@@ -1,6 +1,6 @@
 """Multi-turn conversations through PDChatClient: ``remote_prefill`` ``"auto"`` against ``"always"`` and ``"never"``.
 
-    vllm-slot python benchmarks/bench_conversations.py --rounds 6      # starts a LocalPD pair
+    python benchmarks/bench_conversations.py --rounds 6                # starts a LocalPD pair
     PDCLIENT_PREFILL_BASE_URL=... PDCLIENT_DECODE_BASE_URL=... python benchmarks/bench_conversations.py
     python benchmarks/bench_conversations.py --from-json benchmarks/results/conversations.json
 

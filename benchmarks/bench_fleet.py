@@ -1,4 +1,4 @@
-"""Fleet routing (issue 12) through the real clients: load signals across client processes,
+"""Fleet routing through the real clients: load signals across client processes,
 cache-aware prefill routing.
 
 (a) Load: four client processes (``AsyncPDChatClient`` each) share one stub prefill server

@@ -10,9 +10,9 @@ round, so no arm inherits another's cache), 2 conversations in flight, ``max_tok
 The hit rate is vLLM's own: the increase of ``vllm:prefix_cache_hits_total`` over
 ``vllm:prefix_cache_queries_total`` (tokens) on each prefill server during the arm.
 
-Run (it starts real vLLM, so under the machine's lock):
+Run (it starts real vLLM servers: with nothing else on the machine's cores):
     export PDCLIENT_CACHE_DIR=/root/.cache/pdclient-fleet
-    vllm-slot python benchmarks/bench_fleet_vllm.py --rounds 3 [--json out.json]
+    python benchmarks/bench_fleet_vllm.py --rounds 3 [--json out.json]
 """
 
 from __future__ import annotations

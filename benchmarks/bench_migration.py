@@ -1,6 +1,6 @@
-"""Decode migration (issue 15): the caller's pause at a cut, against what a full retry costs it.
+"""Decode migration: the caller's pause at a cut, against what a full retry costs it.
 
-    vllm-slot --exclusive python benchmarks/bench_migration.py --rounds 6     # a trio of its own, ~20 min
+    python benchmarks/bench_migration.py --rounds 6                           # a trio of its own, ~20 min
     python benchmarks/bench_migration.py --chunk-cost                          # per-chunk CPU only, no servers
 
 A LocalPD pair (prefill P, decode D1) plus a second decode server D2

@@ -1,7 +1,7 @@
 """pdclient (in process and as `pdclient serve`) against vllm-router and vLLM's toy P/D proxy.
 
-    vllm-slot --exclusive python benchmarks/bench_proxies.py pair     # (a) the real local pair: client TTFT
-    python benchmarks/bench_proxies.py stubs                          # (b) loopback stubs: overhead, throughput
+    python benchmarks/bench_proxies.py pair    # (a) the real local pair, nothing else on its cores: client TTFT
+    python benchmarks/bench_proxies.py stubs   # (b) loopback stubs: overhead, throughput
 
 The peers are those of benchmarks/peers/README.md, found in ``$PDCLIENT_CACHE_DIR``:
 vllm-router 0.1.17 (``vllm-router-0.1.17/bin/vllm-router``, run with

@@ -1,8 +1,11 @@
 """LangChain's ChatOpenAI on the P/D clients: invoke, stream and async stream.
 
-Needs ``pip install langchain-openai``. ChatOpenAI takes the clients as they are; the
-alternative recipe is ``ChatOpenAI(base_url=<decode>, http_client=httpx.Client(
-transport=PDTransport(...)), http_async_client=httpx.AsyncClient(transport=AsyncPDTransport(...)))``.
+Needs ``pip install langchain-openai``. The recipe to start from uses ChatOpenAI's public
+arguments: ``ChatOpenAI(base_url=<decode>, http_client=httpx.Client(transport=PDTransport(...)),
+http_async_client=httpx.AsyncClient(transport=AsyncPDTransport(...)))``. This example
+hands ChatOpenAI the P/D clients themselves instead (its ``root_client`` / ``client``
+fields and their async twins), which keeps the clients' own options (``on_trace``,
+``with_options``) in LangChain's calls.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 `pip download --no-binary :all: vllm==0.32.0` fails: it builds the sdist's metadata (CUDA
 toolchain). This asks pip's PackageFinder for the same file and downloads it with pip's
 session (same index, proxies and certificates as `pip install`), without building anything.
-Uses pip internals (checked with pip 23.2): a sketch for phase 2, not part of pdclient.
+Uses pip internals (checked with pip 23.2): a benchmark helper, not part of pdclient.
 """
 
 import sys
