@@ -1,35 +1,34 @@
-"""LangChain's ChatOpenAI on the P/D clients: invoke, stream and async stream.
+"""LangChain's ChatOpenAI over the P/D handoff: invoke, stream and async stream.
 
-Needs ``pip install langchain-openai``. The recipe to start from uses ChatOpenAI's public
-arguments: ``ChatOpenAI(base_url=<decode>, http_client=httpx.Client(transport=PDTransport(...)),
-http_async_client=httpx.AsyncClient(transport=AsyncPDTransport(...)))``. This example
-hands ChatOpenAI the P/D clients themselves instead (its ``root_client`` / ``client``
-fields and their async twins), which keeps the clients' own options (``on_trace``,
-``with_options``) in LangChain's calls.
+Needs ``pip install langchain-openai``. ChatOpenAI's public ``http_client`` /
+``http_async_client`` arguments take httpx clients built on the P/D transports; its
+``base_url`` is a decode URL, where every non-P/D request goes. (ChatOpenAI also takes
+ready openai clients through its ``root_client`` / ``client`` fields; the public
+arguments are the stable way.)
 """
 
 from __future__ import annotations
 
 import asyncio
 
+import httpx
 from _pair import pd_pair
 from langchain_openai import ChatOpenAI
 
-from pdclient import AsyncPDChatClient, PDChatClient
+from pdclient import AsyncPDTransport, PDTransport
 
 
 def main() -> None:
     with pd_pair() as pair:
-        urls = {"prefill_base_url": pair.prefill_urls, "decode_base_url": pair.decode_urls, "api_key": "EMPTY"}
-        sync, async_ = PDChatClient(**urls), AsyncPDChatClient(**urls)
+        urls = {"prefill_base_url": pair.prefill_urls, "decode_base_url": pair.decode_urls}
         llm = ChatOpenAI(
             model=pair.model,
+            base_url=pair.decode_url,
+            api_key="EMPTY",
             temperature=0,
             max_tokens=32,
-            root_client=sync,
-            client=sync.chat.completions,
-            root_async_client=async_,
-            async_client=async_.chat.completions,
+            http_client=httpx.Client(transport=PDTransport(**urls)),
+            http_async_client=httpx.AsyncClient(transport=AsyncPDTransport(**urls)),
         )
         print("invoke:", llm.invoke("What is the capital of France?").content)
         print("stream: ", end="")
