@@ -3,7 +3,7 @@
     python tools/local_pd_starts.py [-n 10] [--decode-servers 1] [--prefill-servers 1]
 
 Not part of ``make test``: it takes N times a pair's start (~1-2 min each here). Run it
-alone on the machine (e.g. under ``vllm-slot --exclusive``) when the figures matter.
+alone on the machine, with nothing else on its cores, when the figures matter.
 Per start: ok / FAILED, attempts (2 = retried after a port collision), seconds until all
 servers answered, warm-up seconds, the whole start() and stop(); a failure prints the
 first line of its error. Exit status 1 if any start failed.

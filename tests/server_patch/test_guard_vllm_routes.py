@@ -1,4 +1,4 @@
-"""The guard in front of vLLM's real app and routes, in-process (issue 13 items 1-4).
+"""The guard in front of vLLM's real app and routes, in-process: what a caller can reach through them.
 
 The FastAPI app is vLLM's own, built by its ``build_app`` from its own argument parser
 (``--enable-scale-out``, so ``/inference/v1/generate`` exists), with the guard installed

@@ -4,7 +4,7 @@ The server runs with ``--enable-scale-out`` (for ``/inference/v1/generate``); re
 signed by pdclient's own signer (``pdclient/_signing.py``, loaded from its file).
 
 One server per session (about a minute to start here). Skipped on the unpacked old
-versions, whose servers cannot run on this machine (FIELD_NOTES.md).
+versions, whose servers cannot run on this machine (their CPU torch builds do not install).
 """
 
 from __future__ import annotations
