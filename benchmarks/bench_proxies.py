@@ -41,7 +41,6 @@ import contextlib
 import json
 import os
 import random
-import shutil
 import socket
 import statistics
 import subprocess
@@ -640,7 +639,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--seed", type=int, default=0)
     commands = parser.add_subparsers(dest="command", required=True)
-    pair = commands.add_parser("pair", help="(a) client TTFT on a LocalPD pair (run under vllm-slot --exclusive)")
+    pair = commands.add_parser("pair", help="(a) client TTFT on a LocalPD pair (with nothing else on the cores)")
     pair.add_argument("--sizes", default="1000,1800", help="prompt sizes in tokens")
     pair.add_argument("--rounds", type=int, default=15)
     pair.add_argument("--max-tokens", type=int, default=4)
@@ -650,8 +649,6 @@ def main() -> int:
     stubs.add_argument("--prompt-tokens", type=int, default=2048)
     stubs.add_argument("--seconds", type=float, default=8.0, help="length of each arm's batch per round")
     args = parser.parse_args()
-    if shutil.which("vllm-slot") is None and args.command == "pair":
-        log("note: vllm-slot not found; run the pair benchmark with nothing else on the cores")
     run: Callable[[argparse.Namespace], int] = run_pair if args.command == "pair" else run_stubs
     return run(args)
 
