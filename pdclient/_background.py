@@ -7,14 +7,18 @@ the result, without doing any I/O itself::
     core.next_due()               -> float     when it next wants to run (clock time)
     core.apply(job, outcome, now)              what came back (Fetched or LookedUp)
 
-so the cores are unit-tested with a fake clock and hand-made outcomes. Two thin drivers
-run them, the same loop written twice (the second with ``await``):
+so the cores are unit-tested with a fake clock and hand-made outcomes. One loop runs them
+(``_Driver._serve``, on asyncio with one ``httpx.AsyncClient``): every due job is a task
+of its own whose outcome is applied the moment it ends, so a server that hangs or drips
+its answer holds up only its own job, never the other members' probes or scrapes. A
+fetch has a deadline for the whole exchange, its body included (``Fetch.timeout``):
+httpx's timeouts bound each network read, and a body sent one byte per read would
+otherwise never time out. Two drivers host that loop:
 
-- ``BackgroundThread``: sync clients. One daemon thread, one ``httpx.Client``; the due
-  jobs run one after the other, so one hung server delays the others by at most its
-  job's timeout.
+- ``BackgroundThread``: sync clients. One daemon thread running an event loop of its own,
+  so a sync program gets the same concurrency and deadlines without a loop of its own.
 - ``BackgroundTask``: async clients. One asyncio task, started on first use from the
-  running loop, with one ``httpx.AsyncClient``; the due jobs run concurrently.
+  running loop.
 
 ``Background`` is one fleet's work (``_fleet.Fleet.background``): its cores and the
 driver that runs them, chosen on first use: a task when an async client's first call
@@ -59,6 +63,7 @@ class Fetch:
 
     url: str
     timeout: float
+    """Seconds the whole exchange may take, from connecting to the answer's last byte."""
     host: str | None = None
     """The DNS name to present (Host header, TLS SNI) when ``url`` holds an address."""
     content: bytes | None = None
@@ -167,20 +172,31 @@ def _fetch_args(action: Fetch) -> dict[str, object]:
     return args
 
 
-def fetch_sync(http: httpx.Client, action: Fetch) -> Fetched:
-    try:
-        response = http.request(**_fetch_args(action))  # type: ignore[arg-type]
-    except httpx.HTTPError as exc:
-        return Fetched(None, error=f"{type(exc).__name__}: {exc}")
-    return Fetched(response.status_code, response.text)
+MAX_ANSWER_BYTES = 16 * 1024 * 1024
+"""A longer answer to a background fetch is a failure, not read on (a vLLM ``/metrics`` is tens of kB)."""
 
 
-async def fetch_async(http: httpx.AsyncClient, action: Fetch) -> Fetched:
+async def fetch(http: httpx.AsyncClient, action: Fetch) -> Fetched:
+    """``action``'s status and body, or its error; within ``action.timeout`` from the
+    connection to the body's last byte: a server that drips its answer fails at the
+    deadline as one that never answers does."""
     try:
-        response = await http.request(**_fetch_args(action))  # type: ignore[arg-type]
+        return await asyncio.wait_for(_fetch(http, action), action.timeout)
+    except asyncio.TimeoutError:
+        return Fetched(None, error=f"TimeoutError: no whole answer within {action.timeout:g} s")
+
+
+async def _fetch(http: httpx.AsyncClient, action: Fetch) -> Fetched:
+    try:
+        async with http.stream(**_fetch_args(action)) as response:  # type: ignore[arg-type]
+            body = bytearray()
+            async for chunk in response.aiter_bytes():
+                body += chunk
+                if len(body) > MAX_ANSWER_BYTES:
+                    return Fetched(None, error=f"answer longer than {MAX_ANSWER_BYTES} bytes")
     except httpx.HTTPError as exc:
         return Fetched(None, error=f"{type(exc).__name__}: {exc}")
-    return Fetched(response.status_code, response.text)
+    return Fetched(response.status_code, body.decode(response.encoding or "utf-8", "replace"))
 
 
 def lookup_sync(resolver: Resolver, action: Lookup) -> LookedUp:
@@ -196,7 +212,7 @@ async def lookup_async(resolver: Resolver, action: Lookup) -> LookedUp:
 
 
 class _Driver:
-    """What both drivers share: asking the cores for work, handing back results, sleeping."""
+    """The loop both drivers run: asking the cores for work, running each job, handing back results."""
 
     def __init__(
         self,
@@ -204,11 +220,15 @@ class _Driver:
         *,
         resolver: Resolver = system_resolver,
         clock: Callable[[], float] = time.monotonic,
+        http: Callable[[], httpx.AsyncClient] = httpx.AsyncClient,
         max_sleep: float = 1.0,
+        name: str = "pdclient-background",
     ) -> None:
         self.cores = tuple(cores)
+        self.name = name
         self._resolver = resolver
         self._clock = clock
+        self._http = http
         self._max_sleep = max_sleep
 
     def _due(self) -> list[tuple[Core, Job]]:
@@ -237,72 +257,46 @@ class _Driver:
         wake = min((core.next_due() for core in self.cores), default=float("inf"))
         return min(self._max_sleep, max(0.0, wake - self._clock()))
 
+    async def _serve(self, stopped: Callable[[], bool], wake: asyncio.Event) -> None:
+        """Start every due job as a task of its own, then sleep until the next is due, a job
+        ends or ``wake`` is set; until ``stopped()``. The jobs still out are cancelled then."""
+        jobs: set[asyncio.Task[None]] = set()
+        async with self._http() as http:
+            try:
+                while not stopped():
+                    wake.clear()  # before asking: work added from now on wakes the wait below
+                    for core, job in self._due():
+                        task = asyncio.ensure_future(self._job(http, core, job, wake))
+                        jobs.add(task)
+                        task.add_done_callback(jobs.discard)
+                    await _sleep(wake, self._sleep_seconds())
+            finally:  # before the client closes under them
+                for task in list(jobs):
+                    task.cancel()
+                await asyncio.gather(*jobs, return_exceptions=True)
 
-class BackgroundThread(_Driver):
-    """Runs the cores in one daemon thread with one ``httpx.Client`` (sync clients)."""
+    async def _job(self, http: httpx.AsyncClient, core: Core, job: Job, wake: asyncio.Event) -> None:
+        self._apply(core, job, await self._perform(http, job.action))
+        wake.set()  # its member may be due again: the loop plans its sleep anew
 
-    def __init__(
-        self,
-        cores: Sequence[Core],
-        *,
-        resolver: Resolver = system_resolver,
-        clock: Callable[[], float] = time.monotonic,
-        http: Callable[[], httpx.Client] = httpx.Client,
-        max_sleep: float = 1.0,
-        name: str = "pdclient-background",
-    ) -> None:
-        super().__init__(cores, resolver=resolver, clock=clock, max_sleep=max_sleep)
-        self._http = http
-        self.name = name
-        self._stop = threading.Event()
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def start(self) -> None:
-        """Start the thread unless it runs already (idempotent, thread-safe)."""
-        with self._lock:
-            if self.running:
-                return
-            self._stop = threading.Event()
-            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-            self._thread.start()
-
-    def wake(self) -> None:
-        """Ask the cores for work now, not at the end of the current sleep (from any thread)."""
-        self._wake.set()
-
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop the thread and wait for it (a job in progress ends within its own timeout)."""
-        with self._lock:
-            thread, self._thread = self._thread, None
-            self._stop.set()
-            self._wake.set()
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
-
-    def _run(self) -> None:
-        stop = self._stop
-        with self._http() as http:
-            while not stop.is_set():
-                self._wake.clear()  # before asking: work added from now on wakes the wait below
-                for core, job in self._due():
-                    if stop.is_set():
-                        return
-                    self._apply(core, job, self._perform(http, job.action))
-                self._wake.wait(self._sleep_seconds())
-
-    def _perform(self, http: httpx.Client, action: Fetch | Lookup) -> Outcome:
+    async def _perform(self, http: httpx.AsyncClient, action: Fetch | Lookup) -> Outcome:
         try:
             if isinstance(action, Lookup):
-                return lookup_sync(self._resolver, action)
-            return fetch_sync(http, action)
+                return await lookup_async(self._resolver, action)
+            return await fetch(http, action)
         except Exception as exc:  # whatever a job raises is its outcome, never the loop's end
             return self._failed(action, exc)
+
+
+async def _sleep(wake: asyncio.Event, seconds: float) -> None:
+    """Until ``wake`` is set or ``seconds`` have passed. Not ``asyncio.wait_for``: before
+    Python 3.12 it returns, instead of raising, when it is cancelled as the event is set
+    (a job that ends as the loop is cancelled), and the loop would go on."""
+    waiter = asyncio.ensure_future(wake.wait())
+    try:
+        await asyncio.wait([waiter], timeout=seconds)
+    finally:
+        waiter.cancel()
 
 
 def _on_loop(loop: asyncio.AbstractEventLoop, callback: Callable[[], object]) -> None:
@@ -319,6 +313,74 @@ def _on_loop(loop: asyncio.AbstractEventLoop, callback: Callable[[], object]) ->
         loop.call_soon_threadsafe(callback)
 
 
+class BackgroundThread(_Driver):
+    """Runs the cores in one daemon thread, on an event loop of its own (sync clients)."""
+
+    def __init__(
+        self,
+        cores: Sequence[Core],
+        *,
+        resolver: Resolver = system_resolver,
+        clock: Callable[[], float] = time.monotonic,
+        http: Callable[[], httpx.AsyncClient] = httpx.AsyncClient,
+        max_sleep: float = 1.0,
+        name: str = "pdclient-background",
+    ) -> None:
+        super().__init__(cores, resolver=resolver, clock=clock, http=http, max_sleep=max_sleep, name=name)
+        self._stop = threading.Event()
+        self._wake: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+        """The thread's loop and its wake event, once the loop runs."""
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        """Start the thread unless it runs already (idempotent, thread-safe)."""
+        with self._lock:
+            if self.running:
+                return
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._run, args=(self._stop,), name=self.name, daemon=True)
+            self._thread.start()
+
+    def wake(self) -> None:
+        """Ask the cores for work now, not at the end of the current sleep (from any thread)."""
+        awake = self._wake
+        if awake is not None:
+            _on_loop(awake[0], awake[1].set)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the thread and wait for it (the jobs in progress are cancelled)."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+            self._stop.set()
+            awake, self._wake = self._wake, None
+        if awake is not None:
+            _on_loop(awake[0], awake[1].set)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def _run(self, stop: threading.Event) -> None:
+        loop = asyncio.new_event_loop()
+        try:
+            loop.run_until_complete(self._main(stop))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            # Not asyncio.run: it would wait for a lookup stuck in the resolver (a worker thread).
+            loop.close()
+
+    async def _main(self, stop: threading.Event) -> None:
+        wake = asyncio.Event()
+        with self._lock:
+            if stop.is_set():  # closed before the loop ran
+                return
+            self._wake = (asyncio.get_running_loop(), wake)
+        await self._serve(stop.is_set, wake)
+
+
 class BackgroundTask(_Driver):
     """Runs the cores in one asyncio task with one ``httpx.AsyncClient`` (async clients)."""
 
@@ -332,9 +394,7 @@ class BackgroundTask(_Driver):
         max_sleep: float = 1.0,
         name: str = "pdclient-background",
     ) -> None:
-        super().__init__(cores, resolver=resolver, clock=clock, max_sleep=max_sleep)
-        self._http = http
-        self.name = name
+        super().__init__(cores, resolver=resolver, clock=clock, http=http, max_sleep=max_sleep, name=name)
         self._stop: asyncio.Event | None = None
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
@@ -380,23 +440,7 @@ class BackgroundTask(_Driver):
             await task
 
     async def _run(self, stop: asyncio.Event, wake: asyncio.Event) -> None:
-        async with self._http() as http:
-            while not stop.is_set():
-                wake.clear()  # before asking: work added from now on wakes the wait below
-                due = self._due()
-                outcomes = await asyncio.gather(*(self._perform(http, job.action) for _, job in due))
-                for (core, job), outcome in zip(due, outcomes, strict=True):
-                    self._apply(core, job, outcome)
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(wake.wait(), self._sleep_seconds())
-
-    async def _perform(self, http: httpx.AsyncClient, action: Fetch | Lookup) -> Outcome:
-        try:
-            if isinstance(action, Lookup):
-                return await lookup_async(self._resolver, action)
-            return await fetch_async(http, action)
-        except Exception as exc:  # whatever a job raises is its outcome, never the loop's end
-            return self._failed(action, exc)
+        await self._serve(stop.is_set, wake)
 
 
 class Background:

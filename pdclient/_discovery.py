@@ -19,8 +19,9 @@ Interval: the Corefile Kubernetes installs serves cluster records with ``ttl 30`
 ``cache 30`` (CoreDNS's own kubernetes-plugin default is 5 s; kubernetes/kubernetes#76238
 set 30 s to match kube-dns), so a pod change can take ~30 s to show in DNS at all.
 Re-resolving every 10 s adds at most 10 s to that for one query per pool per process.
-A lookup runs in the background driver (``getaddrinfo`` has no timeout of its own: a
-hung resolver delays the sync driver's other jobs by the resolver's own timeout).
+A lookup runs in the background driver, in a worker thread (``getaddrinfo`` has no
+timeout of its own: a hung resolver delays this name's next lookup by the resolver's own
+timeout, and no other job).
 """
 
 from __future__ import annotations

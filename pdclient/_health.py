@@ -26,7 +26,9 @@ thresholds, 3 and 2. SMG probes each worker once a minute from one gateway; a cl
 probes every 5 s, the breaker's own cool-down (``BreakerSettings.cooldown``), so recovery
 by probe is never slower than recovery by a request, and gives a probe 2 s (a vLLM
 ``/health`` is a constant answer from the API server; slower than that, it is in
-trouble), which also bounds how long one hung server holds up the sync driver.
+trouble). The 2 s bound the whole probe, its answer's last byte included, and probes run
+concurrently: a server that hangs or drips its answer fails at its own deadline and
+delays no other member's probe (``_background``).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ class HealthSettings:
     interval: float = 5.0
     """Seconds between two probes of one server."""
     timeout: float = 2.0
-    """Seconds one probe may take; longer is a failure."""
+    """Seconds one probe may take, its whole answer included; longer is a failure."""
     failures: int = 3
     """Consecutive probe failures that open the breaker."""
     successes: int = 2

@@ -150,7 +150,7 @@ class ScrapeSettings:
     staleness: float = 2.0
     """Seconds a sample counts; after that, as if there were none."""
     timeout: float = 1.0
-    """Seconds one scrape may take."""
+    """Seconds one scrape may take, its whole answer included; longer is a failed scrape."""
     model: str | None = None
     """Count only this model's label sets (None: the server's whole load)."""
     path: str = "/metrics"

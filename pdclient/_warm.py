@@ -14,7 +14,8 @@ spends; ``ConversationSettings.warm_prefill=False`` turns it off (then ``"auto"`
 that compute and pays for it on the next P/D turn).
 
 ``PrefillWarmer`` is a sans-I/O core of ``_background``: the fleet's background driver
-(a thread, or a task for an async client) posts what is queued, oldest first.
+(a thread, or a task for an async client) posts what is queued at once, each warm-up a
+job of its own within ``WARM_UP_TIMEOUT``.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""Helpers for the fleet tests on loopback stubs: waiting, other clients' load, and
-stubs on several loopback addresses behind one name (the resolver hook)."""
+"""Helpers for the fleet tests on loopback stubs: waiting, other clients' load, stubs on
+several loopback addresses behind one name (the resolver hook), and a member that never
+finishes an answer (``Dripping``)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 
@@ -67,3 +69,60 @@ class Zone:
         if host != self.name:
             raise OSError(f"unknown host {host}")
         return list(self.addresses)
+
+
+class Dripping:
+    """A member that is up but never finishes an answer: every GET gets 200 and its headers
+    at once, then its body one byte every ``seconds`` (a wedged server, or one starved of CPU).
+
+    No single read waits long, so only a deadline on the whole answer tells it apart from
+    a slow but healthy server. ``hits`` counts the requests per path.
+    """
+
+    def __init__(self, *, seconds: float = 0.1, size: int = 10_000, host: str = "127.0.0.1") -> None:
+        self.seconds = seconds
+        self.size = size
+        self.hits: dict[str, int] = {}
+        self._host = host
+        self._stopping = threading.Event()
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                path = self.path.split("?", 1)[0]
+                owner.hits[path] = owner.hits.get(path, 0) + 1
+                self.send_response(200)
+                self.send_header("content-type", "text/plain")
+                self.send_header("content-length", str(owner.size))
+                self.end_headers()
+                for _ in range(owner.size):
+                    if owner._stopping.wait(owner.seconds):
+                        break
+                    try:
+                        self.wfile.write(b"#")
+                        self.wfile.flush()
+                    except OSError:  # the client gave up
+                        break
+                self.close_connection = True
+
+        self._httpd = ThreadingHTTPServer((host, 0), Handler)
+        self._httpd.daemon_threads = True
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="dripping-stub", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self._host}:{self._httpd.server_port}/v1"
+
+    def __enter__(self) -> Dripping:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stopping.set()
+        self._httpd.shutdown()
+        self._httpd.server_close()

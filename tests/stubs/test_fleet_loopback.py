@@ -22,7 +22,7 @@ from pdclient._endpoints import BreakerSettings, Endpoint, EndpointPool, route
 from pdclient._health import HealthProber, HealthSettings
 from pdclient._load import LoadAware, LoadScraper, ScrapeSettings
 from pdclient._routing import LeastOutstanding, RouteRequest, RoutingPolicy
-from tests.stubs._fleet import Zone, await_until, hold, start_on, wait_until
+from tests.stubs._fleet import Dripping, Zone, await_until, hold, start_on, wait_until
 from tests.stubserver import StubServer
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
@@ -175,6 +175,62 @@ async def test_health_probes_under_the_async_driver() -> None:
             await await_until(lambda: pool.endpoints[0].state == "open")
             a.healthy = True
             await await_until(lambda: pool.endpoints[0].state == "closed")
+        finally:
+            await driver.aclose()
+
+
+# -- a member that never finishes its answers -------------------------------------------------
+
+BOUNDED_PROBES = HealthSettings(interval=0.05, timeout=0.3, failures=3, successes=2)
+BOUNDED_SCRAPES = ScrapeSettings(interval=0.05, staleness=1.0, timeout=0.3)
+FOUND_WITHIN = 3 * (0.3 + 0.05) + 1.5
+"""Three probes that each fail at their deadline, and slack for a loaded machine (the
+dripping answer itself would take 1,000 s)."""
+
+
+def probes_and_scrapes(pool: EndpointPool) -> list[Core]:
+    return [HealthProber(lambda: pool.endpoints, BOUNDED_PROBES), LoadScraper(lambda: pool.endpoints, BOUNDED_SCRAPES)]
+
+
+def seen(good: StubServer) -> tuple[int, int]:
+    return good.counts.get("/health", 0), good.counts.get("/metrics", 0)
+
+
+def check_no_one_delayed(good: StubServer, drip: Dripping, pool: EndpointPool, before: tuple[int, int]) -> None:
+    """Over the last 0.6 s (12 intervals) the good member was probed and scraped on time,
+    and every scrape of the dripping one was given up at its deadline."""
+    probes, scrapes = (after - then for after, then in zip(seen(good), before, strict=True))
+    assert probes >= 4 and scrapes >= 4, f"the good member got {probes} probes and {scrapes} scrapes in 0.6 s"
+    sample = pool.endpoints[0].load
+    assert sample is not None and sample.fresh(time.monotonic())
+    assert pool.endpoints[0].state == "closed"
+    assert drip.hits.get("/metrics", 0) >= 3, "each scrape of the dripping member ends at its deadline"
+
+
+def test_a_dripping_member_is_found_within_the_bound_and_delays_no_one() -> None:
+    with StubServer(record=False) as good, Dripping() as drip:
+        pool = make_pool([good.url, drip.url], failures=100)
+        driver = BackgroundThread(probes_and_scrapes(pool))
+        driver.start()
+        try:
+            wait_until(lambda: pool.endpoints[1].state == "open", timeout=FOUND_WITHIN)
+            before = seen(good)
+            time.sleep(0.6)
+            check_no_one_delayed(good, drip, pool, before)
+        finally:
+            driver.close()
+
+
+async def test_a_dripping_member_under_the_async_driver() -> None:
+    with StubServer(record=False) as good, Dripping() as drip:
+        pool = make_pool([good.url, drip.url], failures=100)
+        driver = BackgroundTask(probes_and_scrapes(pool))
+        driver.start()
+        try:
+            await await_until(lambda: pool.endpoints[1].state == "open", timeout=FOUND_WITHIN)
+            before = seen(good)
+            await asyncio.sleep(0.6)
+            check_no_one_delayed(good, drip, pool, before)
         finally:
             await driver.aclose()
 

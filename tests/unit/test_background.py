@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 import pytest
 
 from pdclient._background import (
+    MAX_ANSWER_BYTES,
     BackgroundTask,
     BackgroundThread,
     Fetch,
@@ -19,7 +20,7 @@ from pdclient._background import (
     LookedUp,
     Lookup,
     Outcome,
-    fetch_sync,
+    fetch,
     host_header,
     system_resolver,
 )
@@ -106,7 +107,7 @@ async def until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
 def test_thread_driver_runs_jobs_until_closed() -> None:
     core = Recorder(JOBS)
     driver = BackgroundThread(
-        [core], resolver=resolver, http=lambda: httpx.Client(transport=httpx.MockTransport(answer))
+        [core], resolver=resolver, http=lambda: httpx.AsyncClient(transport=httpx.MockTransport(answer))
     )
     assert not driver.running, "nothing runs before start()"
     driver.start()
@@ -155,7 +156,7 @@ def test_a_failing_core_does_not_stop_the_others() -> None:
 
     good = Recorder(JOBS[:1])
     driver = BackgroundThread(
-        [Broken([]), good], http=lambda: httpx.Client(transport=httpx.MockTransport(answer)), max_sleep=0.01
+        [Broken([]), good], http=lambda: httpx.AsyncClient(transport=httpx.MockTransport(answer)), max_sleep=0.01
     )
     driver.start()
     wait_for(lambda: len(good.outcomes) >= 3)
@@ -164,7 +165,7 @@ def test_a_failing_core_does_not_stop_the_others() -> None:
 
 def test_sleeps_until_the_next_due_job() -> None:
     core = Recorder(JOBS[:1], interval=0.2)
-    driver = BackgroundThread([core], http=lambda: httpx.Client(transport=httpx.MockTransport(answer)))
+    driver = BackgroundThread([core], http=lambda: httpx.AsyncClient(transport=httpx.MockTransport(answer)))
     driver.start()
     time.sleep(0.5)
     driver.close()
@@ -195,7 +196,7 @@ def echo_post(request: httpx.Request) -> httpx.Response:
 def test_thread_driver_posts_a_queued_warm_up_at_once() -> None:
     warmer = PrefillWarmer()
     driver = BackgroundThread(
-        [warmer], http=lambda: httpx.Client(transport=httpx.MockTransport(echo_post)), max_sleep=60.0
+        [warmer], http=lambda: httpx.AsyncClient(transport=httpx.MockTransport(echo_post)), max_sleep=60.0
     )
     driver.start()
     wait_for(lambda: driver.running)
@@ -219,10 +220,30 @@ async def test_task_driver_posts_a_queued_warm_up_at_once() -> None:
     await driver.aclose()
 
 
-def test_a_post_sends_its_content_and_headers() -> None:
-    with httpx.Client(transport=httpx.MockTransport(echo_post)) as http:
-        fetched = fetch_sync(http, Fetch("http://10.0.0.1:8000/x", 1.0, None, b'{"a":1}', (("authorization", "B k"),)))
+async def test_a_post_sends_its_content_and_headers() -> None:
+    async with httpx.AsyncClient(transport=httpx.MockTransport(echo_post)) as http:
+        fetched = await fetch(http, Fetch("http://10.0.0.1:8000/x", 1.0, None, b'{"a":1}', (("authorization", "B k"),)))
     assert fetched == Fetched(200, 'POST B k {"a":1}')
+
+
+async def test_a_fetch_has_one_deadline_for_its_whole_answer() -> None:
+    async def drip() -> AsyncIterator[bytes]:
+        for _ in range(100):  # each byte well within any per-read timeout: 5 s in all
+            yield b"#"
+            await asyncio.sleep(0.05)
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/huge":
+            return httpx.Response(200, content=b"#" * (MAX_ANSWER_BYTES + 1))
+        return httpx.Response(200, content=drip())
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as http:
+        started = time.monotonic()
+        dripped = await fetch(http, Fetch("http://10.0.0.1:8000/metrics", 0.3))
+        assert time.monotonic() - started < 1.0
+        huge = await fetch(http, Fetch("http://10.0.0.1:8000/huge", 5.0))
+    assert dripped == Fetched(None, error="TimeoutError: no whole answer within 0.3 s")
+    assert huge.status is None and "longer than" in (huge.error or "")
 
 
 def test_the_warm_up_queue_is_bounded_and_drops_the_oldest() -> None:
