@@ -26,9 +26,11 @@ benchmarks/CONVERSATIONS.md has the figures):
 The prefill server holds only the previous prompt's blocks: through P/D the next turn
 prefills the answer and the new message there.
 
-The memory keeps, per conversation (the affinity key), digests instead of text: under
-400 bytes an entry whatever the conversation's length, so the default 10,000 entries stay
-under 4 MB (tests/unit/test_conversations.py measures it). Chat calls only.
+The memory keeps, per conversation (the affinity key), digests instead of text, packed
+with the turn's numbers in one bytes object: under 400 bytes an entry whatever the
+conversation's length, the LRU's own bookkeeping included once it has churned (~340
+measured), so the default 10,000 entries stay under 4 MB (tests/unit/test_conversations.py
+measures it). Chat calls only.
 
 Without a tokenizer, token counts of text the servers have not counted yet come from a
 chars-per-token ratio learned from the client's own prefill responses (the text length
@@ -43,6 +45,8 @@ import contextlib
 import enum
 import hashlib
 import math
+import struct
+import sys
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Collection, Mapping, Sequence
@@ -91,7 +95,7 @@ class ConversationSettings:
     """The decode servers' KV block size. vLLM's CPU default; GPU servers default to 16.
     Too large only counts a few more tokens as uncached."""
     max_conversations: int = 10_000
-    """LRU bound of the memory (about 400 bytes an entry)."""
+    """LRU bound of the memory (under 400 bytes an entry)."""
     ratio_warmup: int = 8
     """Prefill responses to learn from before the learned chars-per-token ratio is trusted."""
     initial_chars_per_token: float = 2.0
@@ -162,6 +166,10 @@ class Estimate:
     endpoint: str | None
     """The decode endpoint whose prefix cache holds the rest; None when nothing is cached."""
     match: Match
+    adds_media: bool = False
+    """The call's new messages carry a part other than text (an image, audio, video, a
+    file, ...): its tokens are what the server's encoder makes of it, which nothing in the
+    request tells (``uncached_tokens`` counts the part's JSON, a URL's ~35 tokens)."""
 
     @property
     def cached_tokens(self) -> int:
@@ -176,6 +184,7 @@ class Reason(str, enum.Enum):
     NO_ESTIMATE = "no_estimate"
     UNCACHED_AT_OR_ABOVE_THRESHOLD = "uncached_at_or_above_threshold"
     UNCACHED_RATIO_AT_OR_ABOVE = "uncached_ratio_at_or_above"
+    ADDS_MEDIA = "adds_media"
     MOSTLY_CACHED = "mostly_cached"
 
 
@@ -196,7 +205,11 @@ def decide(mode: str, estimate: Estimate | None, settings: ConversationSettings)
     call decode-only. ``auto``: decode-only when the uncached tokens are fewer than
     ``threshold_tokens`` and less than ``max_uncached_ratio`` of the prompt, as Dynamo's
     conditional disaggregation does (both conditions); llm-d's prefix-based decider and
-    vllm-router's design use the absolute count alone.
+    vllm-router's design use the absolute count alone. A call whose new messages add
+    media (``Estimate.adds_media``) is a handoff whatever its count: an image is hundreds
+    to thousands of tokens, and the vision encoder's work with them, that only the server
+    can count, and a decode-only call would make the decode server do it all while its
+    other streams stall.
     """
     endpoint = estimate.endpoint if estimate is not None else None
     if mode == "always":
@@ -207,6 +220,8 @@ def decide(mode: str, estimate: Estimate | None, settings: ConversationSettings)
         raise ValueError(f"remote_prefill must be one of {REMOTE_PREFILL_MODES}, got {mode!r}")
     if estimate is None:
         return Decision(True, Reason.NO_ESTIMATE, None, None)
+    if estimate.adds_media:
+        return Decision(True, Reason.ADDS_MEDIA, endpoint, estimate)
     if estimate.uncached_tokens >= settings.threshold_tokens:
         return Decision(True, Reason.UNCACHED_AT_OR_ABOVE_THRESHOLD, endpoint, estimate)
     total = max(estimate.total_tokens, 1)
@@ -245,6 +260,32 @@ def _text_of(content: object) -> str | None:
         if part.get("type") in _TEXT_PART_TYPES and isinstance(part.get("text"), str):
             return str(part["text"])
     return None
+
+
+_PLAIN_PART_TYPES = _TEXT_PART_TYPES | {"refusal"}
+"""Content part types a chat template renders as text; any other part is media."""
+
+
+def _is_media(part: object) -> bool:
+    """Whether a content part is something the server encodes itself (an image, audio, video,
+    a file, ...). Unsure is media: a handoff costs little more than a decode-only call, while
+    an image on the decode server costs its whole encoding there."""
+    if isinstance(part, str):
+        return False
+    if not isinstance(part, dict):
+        return True
+    if "type" in part:
+        return part["type"] not in _PLAIN_PART_TYPES
+    return set(part) != {"text"}  # vLLM reads a part without a type by its keys
+
+
+def adds_media(messages: Sequence[object]) -> bool:
+    """Whether any of ``messages`` has a content part other than text."""
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list) and any(_is_media(part) for part in content):
+            return True
+    return False
 
 
 def _answer_digest(content: str | None, tool_calls: Sequence[Mapping[str, Any]]) -> bytes:
@@ -318,9 +359,9 @@ def _key_digest(key: str) -> bytes:
 # -- the memory -----------------------------------------------------------------------
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True)
 class _Turn:
-    """One conversation's last turn: fixed size whatever the conversation's length."""
+    """One conversation's last turn, as ``estimate`` reads it (kept packed: ``_Packed``)."""
 
     digests: bytes
     """Of the prompt's messages, of its shape (tools, model, template options) and of the
@@ -341,6 +382,57 @@ class _Turn:
     prompt's whole blocks count as cached, not the answer's."""
 
 
+_NUMBERS = struct.Struct("<Iqqqqd?")
+"""A turn's numbers: messages, prompt_tokens, cached_floor, answer_tokens, answer_chars
+(-1: unknown), chars_per_token (NaN: unknown), prompt_pulled."""
+_MAX_COUNT = 2**63 - 1
+
+
+def _count(value: int | None) -> int:
+    return -1 if value is None or value < 0 else min(value, _MAX_COUNT)
+
+
+def _known(value: int) -> int | None:
+    return None if value < 0 else value
+
+
+class _Packed:
+    """A turn in two small objects whatever the conversation's length: its digests and
+    numbers in one bytes object, and its decode endpoint's URL, interned so that every
+    conversation on an endpoint shares one string (the Python objects a ``_Turn`` holds
+    would cost more than the turn's data: an int or a float is an object of its own)."""
+
+    __slots__ = ("endpoint", "packed")
+
+    def __init__(self, turn: _Turn) -> None:
+        numbers = _NUMBERS.pack(
+            turn.messages,
+            _count(turn.prompt_tokens),
+            _count(turn.cached_floor),
+            _count(turn.answer_tokens),
+            _count(turn.answer_chars),
+            math.nan if turn.chars_per_token is None else turn.chars_per_token,
+            turn.prompt_pulled,
+        )
+        self.packed = turn.digests + numbers
+        self.endpoint = sys.intern(str(turn.endpoint))
+
+    def turn(self) -> _Turn:
+        digests, numbers = self.packed[: 3 * _DIGEST_SIZE], self.packed[3 * _DIGEST_SIZE :]
+        messages, prompt_tokens, cached_floor, answer_tokens, answer_chars, ratio, pulled = _NUMBERS.unpack(numbers)
+        return _Turn(
+            digests=digests,
+            messages=messages,
+            prompt_tokens=_known(prompt_tokens),
+            cached_floor=max(0, cached_floor),
+            answer_tokens=_known(answer_tokens),
+            answer_chars=max(0, answer_chars),
+            chars_per_token=None if math.isnan(ratio) else ratio,
+            endpoint=self.endpoint,
+            prompt_pulled=pulled,
+        )
+
+
 @dataclass
 class _Ratio:
     samples: deque[tuple[int, int]] = field(default_factory=deque)
@@ -356,7 +448,7 @@ class ConversationMemory:
 
     def __init__(self, settings: ConversationSettings | None = None) -> None:
         self.settings = settings or ConversationSettings()
-        self._turns: OrderedDict[bytes, _Turn] = OrderedDict()
+        self._turns: OrderedDict[bytes, _Packed] = OrderedDict()
         self._ratio = _Ratio(deque(maxlen=self.settings.ratio_window))
         self._lock = threading.Lock()
 
@@ -450,9 +542,9 @@ class ConversationMemory:
             endpoint=decode_endpoint,
             prompt_pulled=prompt_pulled,
         )
-        key_digest = _key_digest(key)
+        key_digest, packed = _key_digest(key), _Packed(turn)
         with self._lock:
-            self._turns[key_digest] = turn
+            self._turns[key_digest] = packed
             self._turns.move_to_end(key_digest)
             while len(self._turns) > self.settings.max_conversations:
                 self._turns.popitem(last=False)
@@ -474,11 +566,12 @@ class ConversationMemory:
         tools = body.get("tools")
         key_digest = _key_digest(key)
         with self._lock:
-            turn = self._turns.get(key_digest)
-            if turn is not None:
+            packed = self._turns.get(key_digest)
+            if packed is not None:
                 self._turns.move_to_end(key_digest)
-        if turn is None:
+        if packed is None:
             return self._fresh(messages, tools, Match.UNKNOWN)
+        turn = packed.turn()
         prompt_digest, shape_digest, answer_digest = (
             turn.digests[:_DIGEST_SIZE],
             turn.digests[_DIGEST_SIZE : 2 * _DIGEST_SIZE],
@@ -502,13 +595,14 @@ class ConversationMemory:
         block = self.settings.block_size
         match = Match.EXTENDS_ANSWER if answered else Match.EXTENDS_PROMPT
         ratio = turn.chars_per_token
+        new = messages[turn.messages + 1 :] if answered else messages[turn.messages :]
+        media = adds_media(new)
         if turn.prompt_tokens is None:
             # The previous prompt's length is unknown: what is known to be cached, and the
             # whole call estimated from its text (an over-estimate) as the total.
             cached = (turn.cached_floor // block) * block
             total = max(self.tokens_for(rendered_chars(messages), len(messages) + 1, ratio), cached + 1)
-            return Estimate(total, total - cached, turn.endpoint, match)
-        new = messages[turn.messages + 1 :] if answered else messages[turn.messages :]
+            return Estimate(total, total - cached, turn.endpoint, match, media)
         # +1: the generation prompt that ends the call (the previous one is in its prompt).
         new_tokens = self.tokens_for(rendered_chars(new), len(new) + 1, ratio) if new else 0
         if answered and turn.answer_tokens is not None:
@@ -523,7 +617,7 @@ class ConversationMemory:
             total = turn.prompt_tokens + answer + new_tokens
         # Whole blocks only, and vLLM computes at least a prompt's last token itself.
         cached = (min(reused, total - 1) // block) * block
-        return Estimate(total, total - cached, turn.endpoint, match)
+        return Estimate(total, total - cached, turn.endpoint, match, media)
 
 
 # -- the answer a caller received -----------------------------------------------------

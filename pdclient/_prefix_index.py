@@ -12,8 +12,21 @@ eviction takes leaves before the prefixes they extend: a shared system prompt th
 call touches is the last thing to go. Bounded per endpoint: at most ``max_chars`` of
 text, i.e. ``max_chars // chunk_chars`` chunk entries. With the defaults (4 Mi chars,
 about a million tokens: more than a large GPU's KV cache holds, so the index does not
-forget what the server may still have; 128-char chunks) that is 32768 entries, ~4 MB per
-endpoint (measured: ``tests/unit/test_prefix_index.py``). Thread-safe (one lock).
+forget what the server may still have; 128-char chunks) that is 32768 entries: ~4 MB per
+endpoint when first filled, and under 10 MiB (~300 bytes an entry) once it keeps evicting,
+since the table of a dict whose keys come and go grows to four times its entries
+(measured: ``tests/unit/test_prefix_index.py``). That is all it keeps: hashes, never a
+prompt's text, and the policy holds a call's hashes only while it routes it. Thread-safe
+(one lock).
+
+Tenants (``RouteRequest.tenant``, set by ``pdclient serve`` per caller): each tenant's
+chain starts from a seed of its own, so the same text sent by two tenants hashes apart.
+A call is matched only against its own tenant's prompts: no tenant's prompt decides where
+another's call goes, and none can learn by its routing (or its time to first token) what
+another sent. The tenants share each endpoint's bound, as they share the server's own
+prefix cache: one tenant's traffic can push another's entries out, as it pushes their
+blocks out of the server's cache, which only makes the other's calls route as new
+prompts. Prompts without a tenant (a client in process) hash as before.
 
 ``CacheAware``: the policy. See its docstring for the rule and the defaults.
 """
@@ -23,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -96,12 +110,17 @@ class PrefixIndex:
         self._lru: dict[str, OrderedDict[int, None]] = {}
         self._lock = threading.Lock()
 
-    def hashes(self, text: str) -> list[int]:
-        """The chain hashes of ``text``'s whole chunks (a trailing partial chunk is left out)."""
+    def hashes(self, text: str, tenant: str | None = None) -> list[int]:
+        """The chain hashes of ``text``'s whole chunks as ``tenant`` sent it.
+
+        A trailing partial chunk is left out, and so are chunks past the bound (an endpoint
+        never holds a longer prefix). ``tenant``'s chain starts from its own seed: another
+        tenant's hashes of the same text never match these.
+        """
         size = self.chunk_chars
-        chain = 0
+        chain = 0 if tenant is None else hash(("tenant", tenant))
         out = []
-        for start in range(0, len(text) - size + 1, size):
+        for start in range(0, min(len(text) - size + 1, self.max_chunks * size), size):
             chain = hash((chain, text[start : start + size]))
             out.append(chain)
         return out
@@ -155,6 +174,9 @@ class CacheAware:
     3. Otherwise (a new prompt) the conversation's rendezvous choice on its affinity key,
        as the ``Affinity`` policy makes it (least loaded when the call has no key).
 
+    A call is matched against its own tenant's prompts only (``RouteRequest.tenant``; see
+    the module docstring).
+
     Every choice, whichever rule made it, is recorded in the index (``on_routed``); its
     ``RouteDecision`` names the rule (``cache``, ``balance``, ``affinity``, ``least_loaded``)
     with ``match`` / ``prompt``: the characters of the prompt the chosen endpoint holds,
@@ -200,25 +222,24 @@ class CacheAware:
         self.balance_rel_threshold = balance_rel_threshold
         self.index = index or PrefixIndex()
         self.load = load
-        self._recent: OrderedDict[str, list[int]] = OrderedDict()
-        self._recent_lock = threading.Lock()
+        self._routing = threading.local()
+        """The request this thread is routing and its hashes, from ``decide`` to ``on_routed``."""
 
     def _loads(self, endpoints: Sequence[Endpoint]) -> list[float]:
         if self.load is not None:
             return self.load.loads(endpoints)
         return [float(e.in_flight) for e in endpoints]
 
-    def _hashes(self, text: str) -> list[int]:
-        # choose() and on_routed() see the same text: hash it once (a str caches its own hash).
-        with self._recent_lock:
-            cached = self._recent.get(text)
-            if cached is not None:
-                return cached
-        hashes = self.index.hashes(text)
-        with self._recent_lock:
-            self._recent[text] = hashes
-            while len(self._recent) > 16:
-                self._recent.popitem(last=False)
+    def _hashes(self, request: RouteRequest, text: str) -> list[int]:
+        # decide() and on_routed() get the same request one after the other, in one thread
+        # (route_decision): hash its text once. Held by a weak reference to the request, so
+        # no prompt outlives its call here.
+        routing = getattr(self._routing, "request", None)
+        if routing is not None and routing[0]() is request:
+            hashes: list[int] = routing[1]
+            return hashes
+        hashes = self.index.hashes(text, request.tenant)
+        self._routing.request = (weakref.ref(request), hashes)
         return hashes
 
     @property
@@ -237,7 +258,7 @@ class CacheAware:
         text = request.prompt_text
         detail: dict[str, float] = {}
         if text:
-            matched = self.index.match(self._hashes(text), [e.url for e in endpoints])
+            matched = self.index.match(self._hashes(request, text), [e.url for e in endpoints])
             best = max(range(len(endpoints)), key=lambda i: (matched[endpoints[i].url], -loads[i]))
             held = matched[endpoints[best].url]
             if held > 0 and held / len(text) >= self.threshold:
@@ -249,7 +270,8 @@ class CacheAware:
 
     def on_routed(self, endpoint: Endpoint, request: RouteRequest) -> None:
         if request.prompt_text:
-            self.index.insert(self._hashes(request.prompt_text), endpoint.url)
+            self.index.insert(self._hashes(request, request.prompt_text), endpoint.url)
+        self._routing.request = None
 
     def on_removed(self, endpoint: Endpoint) -> None:
         """Discovery removed ``endpoint`` from the pool: forget what was sent there."""

@@ -292,21 +292,42 @@ def test_the_memory_keeps_the_most_recently_used_conversations() -> None:
 
 
 def test_an_entry_costs_the_same_few_hundred_bytes_whatever_the_conversation() -> None:
-    """The ceiling the module docstring states: 10,000 conversations in under 4 MB."""
+    """The ceiling the module docstring states: 10,000 conversations in under 4 MB, after
+    the LRU has churned, each entry made of objects of its own as a live client's are."""
     long_history = [SYSTEM] + [{"role": "user", "content": "x" * 2000}] * 100  # ~200 kB of messages
     mem = memory()
     gc.collect()
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
-        for i in range(10_000):
-            turn = {"model": "m", "messages": long_history if i % 100 == 0 else [SYSTEM, USER], "tools": TOOLS}
-            mem.remember(f"session:{i}", turn, Answer(STORY * 20, completion_tokens=300), D1, prompt_tokens=123_456)
+        for i in range(15_000):  # past the bound by half: the LRU table at its churned size
+            messages = long_history if i % 500 == 0 else [SYSTEM, {"role": "user", "content": f"question {i}"}]
+            turn = {"model": "m", "messages": messages, "tools": TOOLS}
+            endpoint = f"http://decode-{i % 4}:8200/v1"  # a new string each time, as from a parsed header
+            answer = Answer(f"{STORY} {i}", completion_tokens=300 + i)
+            mem.remember(f"session:{i}", turn, answer, endpoint, prompt_tokens=123_456 + i, cached_floor=1000 + i)
+        del messages, turn, endpoint, answer
+        gc.collect()
         used = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()
     assert len(mem) == 10_000
-    assert used / 10_000 < 400, f"{used / 10_000:.0f} bytes per conversation"
+    assert used / 10_000 < 400, f"{used / 10_000:.0f} bytes per conversation"  # ~340 measured
+
+
+def test_a_remembered_turn_reads_back_as_it_was_given() -> None:
+    mem = memory()
+    turn1 = body(SYSTEM, USER)
+    huge = 2**70  # a server's absurd count must not break the memory
+    mem.remember(key_of(turn1), turn1, Answer(STORY, completion_tokens=huge), D1, prompt_tokens=None, cached_floor=-3)
+    unknown = mem.estimate(key_of(turn1), body(SYSTEM, USER, {"role": "assistant", "content": STORY}), ADMITTED)
+    assert unknown.match is Match.EXTENDS_ANSWER and unknown.endpoint == D1
+    assert unknown.cached_tokens == 0, "no prompt length and no floor: nothing known cached"
+    first_turn(mem)
+    follow_up = body(SYSTEM, USER, {"role": "assistant", "content": STORY}, FOLLOW_UP)
+    estimate = mem.estimate(key_of(follow_up), follow_up, ADMITTED)
+    assert estimate.total_tokens == 1328 + 150 + new_tokens(mem, FOLLOW_UP, ratio=OWN)
+    assert estimate.cached_tokens == (1328 + 150 - 1) // 128 * 128
 
 
 def test_memory_is_safe_under_threads() -> None:
@@ -456,6 +477,59 @@ def test_the_defaults_decide_the_measured_follow_up_decode_only() -> None:
     turn2 = body(SYSTEM, USER, {"role": "assistant", "content": STORY}, FOLLOW_UP)
     decision = decide("auto", mem.estimate(key_of(turn2), turn2, ADMITTED), mem.settings)
     assert (decision.remote_prefill, decision.reason, decision.decode_endpoint) == (False, Reason.MOSTLY_CACHED, D1)
+
+
+MEDIA_PARTS = [
+    {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}},
+    {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
+    {"type": "video_url", "video_url": {"url": "https://example.com/clip.mp4"}},
+    {"type": "file", "file": {"file_id": "file-1"}},
+    {"type": "audio_url", "audio_url": {"url": "https://example.com/a.wav"}},
+    {"image_url": "https://example.com/cat.png"},  # vLLM reads a part without a type by its keys
+    42,  # not a part at all: unsure is media (the prefill server says what is wrong with it)
+]
+
+
+@pytest.mark.parametrize("part", MEDIA_PARTS)
+def test_a_follow_up_that_adds_media_is_a_handoff(part: object) -> None:
+    """An image by URL is ~35 tokens of JSON and hundreds of the server's: never decode-only."""
+    mem = memory()
+    first_turn(mem)
+    question = {"role": "user", "content": [{"type": "text", "text": "What is this?"}, part]}
+    turn2 = body(SYSTEM, USER, {"role": "assistant", "content": STORY}, question)
+    estimate = mem.estimate(key_of(turn2), turn2, ADMITTED)
+    decision = decide("auto", estimate, mem.settings)
+    assert (decision.remote_prefill, decision.reason.value, decision.decode_endpoint) == (True, "adds_media", D1)
+    assert estimate.match is Match.EXTENDS_ANSWER and estimate.adds_media
+    assert estimate.uncached_tokens < 256, "by its JSON alone it would have gone decode-only"
+
+
+def test_media_already_in_the_conversation_and_text_parts_add_none() -> None:
+    mem = memory()
+    image = {"role": "user", "content": [{"type": "text", "text": "Describe it."}, MEDIA_PARTS[0]]}
+    turn1 = body(SYSTEM, image)
+    mem.remember(key_of(turn1), turn1, Answer(STORY, completion_tokens=150), D1, prompt_tokens=1900)
+    texts = [
+        {"type": "text", "text": "Shorter, please."},
+        {"type": "input_text", "text": " And a title."},
+        {"type": "refusal", "refusal": ""},
+        {"text": " Thanks."},
+        "!",
+    ]
+    turn2 = body(SYSTEM, image, {"role": "assistant", "content": STORY}, {"role": "user", "content": texts})
+    estimate = mem.estimate(key_of(turn2), turn2, ADMITTED)
+    assert not estimate.adds_media, "the image is in the cached prefix; only text is new"
+    assert decide("auto", estimate, mem.settings).reason is Reason.MOSTLY_CACHED
+
+
+def test_media_counts_whatever_the_previous_prompt_length() -> None:
+    mem = memory()
+    turn1 = body(SYSTEM, USER)
+    mem.remember(key_of(turn1), turn1, Answer(STORY), D1, prompt_tokens=None, cached_floor=1280)
+    turn2 = body(SYSTEM, USER, {"role": "user", "content": [MEDIA_PARTS[2]]})
+    estimate = mem.estimate(key_of(turn2), turn2, ADMITTED)
+    assert estimate.match is Match.EXTENDS_PROMPT and estimate.adds_media
+    assert decide("auto", estimate, mem.settings).reason is Reason.ADDS_MEDIA
 
 
 @pytest.mark.parametrize(

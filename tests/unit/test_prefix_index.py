@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import random
 import threading
 import tracemalloc
@@ -13,7 +14,7 @@ from pdclient._endpoints import BreakerSettings, Endpoint, EndpointPool, route_d
 from pdclient._errors import PDConfigError
 from pdclient._load import LoadAware, LoadSample
 from pdclient._prefix_index import DEFAULT_MAX_CHARS, CacheAware, PrefixIndex, prompt_text
-from pdclient._routing import Affinity, RouteRequest
+from pdclient._routing import Affinity, RouteDecision, RouteRequest
 
 RNG = random.Random(12)
 
@@ -84,6 +85,8 @@ def test_forget() -> None:
 
 
 def test_default_bound_and_its_memory() -> None:
+    """The module docstring's figures: ~4 MB for one endpoint when first filled, under
+    10 MiB once it keeps evicting."""
     index = PrefixIndex()
     assert index.max_chunks == DEFAULT_MAX_CHARS // 128 == 32768
     tracemalloc.start()
@@ -91,11 +94,42 @@ def test_default_bound_and_its_memory() -> None:
         before = tracemalloc.get_traced_memory()[0]
         for _ in range(40):
             index.insert(index.hashes(text(128_000)), "a")
-        used = tracemalloc.get_traced_memory()[0] - before
+        filled = tracemalloc.get_traced_memory()[0] - before
+        for _ in range(3):  # three more endpoints' worth of new chunks, each evicting as many
+            index.insert([RNG.getrandbits(63) for _ in range(index.max_chunks)], "a")
+        churned = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()
     assert index.size("a") == DEFAULT_MAX_CHARS
-    assert used < 6_000_000, f"{used / 1e6:.1f} MB for one full endpoint"
+    assert filled < 6_000_000, f"{filled / 1e6:.1f} MB for one full endpoint"
+    assert churned < 10 * 2**20, f"{churned / 2**20:.1f} MiB for one full endpoint after churn"
+
+
+def test_routing_keeps_no_prompt_after_its_call() -> None:
+    """16 calls with 4 MiB prompts leave the index behind (its 1024 chunk entries here), and
+    nothing of their text."""
+    p = EndpointPool("prefill", URLS[:1], Affinity(), BreakerSettings(), lambda: 0.0)
+    policy = CacheAware(index=PrefixIndex(chunk_chars=4096))  # the default bound, in fewer, longer chunks
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(16):
+            route_decision(p, policy, RouteRequest("prefill", prompt_text=text(4 * 1024 * 1024)))
+        gc.collect()
+        used = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert policy.index.size(URLS[0]) == DEFAULT_MAX_CHARS
+    assert used < 1024 * 1024, f"{used / 2**20:.1f} MiB kept after the calls, for 1024 chunk entries"
+
+
+def test_a_prompt_longer_than_the_bound_hashes_only_what_an_endpoint_can_hold() -> None:
+    index = PrefixIndex(chunk_chars=10, max_chars=100)
+    long = text(1000)
+    assert index.hashes(long) == index.hashes(long[:100])
+    index.insert(index.hashes(long), "a")
+    assert index.match(index.hashes(long), ["a"]) == {"a": 100}
 
 
 def test_threads_share_an_index() -> None:
@@ -242,6 +276,27 @@ def test_load_comes_from_the_servers_when_fresh() -> None:
     assert len(holders) == 2 and hot.url in holders
     assert call(p, policy, SYSTEM + "x" * 32, key="k").url in holders
     assert RULES == {"balance": 1, "cache": 1, "affinity": 1}
+
+
+def test_a_tenant_is_never_routed_by_another_tenants_prompts() -> None:
+    p, policy = pool(), CacheAware(index=PrefixIndex(chunk_chars=16))
+
+    def route(tenant: str | None, prompt: str, key: str) -> RouteDecision:
+        return route_decision(p, policy, RouteRequest("prefill", key, prompt, tenant))
+
+    first = route("a", SYSTEM + "<|user|>hello", "a-1")
+    for i in range(2, 6):
+        assert route("a", SYSTEM + f"<|user|>question {i}", f"a-{i}").rule == "cache", "a's own prompts"
+    for tenant in ("b", None):
+        for i in range(6):
+            other = route(tenant, SYSTEM + f"<|user|>question {i}", f"{tenant}-{i}")
+            if i == 0:  # its first call: a new prompt, whatever tenant a sent
+                assert other.rule == "affinity" and other.detail["match"] == 0, (tenant, str(other))
+            else:  # then its own earlier calls, never a's
+                assert other.rule == "cache", (tenant, str(other))
+    assert [policy.index.hashes(SYSTEM, t) for t in ("a", "b")] != [policy.index.hashes(SYSTEM)] * 2
+    assert len({tuple(policy.index.hashes(SYSTEM, t)) for t in ("a", "b", None)}) == 3
+    assert route("a", SYSTEM + "<|user|>again", "a-9").endpoint is first.endpoint
 
 
 def test_bad_policy_settings() -> None:
