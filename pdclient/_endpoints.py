@@ -8,6 +8,7 @@ the circuit breakers drop the members that failed recently, then a routing polic
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -29,6 +30,16 @@ DECODE_ENV = "PDCLIENT_DECODE_BASE_URL"
 
 URLArg = str | httpx.URL | Sequence[str | httpx.URL] | None
 
+# The userinfo of every URL in a text: from "://" to the last "@" before the host's end.
+_USERINFO = re.compile(r"(?<=://)[^/?#\s]*@")
+REDACTED = "***@"
+
+
+def redact_url(text: str) -> str:
+    """A URL, or a text holding URLs, with each URL's credentials (``user:password@``)
+    replaced by ``***@``: what may be shown (logs, traces, errors, ``/ready``, metrics)."""
+    return _USERINFO.sub(REDACTED, text) if "@" in text else text
+
 
 def resolve_urls(value: URLArg, *, argument: str, env: str) -> tuple[str, ...]:
     """Normalise one URL or a list of URLs, falling back to a comma-separated env var."""
@@ -44,7 +55,7 @@ def resolve_urls(value: URLArg, *, argument: str, env: str) -> tuple[str, ...]:
         raise PDConfigError(f"{source} is an empty list; give at least one URL")
     urls = tuple(normalise_url(item, source) for item in items)
     if len(set(urls)) != len(urls):
-        raise PDConfigError(f"{source} lists the same URL twice: {list(urls)}")
+        raise PDConfigError(f"{source} lists the same URL twice: {[redact_url(u) for u in urls]}")
     return urls
 
 
@@ -54,9 +65,9 @@ def normalise_url(item: object, source: str) -> str:
     try:
         url = httpx.URL(str(item).strip())
     except httpx.InvalidURL as exc:
-        raise PDConfigError(f"{source}: invalid URL {str(item)!r}: {exc}") from None
+        raise PDConfigError(f"{source}: invalid URL {redact_url(str(item))!r}: {redact_url(str(exc))}") from None
     if url.scheme not in ("http", "https") or not url.host:
-        raise PDConfigError(f"{source}: {str(item)!r} is not an http(s) URL with a host")
+        raise PDConfigError(f"{source}: {redact_url(str(item))!r} is not an http(s) URL with a host")
     return str(url).rstrip("/")
 
 
@@ -100,7 +111,7 @@ class Endpoint:
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
-        return f"Endpoint({self.url!r}, in_flight={self.in_flight}, state={self.state})"
+        return f"Endpoint({redact_url(self.url)!r}, in_flight={self.in_flight}, state={self.state})"
 
     @property
     def state(self) -> str:
@@ -206,7 +217,7 @@ class EndpointPool:
         members = self.endpoints  # read once: discovery may swap the tuple meanwhile
         admitted = [e for e in members if e.admits()]
         if not admitted:
-            states = ", ".join(f"{e.url} ({e.state})" for e in members)
+            states = ", ".join(f"{redact_url(e.url)} ({e.state})" for e in members)
             raise AllEndpointsOpen(f"every {self.leg} endpoint has its circuit breaker open: {states}")
         fresh = [e for e in admitted if e not in avoid]
         return fresh or admitted

@@ -11,7 +11,9 @@ import enum
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+
+from ._endpoints import redact_url
 
 HEADER_PREFIX = "x-pd-"
 
@@ -54,6 +56,11 @@ class Migration(BaseModel):
     ``prefill+decode`` (a prefill endpoint computed it and its KV was handed over)."""
     cause: str = ""
     """What broke the stream, in words."""
+
+    @field_validator("from_url", "to_url", "cause")
+    @classmethod
+    def _without_credentials(cls, value: str) -> str:
+        return redact_url(value)  # as PDTrace's: a record is shown
 
 
 class PDTrace(BaseModel):
@@ -114,6 +121,13 @@ class PDTrace(BaseModel):
     migrations: tuple[Migration, ...] = ()
     """Each time the decode stream broke and the answer continued on another decode endpoint
     (``max_decode_migrations``), in order. Not in the response headers: known only later."""
+
+    # A base URL may carry credentials (http://user:password@host): a trace is shown (headers,
+    # logs, observers), so they never reach it, neither as a URL nor inside a message.
+    @field_validator("prefill_url", "decode_url", "prefill_warm_up_url", "fallback", "error")
+    @classmethod
+    def _without_credentials(cls, value: str | None) -> str | None:
+        return None if value is None else redact_url(value)
 
     def to_headers(self) -> dict[str, str]:
         """The fields known when the decode response starts, as ``x-pd-*`` headers (ASCII)."""

@@ -41,9 +41,12 @@ Metrics (``namespace`` prefix, ``pdclient`` by default; times in seconds):
 ``pdclient_endpoint_state``            gauge      1 for each endpoint's current breaker ``state``
                                                   (closed, open, half-open), 0 for the others
 ``pdclient_endpoint_in_flight``        gauge      requests in flight per endpoint
+``pdclient_build_info``                gauge      1, with the ``version`` of pdclient and the ``python`` it runs on
 =====================================  =========  ===============================================
 
-The last two are read when scraped, from the clients or transports given to ``watch``.
+The endpoint gauges are read when scraped, from the clients or transports given to ``watch``.
+An ``endpoint`` label is the endpoint's base URL with its credentials, if it has any
+(``http://user:password@host``), shown as ``***@``.
 The observer is thread-safe (prometheus_client's metrics are) and keeps its per-call
 state in ``call.data``. Under prometheus_client's multiprocess mode the call metrics are
 aggregated across processes (the in-flight gauge as ``livesum``); endpoint metrics stay
@@ -52,11 +55,14 @@ per process, since every process has breakers of its own.
 
 from __future__ import annotations
 
+import copy
+import platform
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
+from ._endpoints import redact_url
 from ._errors import PDConfigError
 from ._fleet import Fleet
 from ._observe import CallView, LegView, PDObserver
@@ -89,6 +95,7 @@ class EndpointState(NamedTuple):
     leg: str
     """``prefill`` or ``decode``."""
     url: str
+    """Its base URL, credentials (``user:password@``) shown as ``***@``."""
     state: str
     """The circuit breaker's: ``closed``, ``open`` or ``half-open``."""
     admitted: bool
@@ -102,7 +109,9 @@ def endpoint_states(source: object) -> list[EndpointState]:
     if not isinstance(fleet, Fleet):
         raise PDConfigError(f"expected a pdclient client, transport or Fleet, got {type(source).__name__}")
     return [
-        EndpointState(pool.leg, e.url, e.state, e.admits(), e.in_flight) for pool in fleet.pools for e in pool.endpoints
+        EndpointState(pool.leg, redact_url(e.url), e.state, e.admits(), e.in_flight)
+        for pool in fleet.pools
+        for e in pool.endpoints
     ]
 
 
@@ -212,6 +221,7 @@ class PrometheusObserver(PDObserver):
             registry=r,
             buckets=buckets,
         )
+        r.register(BuildInfo(namespace))
         self._endpoints = _EndpointCollector(namespace)
         self._endpoints_registered: set[int] = set()
         self._lock = threading.Lock()
@@ -252,7 +262,7 @@ class PrometheusObserver(PDObserver):
 
     def on_leg_end(self, call: CallView, leg: LegView, status: int | None, error: BaseException | None) -> None:
         label = "error" if error is not None or status is None else str(status)
-        self.leg_duration.labels(leg.name, leg.url, label).observe(time.perf_counter() - leg.sent_at)
+        self.leg_duration.labels(leg.name, redact_url(leg.url), label).observe(time.perf_counter() - leg.sent_at)
 
     def on_first_byte(self, call: CallView) -> None:
         self.ttft.labels(call.route).observe(time.perf_counter() - call.started)
@@ -270,6 +280,45 @@ class PrometheusObserver(PDObserver):
             self.migrations.labels(call.route, moved.route).inc()
             if moved.pause_ms is not None:
                 self.migration_pause.labels(call.route).observe(moved.pause_ms / 1000)
+
+
+class BuildInfo(Collector):
+    """``<namespace>_build_info``: 1, labelled with pdclient's version and Python's."""
+
+    def __init__(self, namespace: str = "pdclient") -> None:
+        from . import __version__
+
+        self.namespace = namespace
+        self.labels = {"version": __version__, "python": platform.python_version()}
+
+    def collect(self) -> Iterator[Metric]:
+        info = GaugeMetricFamily(
+            f"{self.namespace}_build_info", "pdclient's version and Python's, as labels.", labels=list(self.labels)
+        )
+        info.add_metric(list(self.labels.values()), 1.0)
+        yield info
+
+
+class WithoutCreated:
+    """A registry's metrics without their ``_created`` samples, for an exposition.
+
+    prometheus_client adds a ``_created`` sample (the child's creation time) to every
+    counter and histogram child, which the text format shows as a series of its own: one
+    more per counter, nearly doubling a scrape of counters. ``disable_created_metrics()``
+    drops them for the whole process, a choice that belongs to the process's owner, not
+    to an observer; so the proxy exposes its registry through this view instead.
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self.registry.collect():
+            created = metric.name + "_created"
+            if any(sample.name == created for sample in metric.samples):
+                metric = copy.copy(metric)
+                metric.samples = [sample for sample in metric.samples if sample.name != created]
+            yield metric
 
 
 class _EndpointCollector(Collector):
@@ -292,9 +341,10 @@ class _EndpointCollector(Collector):
         )
         for source in list(self.sources):
             for endpoint in source():
+                url = redact_url(endpoint.url)  # a source of one's own may not have
                 for name in BREAKER_STATES:
-                    state.add_metric([endpoint.leg, endpoint.url, name], float(endpoint.state == name))
-                in_flight.add_metric([endpoint.leg, endpoint.url], float(endpoint.in_flight))
+                    state.add_metric([endpoint.leg, url, name], float(endpoint.state == name))
+                in_flight.add_metric([endpoint.leg, url], float(endpoint.in_flight))
         yield state
         yield in_flight
 

@@ -7,40 +7,66 @@ its stream, while a second task listens for the caller's disconnect: when the ca
 goes away, the work in progress is cancelled (before the decode answers, that is the
 transport's cancel-safe path, which frees the prefill's KV) and the upstream response is
 closed, which closes its connection.
+
+What a caller can reach and learn: only paths under ``/v1`` (read as the servers' router
+reads them: percent-decoded once, ``.`` and ``..`` resolved, repeated slashes merged),
+never the servers' other routes; an error says which leg failed and how, not which server
+(unless ``trace_headers``); its state on the servers (conversations, cached prefixes) is
+its tenant's, never another's (``RouteRequest.tenant``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import hashlib
 import hmac
 import logging
+import math
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+import signal
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from types import FrameType
 from typing import Any
+from urllib.parse import quote_from_bytes, unquote_to_bytes
 
 import anyio
 import httpx
+import openai
+import orjson
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 from starlette.applications import Starlette
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from .. import AsyncPDTransport, PDObserver
+from .. import AsyncPDTransport, CallView, LegView, PDObserver, __version__
 from .._call import leg_url, new_request_id, request_with_content  # the per-call costs, cut once (see each)
+from .._discovery import DiscoverySettings
+from .._endpoints import AllEndpointsOpen, Endpoint, redact_url
+from .._fleet import Fleet
+from .._health import HealthProber
+from .._routing import TENANT_EXTENSION
 from .._streams import ends_event_stream  # where a decode body ends
-from ..metrics import PrometheusObserver, endpoint_states
+from ..metrics import BuildInfo, PrometheusObserver, WithoutCreated
 from ._config import CONFIG_ENV, ServeConfig
 from ._legs import AiohttpTransport
 from ._logging import CallLog
 from ._run import MULTIPROC_ENV
+from ._telemetry import Tracing, tracing
 
 logger = logging.getLogger("pdclient.serve")
 
 API_PREFIX = "/v1"
+_API_PREFIX_BYTES = API_PREFIX.encode("ascii") + b"/"
+# What a path keeps unescaped when it is encoded again: RFC 3986's pchar and "/".
+_PATH_SAFE = "/:@!$&'()*+,;="
 
 # Not copied from the caller to the servers: hop-by-hop, recomputed, or the caller's key.
 _DROPPED_REQUEST_HEADERS = frozenset(
@@ -55,6 +81,8 @@ _DROPPED_RESPONSE_HEADERS = frozenset(
 _PROXIED_METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS")
 _TRACE_HEADER_PREFIX = b"x-pd-"
 _FAILED_LEG_HEADER = b"x-pd-failed-leg"
+LEG_ERRORS = "pdclient.serve.leg_errors"
+"""The upstream request's extension where ``LegErrors`` keeps each leg's last failure."""
 
 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -69,6 +97,92 @@ class _BodyTooLarge(Exception):
 
 class _CallerLeft(Exception):
     """The caller disconnected before its request body was in."""
+
+
+class _NoTenant(Exception):
+    """The tenant header the operator named is missing."""
+
+
+def upstream_path(raw_path: bytes) -> str | None:
+    """The path to send the servers for a caller's ``raw_path`` (as it came, encoded), or
+    None when it does not stay under ``/v1/``.
+
+    The servers' router (vLLM's, Starlette's) sees a path percent-decoded once, so the
+    proxy reads it so too: ``/v1/chat%2Fcompletions`` is the chat route, for the handoff as
+    for the server. Then ``.`` and ``..`` segments are resolved (HTTP clients resolve them
+    before sending; they must not lead out of ``/v1``) and repeated slashes merged, and the
+    result is encoded again: the servers get one spelling, the very path the handoff chose
+    its route by. A ``%2F`` in a segment so becomes a ``/`` (to vLLM's router they are one).
+    """
+    decoded = unquote_to_bytes(raw_path)
+    segments: list[bytes] = []
+    for segment in decoded.split(b"/"):
+        if segment == b"..":
+            if segments:
+                segments.pop()
+        elif segment not in (b"", b"."):
+            segments.append(segment)
+    path = b"/" + b"/".join(segments)
+    if decoded.endswith((b"/", b"/.", b"/..")) and segments:
+        path += b"/"
+    if not path.startswith(_API_PREFIX_BYTES):
+        return None
+    return quote_from_bytes(path, safe=_PATH_SAFE)
+
+
+def _is_own_error(response: httpx.Response) -> bool:
+    """Whether ``response`` is pdclient's error for a failed leg, not a server's answer: its
+    message holds the failure's text, which may name the server."""
+    if response.status_code < 500 or response.headers.get("x-pd-failed-leg") not in ("prefill", "decode"):
+        return False
+    if not isinstance(response.stream, httpx.ByteStream):  # a server's answer, streamed: passed on as it comes
+        return False
+    try:
+        error = orjson.loads(response.content).get("error")
+    except (orjson.JSONDecodeError, AttributeError):
+        return False
+    return isinstance(error, dict) and error.get("type") == "pdclient_error"
+
+
+_TENANT_DOMAIN = b"pdclient serve tenant v1\x00"
+
+
+def tenant_digest(value: bytes) -> str:
+    """The tenant a caller's credentials (or tenant header) stand for: the same in every
+    worker and every replica, so state kept per tenant (conversations, cached prefixes) is
+    found wherever the caller's next request lands. A plain SHA-256, in a domain of its own
+    (no other digest of the same bytes matches it): an API key has too much entropy to be
+    found again from its digest, and the digest is never shown."""
+    return hashlib.sha256(_TENANT_DOMAIN + value).hexdigest()[:32]
+
+
+class LegErrors(PDObserver):
+    """Keeps each leg's last failure on the proxy's upstream request (``LEG_ERRORS``), so the
+    caller's error body can say how a leg failed without the failure's own text, which
+    names the server."""
+
+    def on_leg_end(self, call: CallView, leg: LegView, status: int | None, error: BaseException | None) -> None:
+        if error is not None:
+            errors = call.request.extensions.get(LEG_ERRORS)
+            if errors is not None:
+                errors[leg.name] = error
+
+
+def failure_kind(error: BaseException | None) -> str:
+    """How a leg failed, in words that name no server."""
+    if isinstance(error, AllEndpointsOpen):
+        return "no admitted endpoint (every circuit breaker is open)"
+    if isinstance(error, httpx.ConnectTimeout):
+        return "connect timeout"
+    if isinstance(error, httpx.ConnectError):
+        return "connect error"
+    if isinstance(error, httpx.TimeoutException):
+        return "timeout"
+    if isinstance(error, httpx.RemoteProtocolError):
+        return "the server closed the connection or broke the protocol"
+    if isinstance(error, httpx.TransportError):
+        return "network error"
+    return "error" if error is None else type(error).__name__
 
 
 class Proxy:
@@ -91,20 +205,34 @@ class Proxy:
 
             self.scrape_registry = CollectorRegistry()
             multiprocess.MultiProcessCollector(self.scrape_registry)  # type: ignore[no-untyped-call]
+            self.scrape_registry.register(BuildInfo())  # the workers' files hold only what they counted
         else:
             self.scrape_registry = self.metrics.registry
         # aiohttp sends the legs: a third of httpx's CPU per request (pdclient/serve/_legs.py).
         legs = leg_transport or AiohttpTransport(max_connections=config.max_connections)
         options = config.options
-        observers: tuple[PDObserver, ...] = (self.metrics, CallLog(), *options.observers)
-        # A caller must not choose where the proxy sends requests: no per-call fallback URL.
-        options = options.replace(observers=observers, allow_call_fallback_url=False)
+        self.tracing: Tracing | None = tracing(config.otel, os.environ)
+        traced = () if self.tracing is None else (self.tracing.observer,)
+        observers: tuple[PDObserver, ...] = (self.metrics, CallLog(), LegErrors(), *traced, *options.observers)
+        # A caller must not choose where the proxy sends requests (no per-call fallback URL),
+        # nor loosen the operator's settings unless the operator allows it.
+        options = options.replace(
+            observers=observers, allow_call_fallback_url=False, allow_call_overrides=config.allow_call_overrides
+        )
         self.transport = AsyncPDTransport(options=options, leg_transport=legs)
         self.metrics.watch(self.transport, registry=self.scrape_registry)
         self.api_base = options.decode_urls[0]
         self._keys = [key.encode() for key in config.api_keys]
         t = config.timeout
         self._timeouts = {"connect": config.connect_timeout, "read": t, "write": t, "pool": t}
+        self.draining = False
+        """Set by the shutdown signal (``drain``): ``/ready`` answers 503 from then on."""
+        self._tenant_header = config.tenant_header.lower().encode("ascii") if config.tenant_header else None
+        self._digest = functools.lru_cache(maxsize=4096)(tenant_digest)
+
+    def drain(self) -> None:
+        """The server is shutting down: no more readiness (calls in flight go on)."""
+        self.draining = True
 
     # -- routes ----------------------------------------------------------------------
 
@@ -112,23 +240,42 @@ class Proxy:
         return JSONResponse({"status": "ok"})
 
     async def ready(self, request: Request) -> Response:
-        """200 when this proxy can answer a chat call now (see ``readiness``), else 503."""
+        """200 when this proxy can answer a chat call now (see ``readiness``), else 503; 503
+        too from the shutdown signal on."""
+        if self.config.status_requires_api_key and not self._authorized(request.scope["headers"]):
+            return _unauthorized()
         body = readiness(self.transport, self.config.ready_requires_prefill)
+        if self.draining:
+            body.update(ready=False, draining=True)
         return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
     async def metrics_endpoint(self, request: Request) -> Response:
+        if self.config.status_requires_api_key and not self._authorized(request.scope["headers"]):
+            return _unauthorized()
         encoder, content_type = choose_encoder(request.headers.get("accept", ""))
-        return Response(encoder(self.scrape_registry), media_type=content_type)
+        return Response(encoder(WithoutCreated(self.scrape_registry)), media_type=content_type)
 
     async def proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
         """A ``/v1`` request, at the ASGI level: the caller's raw headers go on as bytes, and no
         router or middleware runs per call (Starlette's stack was ~4 % of the proxy's CPU)."""
         headers: list[tuple[bytes, bytes]] = scope["headers"]
         if self._keys and not self._authorized(headers):
-            refusal = error_response(401, "missing or invalid API key", {"www-authenticate": "Bearer"})
-            await refusal(scope, receive, send)
+            await _unauthorized()(scope, receive, send)
+            return
+        # raw_path is optional in ASGI: without it, the decoded path is encoded again to be read once.
+        raw_path = scope.get("raw_path") or quote_from_bytes(scope["path"].encode("utf-8"), safe="/").encode()
+        path = upstream_path(raw_path)
+        if path is None:
+            message = f"no such route: only paths under {API_PREFIX}/ are proxied (read decoded, '..' resolved)"
+            await error_response(404, message)(scope, receive, send)
             return
         try:
+            tenant = self._tenant(headers)
+        except _NoTenant:
+            message = f"the {self.config.tenant_header} header (the caller's tenant) is missing"
+            await error_response(400, message)(scope, receive, send)
+            return
+        try:  # within body_timeout: the connection's deadline (_protocol), or the caller is gone
             body = await self._read_body(headers, receive)
         except _BodyTooLarge:
             limit = self.config.max_body_size
@@ -140,21 +287,33 @@ class Proxy:
             return
         except _CallerLeft:
             return
-        # The path as the caller encoded it (raw_path): "org%2Fmodel" stays one segment.
-        raw_path: bytes = scope.get("raw_path") or scope["path"].encode()
-        path = raw_path.decode("latin-1")[len(API_PREFIX) :]
         given_id = _header(headers, b"x-request-id")
         request_id = given_id.decode("latin-1") if given_id else new_request_id()
+        extensions: dict[str, Any] = {"timeout": self._timeouts, LEG_ERRORS: {}}
+        if tenant is not None:
+            extensions[TENANT_EXTENSION] = tenant
         upstream = request_with_content(
             scope["method"],
-            leg_url(self.api_base, path, scope["query_string"]),
+            leg_url(self.api_base, path[len(API_PREFIX) :], scope["query_string"]),
             self._upstream_headers(headers, request_id),
             body,
-            {"timeout": self._timeouts},
+            extensions,
         )
         await _ProxiedResponse(self, upstream, request_id)(scope, receive, send)
 
     # -- helpers ---------------------------------------------------------------------
+
+    def _tenant(self, headers: list[tuple[bytes, bytes]]) -> str | None:
+        """The caller's tenant: a digest of the operator's tenant header (``_NoTenant`` when
+        it is missing), else of the credentials the caller sent (None: it sent none, and
+        shares the state of every other caller that sends none)."""
+        if self._tenant_header is not None:
+            value = _header(headers, self._tenant_header)
+            if not value:
+                raise _NoTenant
+            return self._digest(b"header:" + value)
+        credentials = (_header(headers, b"authorization") or b"").strip()
+        return self._digest(b"authorization:" + credentials) if credentials else None
 
     def _authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
         scheme, _, token = (_header(headers, b"authorization") or b"").partition(b" ")
@@ -207,25 +366,54 @@ class Proxy:
         return headers
 
 
+def _unauthorized() -> JSONResponse:
+    return error_response(401, "missing or invalid API key", {"www-authenticate": "Bearer"})
+
+
 def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
     """An ASGI request header's value (names are lower-case there), the first if repeated."""
     return next((value for key, value in headers if key == name), None)
 
 
-def readiness(transport: AsyncPDTransport, requires_prefill: bool = False) -> dict[str, Any]:
-    """``/ready``'s body: each endpoint's breaker, and whether a chat call can be answered now.
+def _health_probers(fleet: Fleet) -> list[HealthProber]:
+    background = fleet.background
+    return [core for core in background.cores if isinstance(core, HealthProber)] if background is not None else []
 
-    A decode endpoint must be admitted. A prefill endpoint must be too when the failure
-    policy is ``fail`` (every call would fail without one) or ``requires_prefill`` is set;
-    with ``decode`` (the default) or a fallback URL the proxy still answers every call,
-    without the handoff, so it stays ready and says ``degraded``. Taking every replica of
-    a proxy out of its load balancer because the shared prefill pool is down would turn a
-    slower answer into no answer.
+
+def _probe(endpoint: Endpoint, probers: list[HealthProber]) -> str | None:
+    """What the health checks last said of ``endpoint``: ``failing`` from its first failed
+    probe on, ``ok`` otherwise; None without health checks."""
+    if not probers:
+        return None
+    return "failing" if any(prober.state(endpoint).failures for prober in probers) else "ok"
+
+
+def readiness(transport: AsyncPDTransport, requires_prefill: bool = False) -> dict[str, Any]:
+    """``/ready``'s body: each endpoint's breaker (and health probe), and whether a chat call
+    can be answered now.
+
+    A decode endpoint must be up: admitted by its breaker and, with health checks on, not
+    failing its last probe (the breaker opens only after several failed probes, so that
+    one lost probe does not take a server out of routing; the readinessProbe has its own
+    threshold to smooth one). A prefill endpoint must be up too when the failure policy is
+    ``fail`` (every call would fail without one) or ``requires_prefill`` is set; with
+    ``decode`` (the default) or a fallback URL the proxy still answers every call, without
+    the handoff, so it stays ready and says ``degraded``. Taking every replica of a proxy
+    out of its load balancer because the shared prefill pool is down would turn a slower
+    answer into no answer.
     """
     body: dict[str, Any] = {"ready": False, "degraded": False, "prefill": [], "decode": []}
-    for e in endpoint_states(transport):
-        body[e.leg].append({"url": e.url, "state": e.state, "admitted": e.admitted, "in_flight": e.in_flight})
-    prefill_up, decode_up = (any(e["admitted"] for e in body[leg]) for leg in ("prefill", "decode"))
+    probers = _health_probers(transport.fleet)
+    up = {"prefill": False, "decode": False}
+    for pool in transport.fleet.pools:
+        for e in pool.endpoints:
+            admitted, probe = e.admits(), _probe(e, probers)
+            state = {"url": redact_url(e.url), "state": e.state, "admitted": admitted, "in_flight": e.in_flight}
+            if probe is not None:
+                state["probe"] = probe
+            body[pool.leg].append(state)
+            up[pool.leg] = up[pool.leg] or (admitted and probe != "failing")
+    prefill_up, decode_up = up["prefill"], up["decode"]
     policy = transport.options.on_prefill_failure
     if prefill_up:
         body["ready"] = decode_up
@@ -279,17 +467,32 @@ class _ProxiedResponse(Response):
     async def _answer(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             response = await self._proxy.transport.handle_async_request(self._upstream)
-        except httpx.TimeoutException as exc:
-            await self._fail(scope, receive, send, 504, f"upstream timed out: {type(exc).__name__}: {exc}")
-            return
-        except httpx.TransportError as exc:
-            await self._fail(scope, receive, send, 502, f"upstream unreachable: {type(exc).__name__}: {exc}")
+        except httpx.TransportError as exc:  # only the decode leg raises: the prefill's are answers
+            # Logged by the call's own line (CallLog), its error included: one line per call.
+            status = 504 if isinstance(exc, httpx.TimeoutException) else 502
+            detail = f"{type(exc).__name__}: {exc}"
+            await self._fail(scope, receive, send, status, "decode", failure_kind(exc), detail)
             return
         try:
+            if not self._proxy.config.trace_headers and _is_own_error(response):
+                await self._fail(scope, receive, send, response.status_code, *self._own_error(response))
+                return
             await self._stream(response, send)
         finally:
             with anyio.CancelScope(shield=True):
                 await response.aclose()
+
+    def _own_error(self, response: httpx.Response) -> tuple[str, str]:
+        """The failed leg of an ``_is_own_error`` response, and how it failed."""
+        leg = response.headers["x-pd-failed-leg"]
+        if response.status_code == 503:  # pdclient's answer when no endpoint is admitted
+            kind = failure_kind(AllEndpointsOpen())
+        else:
+            kind = failure_kind(self._upstream.extensions[LEG_ERRORS].get(leg))
+        attempts = response.headers.get(f"x-pd-{leg}-attempts", "")
+        if attempts.isdigit() and int(attempts) > 1:
+            kind += f", after {attempts} attempts"
+        return leg, kind
 
     async def _stream(self, response: httpx.Response, send: Send) -> None:
         headers = self._proxy.response_headers(response, self._request_id)
@@ -305,8 +508,10 @@ class _ProxiedResponse(Response):
                     last += chunk  # the body's end: sent once the upstream stream is over, below
                     continue
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except Exception as exc:  # the decode stream broke: the caller sees it cut off too
-            logger.warning("request %s: upstream stream broke: %s", self._request_id, exc)
+        except (httpx.TransportError, openai.APIConnectionError):
+            return  # the decode stream broke: the caller sees it cut off too, the call's line says why
+        except Exception:  # not a broken stream: a fault of the proxy's own, cut off all the same
+            logger.exception("request %s: the answer's stream failed", self._request_id)
             return
         # Closed before the caller can see the end, so the call is recorded (metrics, log) by
         # then: a caller that reads a body's last byte, or an SSE stream's [DONE], and then
@@ -314,9 +519,16 @@ class _ProxiedResponse(Response):
         await response.aclose()
         await send({"type": "http.response.body", "body": last, "more_body": False})
 
-    async def _fail(self, scope: Scope, receive: Receive, send: Send, status: int, message: str) -> None:
-        logger.warning("request %s: %s", self._request_id, message)
-        await error_response(status, message, {"x-request-id": self._request_id})(scope, receive, send)
+    async def _fail(
+        self, scope: Scope, receive: Receive, send: Send, status: int, leg: str, kind: str, detail: str | None = None
+    ) -> None:
+        """An error body that says which leg failed and how; the failure's own text (which
+        names the server) only with ``trace_headers``."""
+        message = f"{leg} leg failed: {kind}"
+        if detail and self._proxy.config.trace_headers:
+            message += f" ({redact_url(detail)})"
+        headers = {"x-request-id": self._request_id, _FAILED_LEG_HEADER.decode(): leg}
+        await error_response(status, message, headers)(scope, receive, send)
 
 
 def create_app(
@@ -336,32 +548,150 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        # The fleet's background work (health checks, discovery, load scrapes) starts with the
+        # app, not with its first call: /ready is right before any traffic.
+        fleet = proxy.transport.fleet
+        fleet.start()
+        await _first_probes(fleet)
+        logger.info("pdclient serve %s: %s", __version__, startup_summary(proxy))
         try:
-            yield
+            with _on_shutdown_signal(proxy.drain):
+                yield
         finally:
             await proxy.transport.aclose()
+            if proxy.tracing is not None:
+                await anyio.to_thread.run_sync(proxy.tracing.flush)
             if proxy.multiprocess:
                 from prometheus_client import multiprocess
 
                 multiprocess.mark_process_dead(os.getpid())  # type: ignore[no-untyped-call]
 
-    app = ProxyApp(
-        routes=[
-            Route("/health", proxy.health, methods=["GET"]),
-            Route("/ready", proxy.ready, methods=["GET"]),
-            Route("/metrics", proxy.metrics_endpoint, methods=["GET"]),
-        ],
-        lifespan=lifespan,
-    )
-    app.state.proxy = proxy
-    return app
+    routes = [
+        Route("/health", proxy.health, methods=["GET"]),
+        Route("/ready", proxy.ready, methods=["GET"]),
+        Route("/metrics", proxy.metrics_endpoint, methods=["GET"]),
+    ]
+    return ProxyApp(proxy, routes=routes, lifespan=lifespan)
+
+
+async def _first_probes(fleet: Fleet) -> None:
+    """With health checks on, wait until the first round of probes is in (at most a probe's
+    timeout), so that the first /ready already says what they found: the server opens its
+    listener once the lifespan has started, not before."""
+    probers = _health_probers(fleet)
+    if not probers:
+        return
+    deadline = time.monotonic() + max(prober.settings.timeout for prober in probers) + 0.5
+    # A prober's next_due is 0 while a member waits for its first probe, infinite while
+    # every member's is out, and the next round's time once they are in. (Polled: the
+    # cores are plain state, with nothing to wait on.)
+    while not all(0.0 < p.next_due() < math.inf for p in probers) and time.monotonic() < deadline:  # noqa: ASYNC110
+        await asyncio.sleep(0.01)
+
+
+@contextlib.contextmanager
+def _on_shutdown_signal(callback: Callable[[], None]) -> Iterator[None]:
+    """While the block runs, SIGTERM and SIGINT call ``callback`` first, then the handler
+    installed before (the server's own: uvicorn's starts its graceful shutdown).
+
+    uvicorn closes its listener at its next tick after the signal, and a load balancer may
+    still send a request or two until it has seen the pod go: ``/ready`` must say 503 from
+    the signal on. Signals are caught only in the main thread, as the server itself catches
+    them; an app served from another thread gets nothing here.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before: dict[signal.Signals, Any] = {}
+
+    def caught(sig: int, frame: FrameType | None) -> None:
+        handler = before.get(signal.Signals(sig))
+        if handler == signal.SIG_IGN:  # a signal ignored before does not shut anything down
+            return
+        callback()
+        if callable(handler):
+            handler(sig, frame)
+        elif handler in (signal.SIG_DFL, None):  # caught by no one before: what the signal does by default
+            signal.signal(sig, signal.SIG_DFL)
+            signal.raise_signal(sig)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        before[sig] = signal.signal(sig, caught)
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            if signal.getsignal(sig) is caught:
+                signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+
+
+def startup_summary(proxy: Proxy) -> str:
+    """What this proxy runs, for its startup line: the pools (URLs redacted), the policies,
+    the features on; never a secret (the keys are counted, a secret is only said to be set)."""
+    config, options = proxy.config, proxy.transport.options
+
+    def on(value: object) -> str:
+        return "on" if value else "off"
+
+    def policy(leg: str) -> str:
+        chosen = options.policy_for(leg)
+        return chosen if isinstance(chosen, str) else type(chosen).__name__
+
+    scraped = [leg for leg in ("prefill", "decode") if options.load_settings_for(leg) is not None]
+    fields = {
+        "prefill": "[" + ",".join(redact_url(url) for url in options.prefill_urls) + "]",
+        "decode": "[" + ",".join(redact_url(url) for url in options.decode_urls) + "]",
+        "prefill_routing": policy("prefill"),
+        "decode_routing": policy("decode"),
+        "on_prefill_failure": redact_url(options.on_prefill_failure),
+        "health_checks": on(_health_probers(proxy.transport.fleet)),
+        "discovery": on(isinstance(options.discovery, DiscoverySettings)),
+        "load_signals": ",".join(scraped) or "off",
+        "remote_prefill": options.remote_prefill,
+        "max_decode_migrations": options.max_decode_migrations,
+        "signed_legs": on(options.reuse_secret),
+        "allow_call_overrides": on(config.allow_call_overrides),
+        "api_keys": len(config.api_keys),
+        "forward_api_key": on(config.forward_api_key),
+        "upstream_api_key": "set" if config.upstream_api_key else "none",
+        "trace_headers": on(config.trace_headers),
+        "tenant_header": config.tenant_header or "none",
+        "status_requires_api_key": on(config.status_requires_api_key),
+        "allowed_origins": ",".join(config.allowed_origins) or "none",
+        "otel": on(proxy.tracing),
+        "workers": config.workers,
+    }
+    return " ".join(f"{name}={value}" for name, value in fields.items())
+
+
+# The headers a browser page may read from an answer, beyond the CORS-safelisted ones.
+_EXPOSED_HEADERS = ("x-request-id", "x-pd-failed-leg")
 
 
 class ProxyApp(Starlette):
     """Starlette for the proxy's own routes and its lifespan; ``/v1/...`` goes straight to
-    ``Proxy.proxy``, ahead of Starlette's middleware and router."""
+    ``Proxy.proxy``, ahead of Starlette's middleware and router. With allowed origins,
+    starlette's ``CORSMiddleware`` comes first, for ``/v1`` too: it answers a browser's
+    preflight itself (a preflight carries no key) and adds the CORS headers to answers."""
+
+    def __init__(self, proxy: Proxy, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.state.proxy = proxy
+        origins = proxy.config.allowed_origins
+        self._entry: Callable[[Scope, Receive, Send], Awaitable[None]] = self._dispatch
+        if origins:
+            self._entry = CORSMiddleware(
+                self._dispatch,
+                allow_origins=origins,
+                allow_methods=_PROXIED_METHODS,
+                allow_headers=["*"],
+                expose_headers=_EXPOSED_HEADERS,
+            )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._entry(scope, receive, send)
+
+    async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith(API_PREFIX + "/"):
             if scope["method"] not in _PROXIED_METHODS:
                 message = f"method {scope['method']} is not proxied"
@@ -381,4 +711,4 @@ def app_from_environment() -> ProxyApp:
     return create_app(ServeConfig.from_json(text))
 
 
-__all__ = ["Proxy", "ProxyApp", "app_from_environment", "create_app", "readiness"]
+__all__ = ["Proxy", "ProxyApp", "app_from_environment", "create_app", "readiness", "upstream_path"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
@@ -149,8 +150,9 @@ class Setting:
 # -- the client options, generated from PDOptions ------------------------------------------
 
 # PDOptions fields the proxy does not take from settings: objects (no command-line form),
-# or fixed by the proxy: a caller must never choose where the proxy sends requests.
-_NOT_SETTINGS = ("on_trace", "observers", "allow_call_fallback_url")
+# or the proxy's to set: a caller must never choose where the proxy sends requests, and
+# callers' per-call options are allowed by a setting of the proxy's own, off by default.
+_NOT_SETTINGS = ("on_trace", "observers", "allow_call_fallback_url", "allow_call_overrides")
 # Nested settings objects flattened with a prefix (their own field names are ambiguous alone).
 _PREFIXED = {"breaker": "breaker_", "conversations": "conversation_"}
 _NAMES = {"prefill_base_url": "prefill", "decode_base_url": "decode"}
@@ -181,8 +183,6 @@ _SPECIAL: Mapping[str, dict[str, Any]] = {
     "on_prefill_failure": {"metavar": "POLICY"},
     "reuse_secret": {"env": SECRET_ENV, "metavar": "SECRET"},
     "remote_prefill": {"parse": _str, "choices": REMOTE_PREFILL_MODES},
-    # Callers of a proxy are not its operator: their per-call options may only narrow these settings.
-    "allow_call_overrides": {"default": False},
     "conversation_max_uncached_ratio": {"metavar": "RATIO"},
     "conversation_initial_chars_per_token": {"metavar": "RATIO"},
 }
@@ -208,6 +208,7 @@ _CLIENT_HELP: Mapping[str, str] = {
     "reuse_secret": "HMAC secret signing kv_transfer_params (servers with the guard)",
     "max_decode_migrations": "times one streamed call may move to another decode endpoint after its stream broke "
     "(0: never)",
+    "migrate_non_streamed": "non-streamed calls may move too (their decode leg streams; ~1.4x the decode API's CPU)",
     "remote_prefill": "always: every chat/completions call is a P/D handoff; never: decode-only; auto: a chat call "
     "extending a remembered conversation goes decode-only to the decode endpoint holding it when little is uncached",
     "conversation_threshold_tokens": "auto: decode-only when fewer estimated uncached tokens than this...",
@@ -219,8 +220,6 @@ _CLIENT_HELP: Mapping[str, str] = {
     "conversation_ratio_window": "recent prefill answers the learned ratio is computed over",
     "conversation_overhead_tokens_per_message": "template tokens added per message to every estimate",
     "conversation_warm_prefill": "auto: a decode-only call's prompt also goes to the prefill server, off its path",
-    "allow_call_overrides": "let callers' per-call options (extra_body {'pdclient': {...}}) loosen these settings: "
-    "more decode migrations, decode-only after a failed prefill, another remote_prefill (off: refused with a 400)",
 }
 
 
@@ -260,6 +259,11 @@ def _setting(name: str, annotation: str, default: Any, path: tuple[str, ...]) ->
 
 # -- the proxy's own settings: ServeConfig's fields ------------------------------------------
 
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+"""An HTTP field name (RFC 9110's token)."""
+_ORIGIN = re.compile(r"https?://[^\s/?#@]+")
+"""A web origin as a browser sends it: a scheme and a host (and port), no path."""
+
 
 def _opt(
     default: Any,
@@ -289,13 +293,21 @@ class ServeConfig:
     """
 
     options: PDOptions = field(metadata={"settings": True})
-    """The P/D transport's options; the proxy adds its observers (metrics, the log line)
-    and turns ``allow_call_fallback_url`` off."""
+    """The P/D transport's options; the proxy adds its observers (metrics, the log line),
+    turns ``allow_call_fallback_url`` off and sets ``allow_call_overrides`` from its own
+    setting (whatever these options say)."""
 
     # -- connections to the servers --
     timeout: float = _opt(600.0, "read/write timeout of each leg request, seconds", _float, group="client")
     connect_timeout: float = _opt(5.0, "connect timeout of each leg request, seconds", _float, group="client")
     max_connections: int = _opt(1000, "connections the proxy keeps to the servers, at most", _int, group="client")
+    allow_call_overrides: bool = _opt(
+        False,
+        "let callers' per-call options (extra_body {'pdclient': {...}}) loosen the settings: more decode "
+        "migrations, decode-only after a failed prefill, another remote_prefill (off: such an option is a 400)",
+        _bool,
+        group="client",
+    )
 
     # -- the proxy --
     host: str = _opt("127.0.0.1", "address to listen on", _str, metavar="ADDRESS")
@@ -318,15 +330,59 @@ class ServeConfig:
     upstream_api_key: str | None = _opt(
         None, "send 'Authorization: Bearer KEY' to the servers", _optional_str, env=UPSTREAM_API_KEY_ENV, metavar="KEY"
     )
-    trace_headers: bool = _opt(False, "return the x-pd-* trace headers (they name the servers) to callers", _bool)
+    trace_headers: bool = _opt(
+        False,
+        "return the x-pd-* trace headers to callers, and error bodies with the failure's details (both name the "
+        "servers; off: an error says which leg failed and how, nothing more)",
+        _bool,
+    )
+    status_requires_api_key: bool = _opt(
+        False,
+        "/ready and /metrics answer only requests with an --api-key (they name the servers); /health never asks",
+        _bool,
+    )
+    tenant_header: str | None = _opt(
+        None,
+        "the request header naming the caller's tenant (e.g. set by a gateway): conversations and cached prefixes "
+        "are kept per tenant; a /v1 request without it is a 400 (default: the tenant is the caller's API key)",
+        _optional_str,
+        metavar="NAME",
+    )
+    # -- slow or many clients --
+    header_timeout: float = _opt(
+        10.0, "seconds a connection has to send a request's headers, from its first byte; then it is closed", _float
+    )
+    body_timeout: float = _opt(120.0, "seconds a request's body has to arrive in full after its headers (408)", _float)
+    keep_alive_timeout: float = _opt(5.0, "seconds an idle connection is kept open between requests", _float)
+    max_header_size: int = _opt(
+        64 * 1024, "largest request line and headers accepted (431 above)", _int, metavar="BYTES"
+    )
+    max_client_connections: int = _opt(
+        1024, "connections and requests each worker serves at once; beyond, requests get a 503 (0: no limit)", _int
+    )
     ready_requires_prefill: bool = _opt(
         False,
         "/ready answers 503 whenever no prefill endpoint is admitted (by default only when the failure policy "
         "is 'fail': with 'decode' or a fallback URL the proxy still answers every call, degraded)",
         _bool,
     )
+    allowed_origins: tuple[str, ...] = _opt(
+        (),
+        "web origins whose browser pages may call the proxy (CORS), e.g. https://app.example; '*' for any "
+        "(default: none, no CORS headers)",
+        _strings,
+        metavar="ORIGIN",
+        multiple=True,
+    )
     log_format: str = _opt("text", "log lines as text or as JSON objects", _str, choices=("text", "json"))
     log_level: str = _opt("info", "log level", _str, choices=("critical", "error", "warning", "info", "debug"))
+    otel: str = _opt(
+        "auto",
+        "OpenTelemetry spans for each call: on, off, or auto (on when the OTEL_* environment asks for traces, "
+        "or a tracer provider is configured, e.g. by opentelemetry-instrument)",
+        _str,
+        choices=("auto", "on", "off"),
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.options, PDOptions):
@@ -341,10 +397,25 @@ class ServeConfig:
             raise PDConfigError(f"workers must be at least 1, got {self.workers}")
         if self.grace_period < 0 or self.max_body_size < 1 or self.max_connections < 1:
             raise PDConfigError("grace_period must be >= 0, max_body_size and max_connections >= 1")
-        if self.timeout <= 0 or self.connect_timeout <= 0:
-            raise PDConfigError("timeout and connect_timeout must be positive")
+        for name in ("timeout", "connect_timeout", "header_timeout", "body_timeout", "keep_alive_timeout"):
+            if not getattr(self, name) > 0:  # NaN too
+                raise PDConfigError(f"{name} must be a positive number of seconds, got {getattr(self, name)!r}")
+        if self.max_header_size < 1024:
+            raise PDConfigError(f"max_header_size must be at least 1024 bytes, got {self.max_header_size}")
+        if self.max_client_connections < 0:
+            raise PDConfigError(f"max_client_connections must be >= 0 (0: no limit), got {self.max_client_connections}")
         if self.forward_api_key and self.upstream_api_key:
             raise PDConfigError("give either forward_api_key or upstream_api_key, not both")
+        if self.status_requires_api_key and not self.api_keys:
+            raise PDConfigError("status_requires_api_key needs at least one api_key (--api-key) to require")
+        if self.tenant_header is not None and not _HEADER_NAME.fullmatch(self.tenant_header):
+            raise PDConfigError(f"tenant_header must be an HTTP header name, got {self.tenant_header!r}")
+        for origin in self.allowed_origins:
+            if origin != "*" and not _ORIGIN.fullmatch(origin):
+                raise PDConfigError(
+                    f"allowed_origins: {origin!r} is not an origin: give scheme://host[:port] with no path "
+                    "(e.g. https://app.example), or '*' for any"
+                )
 
     # -- flat settings -------------------------------------------------------------------
 

@@ -23,6 +23,11 @@ request's headers going out: from then on the server may have the request).
 ``HTTP(S)_PROXY`` / ``NO_PROXY`` are honoured as httpx honours them, read once per server
 origin: aiohttp's own ``trust_env`` reads them, and ``~/.netrc``, in a worker thread on
 every request (two thread hops per leg, measured ~10 % of the proxy's CPU per call).
+
+Credentials in a server's URL (``http://user:password@host/v1``) go as Basic auth, as the
+clients' legs send them (``_leg_client``): they replace any ``Authorization`` the request
+had, and aiohttp gets the URL without them (it refuses a URL with credentials beside an
+``Authorization`` header, and would show them in its errors).
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ import aiohttp
 import httpx
 from aiohttp.helpers import get_env_proxy_for_url
 from yarl import URL
+
+from .._leg_client import _with_url_auth  # the clients' rule, so both send the same
 
 _SENDING = "http11.send_request_headers.started"
 # Hop-by-hop, or computed by aiohttp for the body it sends.
@@ -115,6 +122,10 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         return self._proxies[origin]
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        url = request.url
+        if url.userinfo:
+            request = _with_url_auth(request)
+            url = url.copy_with(userinfo=b"")
         timeouts = request.extensions.get("timeout") or {}
         timeout = aiohttp.ClientTimeout(
             total=None,
@@ -130,12 +141,12 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         # In memory (a leg's body, or none for a GET), or a pass-through upload streamed as it arrives.
         stream = request.stream
         data = (b"".join(stream) or None) if isinstance(stream, httpx.ByteStream) else _body_of(request)
-        proxy, proxy_auth = self._proxy_for(request.url)
+        proxy, proxy_auth = self._proxy_for(url)
         trace = request.extensions.get("trace")
         try:
             response = await self._get_session(trace is not None).request(
                 request.method,
-                str(request.url),
+                str(url),
                 headers=headers,
                 data=data,
                 timeout=timeout,

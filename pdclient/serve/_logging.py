@@ -1,14 +1,24 @@
-"""The proxy's logs: one INFO line per call (an observer), as text or JSON lines."""
+"""The proxy's logs: one INFO line per call (an observer), as text or JSON lines.
+
+Whatever a log line holds may come from a caller (the path, its request id) or hold a
+server's URL: every message and field is shown with its control characters escaped, so
+one line cannot pass for two (a ``%0a`` in a path), and with the credentials of any URL
+in it redacted.
+"""
 
 from __future__ import annotations
 
+import copy
 import logging
+import re
 import time
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from .. import CallView, LegView, PDObserver
+from .._call import CALL_RECORD
+from .._endpoints import redact_url
 
 if TYPE_CHECKING:
     from .. import PDTrace
@@ -17,6 +27,35 @@ logger = logging.getLogger("pdclient.serve")
 
 CALL_FIELDS = "pd_call"
 """The LogRecord attribute holding a call line's fields (JSON lines show them as keys)."""
+
+# C0 and C1 controls, DEL, and the Unicode line and paragraph separators: each can end a
+# line, or rewrite it on a terminal.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+# A text line's value is quoted when it holds what would end it or fake another key=value.
+_NEEDS_QUOTES = re.compile(r'[\s="]')
+
+
+def _escaped(match: re.Match[str]) -> str:
+    char = match.group()
+    code = ord(char)
+    return _NAMED.get(char) or (f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
+
+
+def shown(text: str) -> str:
+    """``text`` as a log line may show it: URL credentials redacted, control characters escaped."""
+    text = redact_url(text)
+    return text if text.isprintable() else _CONTROL.sub(_escaped, text)
+
+
+def _text_value(value: object) -> str:
+    """One ``key=value`` pair's value, quoted (logfmt) unless it is all printable, without
+    spaces, quotes or ``=``: so it can neither end the line nor pass for another pair."""
+    text = redact_url(str(value))
+    if text and text.isprintable() and not _NEEDS_QUOTES.search(text):
+        return text
+    quoted = text.replace("\\", "\\\\").replace('"', '\\"')
+    return '"' + _CONTROL.sub(_escaped, quoted) + '"'
 
 
 class CallLog(PDObserver):
@@ -55,12 +94,23 @@ class CallLog(PDObserver):
             "failed_leg": trace.failed_leg,
             "error": trace.error,
         }
-        text = " ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
-        logger.info("call %s", text, extra={CALL_FIELDS: fields})
+        text = " ".join(f"{k}={_text_value(v)}" for k, v in fields.items() if v is not None)
+        shown_fields = {k: shown(v) if isinstance(v, str) else v for k, v in fields.items() if v is not None}
+        logger.info("call %s", text, extra={CALL_FIELDS: shown_fields})
 
 
 def _ms(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
+
+
+class TextFormatter(logging.Formatter):
+    """``logging.Formatter`` whose messages are ``shown``: a traceback keeps its lines, a
+    message is one line."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        escaped = copy.copy(record)  # the record itself is shared with other handlers
+        escaped.message = shown(record.message)
+        return super().formatMessage(escaped)
 
 
 class JSONFormatter(logging.Formatter):
@@ -78,10 +128,19 @@ class JSONFormatter(logging.Formatter):
             entry["message"] = "call"
             entry.update({k: v for k, v in fields.items() if v is not None})
         else:
-            entry["message"] = record.getMessage()
+            entry["message"] = shown(record.getMessage())
         if record.exc_info:
-            entry["exception"] = self.formatException(record.exc_info)
+            entry["exception"] = redact_url(self.formatException(record.exc_info))
         return orjson.dumps(entry, default=str).decode()
+
+
+class WithoutLibraryCallLines(logging.Filter):
+    """Drops the library's own record of how a call ended (a warning for a degraded answer,
+    an info for a refused or failed call): in the proxy, ``CallLog``'s line says it, with
+    the outcome, the fallback and the error, so each call is one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(record, CALL_RECORD, False)
 
 
 def logging_config(log_format: str, level: str) -> dict[str, Any]:
@@ -89,7 +148,7 @@ def logging_config(log_format: str, level: str) -> dict[str, Any]:
     formatter: dict[str, Any] = (
         {"()": f"{__name__}.JSONFormatter"}
         if log_format == "json"
-        else {"format": "%(asctime)s %(levelname)s %(name)s [%(process)d]: %(message)s"}
+        else {"()": f"{__name__}.TextFormatter", "fmt": "%(asctime)s %(levelname)s %(name)s [%(process)d]: %(message)s"}
     )
     level = level.upper()
     handler = {"class": "logging.StreamHandler", "formatter": "default", "stream": "ext://sys.stderr"}
@@ -97,9 +156,10 @@ def logging_config(log_format: str, level: str) -> dict[str, Any]:
         "version": 1,
         "disable_existing_loggers": False,
         "formatters": {"default": formatter},
+        "filters": {"one_line_per_call": {"()": f"{__name__}.WithoutLibraryCallLines"}},
         "handlers": {"default": handler},
         "loggers": {
-            "pdclient": {"handlers": ["default"], "level": level, "propagate": False},
+            "pdclient": {"handlers": ["default"], "level": level, "propagate": False, "filters": ["one_line_per_call"]},
             "uvicorn": {"handlers": ["default"], "level": level, "propagate": False},
             "uvicorn.error": {"level": level},
             "uvicorn.access": {"handlers": [], "level": "WARNING", "propagate": False},

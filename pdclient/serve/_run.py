@@ -5,13 +5,42 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from ._config import CONFIG_ENV, ServeConfig
 from ._logging import logging_config
 
+if TYPE_CHECKING:
+    from ._protocol import ServerConfig
+
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+STARTUP_FAILURE = 3
+"""The exit status when the server could not start (uvicorn's)."""
+
+
+def server_config(config: ServeConfig, app: Any, **overrides: Any) -> ServerConfig:
+    """uvicorn's config for serving ``app`` as ``config`` says: its address, its limits on
+    clients (slow heads and bodies, idle and concurrent connections), its logging."""
+    from ._protocol import ServerConfig
+
+    settings: dict[str, Any] = {
+        "host": config.host,
+        "port": config.port,
+        "timeout_graceful_shutdown": config.grace_period,
+        "timeout_keep_alive": config.keep_alive_timeout,
+        "limit_concurrency": config.max_client_connections or None,
+        "header_timeout": config.header_timeout,
+        "body_timeout": config.body_timeout,
+        "max_header_size": config.max_header_size,
+        "log_config": logging_config(config.log_format, config.log_level),
+        "access_log": False,  # the proxy logs one line per call itself
+        "lifespan": "on",
+        **overrides,
+    }
+    return ServerConfig(app, **settings)
 
 
 def run(config: ServeConfig) -> None:
@@ -19,18 +48,15 @@ def run(config: ServeConfig) -> None:
     ``config.grace_period`` seconds before closing them (uvicorn's graceful shutdown)."""
     import uvicorn
 
-    common = {
-        "host": config.host,
-        "port": config.port,
-        "timeout_graceful_shutdown": config.grace_period,
-        "log_config": logging_config(config.log_format, config.log_level),
-        "access_log": False,  # the proxy logs one line per call itself
-        "lifespan": "on",
-    }
     if config.workers == 1:
         from ._app import create_app
 
-        uvicorn.run(create_app(config), **common)  # type: ignore[arg-type]
+        # What uvicorn.run does for one process, with the config above.
+        server = uvicorn.Server(server_config(config, create_app(config)))
+        with contextlib.suppress(KeyboardInterrupt):
+            server.run()
+        if not server.started:
+            sys.exit(STARTUP_FAILURE)
         return
     from uvicorn.supervisors import Multiprocess
 
@@ -47,14 +73,11 @@ def run(config: ServeConfig) -> None:
     with _multiprocess_metrics():
         # Worker processes are spawned: they inherit the environment, not our objects.
         os.environ[CONFIG_ENV] = config.to_json()
-        server_config = uvicorn.Config(
-            "pdclient.serve._app:app_from_environment",
-            factory=True,
-            workers=config.workers,
-            **common,  # type: ignore[arg-type]
+        workers = server_config(
+            config, "pdclient.serve._app:app_from_environment", factory=True, workers=config.workers
         )
         # What uvicorn.run does for workers > 1, with the supervisor above.
-        Supervisor(server_config, sockets=[server_config.bind_socket()]).run()
+        Supervisor(workers, sockets=[workers.bind_socket()]).run()
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ import uvicorn
 
 from pdclient.serve import ServeConfig, create_app
 from pdclient.serve._app import Proxy
+from pdclient.serve._run import server_config
 from tests.serve.process import ServeProcess, metric_samples
 from tests.stubserver import StubServer
 
@@ -42,12 +43,14 @@ class RunningProxy:
 
 
 @contextlib.contextmanager
-def running_proxy(config: ServeConfig, **app_options: Any) -> Iterator[RunningProxy]:
-    """``create_app(config)`` served by uvicorn on an ephemeral loopback port, in a thread."""
+def running_proxy(
+    config: ServeConfig, *, server_options: dict[str, Any] | None = None, **app_options: Any
+) -> Iterator[RunningProxy]:
+    """``create_app(config)`` served by uvicorn as ``pdclient serve`` serves it (its limits on
+    clients included), on an ephemeral loopback port, in a thread."""
     app = create_app(config, **app_options)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, access_log=False, timeout_graceful_shutdown=2)
-    )
+    options = {"host": "127.0.0.1", "port": 0, "log_config": None, "timeout_graceful_shutdown": 2}
+    server = uvicorn.Server(server_config(config, app, **{**options, **(server_options or {})}))
     thread = threading.Thread(target=server.run, name="pdclient-serve-test", daemon=True)
     thread.start()
     deadline = time.monotonic() + 10

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import IO
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -22,15 +23,23 @@ STARTED = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
 
 
 class ServeProcess:
-    """`python -m pdclient serve ... --port 0`, its stderr collected, its port read from it."""
+    """`python -m pdclient serve ... --port 0`, its stderr and stdout collected, its port read
+    from its stderr; ``env`` is added to this process's environment."""
 
-    def __init__(self, *args: str, workers: int = 1) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    def __init__(self, *args: str, workers: int = 1, env: dict[str, str] | None = None) -> None:
+        environ = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         command = [sys.executable, "-m", "pdclient", "serve", "--port", "0", "--workers", str(workers), *args]
-        self.proc = subprocess.Popen(command, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=env)
+        self.proc = subprocess.Popen(
+            command, stderr=subprocess.PIPE, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=environ
+        )
         self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
+        """Its stderr (the logs), line by line."""
+        self.out_lines: list[str] = []
+        """Its stdout, line by line."""
+        self._reader = threading.Thread(target=self._read, args=(self.proc.stderr, self.lines), daemon=True)
         self._reader.start()
+        self._out_reader = threading.Thread(target=self._read, args=(self.proc.stdout, self.out_lines), daemon=True)
+        self._out_reader.start()
         deadline = time.monotonic() + 60
         self.port = 0
         while time.monotonic() < deadline and self.proc.poll() is None:
@@ -43,10 +52,11 @@ class ServeProcess:
         assert self.port, f"pdclient serve did not start: {self.stderr()}"
         self.url = f"http://127.0.0.1:{self.port}"
 
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.append(line.rstrip("\n"))
+    @staticmethod
+    def _read(stream: IO[str] | None, lines: list[str]) -> None:
+        assert stream is not None
+        for line in stream:
+            lines.append(line.rstrip("\n"))
 
     def stderr(self) -> str:
         return "\n".join(self.lines)
@@ -60,6 +70,7 @@ class ServeProcess:
                 self.proc.kill()
                 self.proc.wait()
         self._reader.join(5)
+        self._out_reader.join(5)
 
 
 def metric_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -157,10 +157,11 @@ def test_every_setting_has_a_flag_and_every_option_a_setting() -> None:
     for setting in SETTINGS:
         assert setting.option in help_text and setting.help
     # The client options are PDOptions's: each field (a nested one's fields) is a setting,
-    # unless it has no command-line form or the proxy fixes it.
+    # unless it has no command-line form or the proxy sets it (allow_call_overrides: from a
+    # setting of its own, off by default).
     paths = {s.path[1:] for s in SETTINGS if s.path[0] == "options"}
     for f in dataclasses.fields(PDOptions):
-        if f.name in ("on_trace", "observers", "allow_call_fallback_url"):
+        if f.name in ("on_trace", "observers", "allow_call_fallback_url", "allow_call_overrides"):
             continue
         if f.name in ("breaker", "retries", "conversations"):
             nested = {"breaker": BreakerSettings, "retries": RetrySettings}.get(f.name, ConversationSettings)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
+import logging.config
 
 import httpx
 import pytest
 
-from pdclient.serve._logging import CALL_FIELDS, JSONFormatter
+from pdclient.serve._logging import CALL_FIELDS, JSONFormatter, logging_config
 from tests.stubserver import StubServer
 
 from .conftest import MESSAGES, PROMPT_TOKENS, RunningProxy, ServeProcess
@@ -53,3 +54,39 @@ def test_log_format_json_process() -> None:
     entries = [json.loads(line) for line in serve.lines if line.strip()]  # every line is JSON, uvicorn's too
     (call,) = [e for e in entries if e["message"] == "call"]
     assert call["outcome"] == "disaggregated" and call["decode_url"] == stub.url and "total_ms" in call
+
+
+def proxy_formatters() -> tuple[logging.Formatter, logging.Formatter]:
+    """The text and JSON formatters ``pdclient serve`` logs with, made as its logging config says."""
+    formatters = [logging_config(kind, "info")["formatters"]["default"] for kind in ("text", "json")]
+    text, as_json = (logging.config.DictConfigurator({}).configure_formatter(dict(f)) for f in formatters)
+    return text, as_json
+
+
+async def test_a_caller_cannot_forge_a_log_line(
+    proxy: RunningProxy, stub: StubServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The path is logged decoded: its control characters are escaped, and a value with
+    spaces is quoted, so neither a line nor a key=value can be faked."""
+    caplog.set_level(logging.INFO, logger="pdclient.serve")
+    forged = "/models%0d%0a2030-01-01 INFO pdclient.serve [1]: call outcome=disaggregated%1b[2J%e2%80%a8x"
+    async with httpx.AsyncClient(base_url=proxy.base_url) as http:
+        await http.get(forged, headers={"x-request-id": "req-1 outcome=disaggregated"})
+    (record,) = [r for r in caplog.records if hasattr(r, CALL_FIELDS)]
+    text, as_json = (f.format(record) for f in proxy_formatters())
+    for line in (text, as_json):
+        assert not {"\n", "\r", "\x1b", "\u2028"} & set(line), line
+    assert (
+        ' path="/v1/models\\r\\n2030-01-01 INFO pdclient.serve [1]: call outcome=disaggregated\\x1b[2J\\u2028x" '
+        in text
+    )
+    assert 'request_id="req-1 outcome=disaggregated"' in text and " outcome=passthrough " in text
+    assert json.loads(as_json)["path"].startswith("/v1/models\\r\\n2030")
+
+
+def test_every_logged_message_is_one_line() -> None:
+    text, as_json = proxy_formatters()
+    record = logging.LogRecord("pdclient.serve", logging.WARNING, __file__, 1, "request %s: %s", ("a\nb", "\x00"), None)
+    assert text.format(record).endswith("request a\\nb: \\x00")
+    assert json.loads(as_json.format(record))["message"] == "request a\\nb: \\x00"
+    assert record.getMessage() == "request a\nb: \x00"  # the record itself, as other handlers get it

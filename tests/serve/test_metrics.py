@@ -3,6 +3,7 @@ scrape shows; and the proxy's /metrics after real calls, read with prometheus_cl
 
 from __future__ import annotations
 
+import platform
 import time
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ prometheus_client = pytest.importorskip("prometheus_client", reason="pdclient[pr
 
 from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
 
+import pdclient  # noqa: E402
 from pdclient import AsyncPDTransport, Outcome, PDTrace  # noqa: E402
 from pdclient.metrics import EndpointState, PrometheusObserver  # noqa: E402
 from tests.stubserver import StubServer  # noqa: E402
@@ -158,3 +160,28 @@ async def test_proxy_metrics_after_calls(proxy: RunningProxy, stub: StubServer) 
     for leg in ("prefill", "decode"):
         state = (("endpoint", stub.url), ("leg", leg), ("state", "closed"))
         assert samples[("pdclient_endpoint_state", state)] == 1
+
+
+async def test_proxy_metrics_carry_build_info_and_no_created_series(proxy: RunningProxy) -> None:
+    async with openai.AsyncOpenAI(base_url=proxy.base_url, api_key="-") as client:
+        await client.chat.completions.create(model="m", messages=MESSAGES)
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(proxy.url + "/metrics")).text
+        openmetrics = await http.get(proxy.url + "/metrics", headers={"accept": "application/openmetrics-text"})
+    build = (("python", platform.python_version()), ("version", pdclient.__version__))
+    assert metric_samples(text)[("pdclient_build_info", build)] == 1
+    assert "_created" not in text and "pdclient_calls_total" in text
+    assert openmetrics.headers["content-type"].startswith("application/openmetrics-text")
+    assert "_created" not in openmetrics.text and "pdclient_build_info" in openmetrics.text
+    # The setting is the proxy's scrape's, not prometheus_client's process-wide one.
+    assert prometheus_client.metrics._use_created is True
+
+
+def test_an_observer_of_ones_own_exports_build_info_and_leaves_created_alone() -> None:
+    registry = CollectorRegistry()
+    observer = PrometheusObserver(registry)
+    one_call(observer, PDTrace(request_id="a", route="chat"))
+    samples = scrape(registry)
+    build = (("python", platform.python_version()), ("version", pdclient.__version__))
+    assert samples[("pdclient_build_info", build)] == 1
+    assert any(name == "pdclient_calls_created" for name, _ in samples)  # the user's registry, as they set it

@@ -110,7 +110,10 @@ def test_workers_share_their_metrics_and_shut_down_gracefully(stub: StubServer) 
                 assert http.post(serve.url + "/v1/chat/completions", json=CHAT).status_code == 200
         for _ in range(4):
             with httpx.Client(timeout=10, headers={"connection": "close"}) as http:
-                samples = metric_samples(http.get(serve.url + "/metrics").text)
+                text = http.get(serve.url + "/metrics").text
+            samples = metric_samples(text)
+            assert [v for (name, _), v in samples.items() if name == "pdclient_build_info"] == [1]
+            assert "_created" not in text
             key = ("pdclient_calls_total", (("outcome", "disaggregated"), ("route", "chat")))
             assert samples[key] == calls  # whichever worker answers, it counts every worker's calls
             assert samples[("pdclient_calls_in_flight", (("route", "chat"),))] == 0
