@@ -5,17 +5,18 @@ transports only move bytes (send a leg, read a body, retry, sleep) and differ by
 ``await``. Observers see the call and its legs through ``CallView`` / ``LegView``.
 
     PLANNING --refused--> ENDED                   (400, no server called)
-        |
+        |  '--no decode endpoint admitted--> ENDED (503 and no prefill; or on to the fallback URL)
         v
     PREFILL --fails, policy "fail"--> ENDED       (the prefill's error, or 502/503)
         |  (ok, or failed with policy "decode" / a fallback URL)
         v
     DECODE --no response--> ENDED                 (exception, or 503 when no endpoint is admitted)
-        |
+        |  '--decode-only, its conversation's endpoint out of reach--> PREFILL (a handoff after all)
         v
     STREAMING --body closed--> ENDED              (whole, abandoned by the caller, or broken)
 
-Pass-through requests go straight to DECODE with their body as sent.
+Pass-through requests go straight to DECODE with their body as sent, once checked for a
+``kv_transfer_params`` (a multipart upload is checked as it streams, never read whole).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Collection
+from collections.abc import AsyncIterator, Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,19 +40,23 @@ from . import _retry as retry
 from . import _usage as usage
 from . import _wire as wire
 from ._background import Fetch
-from ._conversations import SHAPE_FIELDS, AnswerCollector, Decision, decide
+from ._conversations import SHAPE_FIELDS, AnswerCollector, Decision, Estimate, Match, Reason, decide
 from ._discovery import request_overrides
-from ._endpoints import AllEndpointsOpen, Endpoint, EndpointPool
+from ._endpoints import AllEndpointsOpen, Endpoint, EndpointPool, redact_url
 from ._fleet import Fleet
 from ._observe import Observers
-from ._options import CALL_OPTIONS_KEY, PREFILL_FAILURE_POLICIES, PDOptions
+from ._options import CALL_OPTIONS_KEY, PREFILL_FAILURE_POLICIES, PDOptions, call_override_refusal
 from ._prefix_index import plan_text
-from ._routing import RouteDecision, RouteRequest
+from ._routing import TENANT_EXTENSION, RouteDecision, RouteRequest
 from ._signing import SIGNATURE_HEADER, signature
 from ._trace import HEADER_PREFIX, Outcome, PDTrace
 from ._warm import WARM_UP_TIMEOUT
 
 logger = logging.getLogger("pdclient")
+
+CALL_RECORD = "pdclient_call"
+"""The attribute marking a log record that reports how one call ended (``Call.end``): a
+program that logs each call itself (``pdclient serve``) filters these out."""
 
 # Hop-by-hop or derived headers that must not be copied onto a leg's new request (the
 # request id is set anew, as the call's).
@@ -114,6 +119,11 @@ def request_with_content(
     return request
 
 
+class HandoffInstead(Exception):
+    """Raised by ``Call.decode_request``: the decode-only call becomes a P/D handoff (its
+    conversation's endpoint is out of reach); the transport runs the prefill, then the decode."""
+
+
 class Phase(enum.Enum):
     PLANNING = "planning"
     PREFILL = "prefill"
@@ -168,13 +178,18 @@ class Leg:
         assert self.pool is not None
         for endpoint in self.pool.endpoints:
             if endpoint.url == url and endpoint not in self.tried and endpoint.admits():
-                endpoint.acquire()
-                self.endpoint = endpoint
-                self.tried.append(endpoint)
-                self.decision = RouteDecision("conversation", endpoint, rule=rule)
-                self.url = endpoint.url
-                return endpoint.url
+                return self.take(RouteDecision("conversation", endpoint, rule=rule))
         return None
+
+    def take(self, decision: RouteDecision) -> str:
+        """The endpoint ``decision`` names, chosen by the call itself, whatever its breaker says."""
+        endpoint = decision.endpoint
+        endpoint.acquire()
+        self.endpoint = endpoint
+        self.tried.append(endpoint)
+        self.decision = decision
+        self.url = endpoint.url
+        return endpoint.url
 
     def use(self, url: str) -> str:
         """A fixed URL outside any pool (the fallback server)."""
@@ -226,6 +241,9 @@ class Call:
         self.observers = context.observers
         self.request = request
         self.request_id = request.headers.get("x-request-id") or new_request_id()
+        tenant = request.extensions.get(TENANT_EXTENSION)
+        self.tenant: str | None = None if tenant is None else str(tenant)
+        """Who is calling, as the server passing its callers' requests on named them (``TENANT_EXTENSION``)."""
         self.started = time.perf_counter()
         self.data: dict[Any, Any] = {}
         self.phase = Phase.PLANNING
@@ -278,20 +296,53 @@ class Call:
         """Read the caller's body (already read); a 400 response if it cannot take a P/D handoff."""
         assert self.kind is not None
         try:
-            self.plan = wire.plan_call(self.kind, self.request.content)
+            wire.check_content_encoding(self.request.headers.get("content-encoding"))
+            self.plan = wire.plan_call(self.kind, self.request.content, self.tenant)
         except wire.Refusal as exc:
             return self.refuse(str(exc))
+        options = self.context.options
         policy = self.plan.options.on_prefill_failure
-        if policy not in (None, *PREFILL_FAILURE_POLICIES) and not self.context.options.allow_call_fallback_url:
+        if policy not in (None, *PREFILL_FAILURE_POLICIES) and not options.allow_call_fallback_url:
             return self.refuse(
                 f"{CALL_OPTIONS_KEY}.on_prefill_failure may be {' or '.join(PREFILL_FAILURE_POLICIES)} here, "
                 "not a fallback URL (allow_call_fallback_url is off)"
             )
+        overriding = call_override_refusal(self.plan.options, options)
+        return self.refuse(overriding) if overriding is not None else None
+
+    @property
+    def streams_upload(self) -> bool:
+        """A pass-through multipart upload not read yet: it goes on unread, scanned as it passes
+        (``wire.UploadScan``). Any other body is read and checked before it is sent."""
+        if wire.media_type(self.request.headers.get("content-type")) != wire.MULTIPART:
+            return False
+        try:
+            self.request.content  # noqa: B018 (whether it was read: a server passing bodies on reads them)
+        except httpx.RequestNotRead:
+            return True
+        return False
+
+    def check_pass_through(self) -> httpx.Response | None:
+        """A pass-through body, read: a 400 if it could carry a ``kv_transfer_params`` pdclient
+        did not write, or misspelt per-call options; else None, the JSON body's options removed."""
+        headers = self.request.headers
+        try:
+            wire.check_forwarded_body(
+                self.request.content, headers.get("content-type"), headers.get("content-encoding")
+            )
+            if wire.media_type(headers.get("content-type")) == "application/json":
+                self.pass_through_body = wire.without_call_options(self.request.content)
+        except wire.Refusal as exc:
+            return self.refuse(str(exc))
         return None
 
-    def pass_through_content(self) -> bytes:
-        """A pass-through JSON body without pdclient's per-call options; raises ``Refusal``."""
-        return wire.without_call_options(self.request.content)
+    def check_upload(self) -> httpx.Response | None:
+        """A multipart upload that streams unread: a 400 if it is compressed (nothing could check it)."""
+        try:
+            wire.check_content_encoding(self.request.headers.get("content-encoding"))
+        except wire.Refusal as exc:
+            return self.refuse(str(exc))
+        return None
 
     def refuse(self, message: str) -> httpx.Response:
         self.outcome = Outcome.REFUSED
@@ -306,14 +357,14 @@ class Call:
     def _route(self, leg: str) -> RouteRequest:
         plan = self.plan
         if plan is None:
-            return RouteRequest(leg=leg)
+            return RouteRequest(leg=leg, tenant=self.tenant)
         text = None
         pool = self.context.fleet.prefill if leg == "prefill" else self.context.fleet.decode
         if getattr(pool.policy, "wants_prompt_text", False):
             if self._prompt_text is None:  # once per call, and only for a policy that reads it
                 self._prompt_text = plan_text(plan) or ""
             text = self._prompt_text or None
-        return RouteRequest(leg=leg, affinity_key=plan.affinity_key, prompt_text=text)
+        return RouteRequest(leg=leg, affinity_key=plan.affinity_key, prompt_text=text, tenant=self.tenant)
 
     # -- prefill -----------------------------------------------------------------------
 
@@ -501,8 +552,11 @@ class Call:
         if self.fallback_url is not None:
             base = self.decode.use(self.fallback_url)
         else:
-            # A decode-only call by decision goes first to the endpoint holding its conversation.
+            # A decode-only call by decision goes to the endpoint holding its conversation.
             pinned = self.decode.pin(held, "held") if held is not None and not self.decode.attempt else None
+            if held is not None and pinned is None:
+                self._hand_off_instead()
+                raise HandoffInstead
             base = pinned or self.decode.pick(self._route("decode"))
         if self.plan is None:
             return self.decode.start(self._leg_request(base, self.pass_through_body, None))
@@ -515,6 +569,45 @@ class Call:
         if first:
             self.cpu_seconds += time.thread_time() - cpu_start
         return self.decode.start(self._leg_request(base, self._decode_body, signed_with))
+
+    def _hand_off_instead(self) -> None:
+        """A call sent decode-only to the endpoint holding its conversation cannot go there (it
+        stopped admitting, or its attempt failed): on any other decode endpoint nothing of the
+        conversation is cached, so the call becomes a P/D handoff, as ``auto`` decides for a
+        conversation whose endpoint is unavailable."""
+        decision = self.decision
+        assert decision is not None
+        estimate = decision.estimate
+        if estimate is not None:
+            total = estimate.total_tokens
+            estimate = Estimate(total, total, None, Match.ENDPOINT_UNAVAILABLE)
+        self.decision = decide("auto", estimate, self.context.options.conversations)
+        if not self.decision.remote_prefill:  # a prompt estimated at no tokens at all
+            self.decision = Decision(True, Reason.UNCACHED_RATIO_AT_OR_ABOVE, None, estimate)
+        self.outcome = Outcome.DISAGGREGATED
+        self.migration = None
+        self._decode_body = None
+
+    def decode_admitted(self) -> bool:
+        """Whether a decode endpoint admits a request now (asked before the prefill)."""
+        return any(endpoint.admits() for endpoint in self.context.fleet.decode.endpoints)
+
+    def decode_outage(self) -> httpx.Response | None:
+        """No decode endpoint admits a request: a prefill now would only hold KV blocks that
+        no decode pulls. The call fails at once with the 503 of a decode outage, or, when
+        its failure policy names a fallback server, goes there whole (then None)."""
+        try:
+            self.context.fleet.decode.candidates()
+            return None  # one was admitted again meanwhile: the call goes on as usual
+        except AllEndpointsOpen as exc:
+            outage = exc
+        policy = self.failure_policy
+        if policy in PREFILL_FAILURE_POLICIES:
+            return self.decode_unavailable(outage)
+        self.outcome = Outcome.PREFILL_FAILED
+        self.fallback_url = policy
+        self.fallback = f"no decode endpoint admitted, sent to {redact_url(policy)}: {outage}"
+        return None
 
     def decode_attempt_failed(self, error: BaseException) -> None:
         """Opening the decode leg raised; a request that may have reached its server is never released.
@@ -599,7 +692,7 @@ class Call:
         if not_moved:
             self.error += f"; not migrated: {not_moved}"
         self.decode.end(self.decode.status, error)
-        message = f"pdclient: {self.error} (decode {self.decode.url}, request {self.request_id})"
+        message = f"pdclient: {self.error} (decode {redact_url(self.decode.url)}, request {self.request_id})"
         return openai.APIConnectionError(message=message, request=self.request)  # type: ignore[arg-type]
 
     def decode_closed(self) -> None:
@@ -621,11 +714,19 @@ class Call:
             or self.decode_may_have_reached
         ):
             return None
-        leg = Leg(self, "release", self.context.fleet.decode)
+        pool = self.context.fleet.decode
+        leg = Leg(self, "release", pool)
         try:
             base = leg.pick(self._route("decode"))
         except AllEndpointsOpen:
-            return None  # the blocks expire with the connector's lease
+            # Every breaker is open, yet the prefill server holds the blocks until a decode
+            # pulls them or the connector's lease ends (minutes): one try is worth it (a
+            # refused connection costs nothing), on an endpoint the decode leg did not try.
+            untried = [e for e in pool.endpoints if e not in self.decode.tried]
+            if not untried:
+                return None  # each failed this very call: the blocks expire with the lease
+            endpoint = min(untried, key=lambda e: e.in_flight)
+            base = leg.take(RouteDecision("release", endpoint, rule="breaker_open"))
         content = wire.release_body(self.plan, result)
         request = self._leg_request(base, content, self._sign(base, content))
         request.extensions = {
@@ -656,13 +757,19 @@ class Call:
         if self.kind is not None:
             if trace.outcome in (Outcome.FAILED, Outcome.REFUSED):
                 # The caller gets this as an error already; a warning would say it twice.
-                logger.info("P/D call %s %s: %s", self.request_id, trace.outcome.value, trace.error)
+                logger.info(
+                    "P/D call %s %s: %s", self.request_id, trace.outcome.value, trace.error, extra={CALL_RECORD: True}
+                )
             elif trace.outcome not in (Outcome.DISAGGREGATED, Outcome.DECODE_ONLY) or trace.fallback:
                 # An answer that came back degraded (after a prefill failure, on a fallback server,
                 # after a migration):
                 # nothing else tells the caller, so it is never silent.
                 logger.warning(
-                    "P/D call %s %s: %s", self.request_id, trace.outcome.value, trace.fallback or trace.error
+                    "P/D call %s %s: %s",
+                    self.request_id,
+                    trace.outcome.value,
+                    trace.fallback or trace.error,
+                    extra={CALL_RECORD: True},
                 )
             elif logger.isEnabledFor(logging.DEBUG):
                 logger.debug("P/D call %s: %s", self.request_id, trace)
@@ -768,10 +875,39 @@ class Call:
         extensions = _timeout_within(self.request.extensions, deadline)
         if content is None:
             headers += [(k, v) for k, v in raw if k.lower() in _BODY_FRAMING]
-            return httpx.Request(
-                self.request.method, url, headers=headers, stream=self.request.stream, extensions=extensions
-            )
+            stream = _ScannedUpload(self.request.stream) if self.streams_upload else self.request.stream
+            return httpx.Request(self.request.method, url, headers=headers, stream=stream, extensions=extensions)
         return request_with_content(self.request.method, url, headers, content, extensions)
+
+
+class _ScannedUpload(httpx.SyncByteStream, httpx.AsyncByteStream):
+    """A multipart upload on its way to the server, unread: each chunk is scanned
+    (``wire.UploadScan``) before it is sent, so a refused one never reaches the server
+    whole (its form is never parsed) and the transport answers the ``Refusal`` with a 400.
+    Iterated again (a retry), it scans the caller's stream again from its start."""
+
+    def __init__(self, stream: httpx.SyncByteStream | httpx.AsyncByteStream) -> None:
+        self._stream = stream
+
+    def __iter__(self) -> Iterator[bytes]:
+        scan = wire.UploadScan()
+        for chunk in self._stream:  # type: ignore[union-attr]
+            scan.feed(chunk)
+            yield chunk
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        scan = wire.UploadScan()
+        async for chunk in self._stream:  # type: ignore[union-attr]
+            scan.feed(chunk)
+            yield chunk
+
+    def close(self) -> None:
+        if isinstance(self._stream, httpx.SyncByteStream):
+            self._stream.close()
+
+    async def aclose(self) -> None:
+        if isinstance(self._stream, httpx.AsyncByteStream):
+            await self._stream.aclose()
 
 
 def _timeout_within(extensions: dict[str, Any], deadline: float | None) -> dict[str, Any]:

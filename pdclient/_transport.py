@@ -19,7 +19,7 @@ import httpx
 from typing_extensions import Self
 
 from . import _retry as retry
-from ._call import Call, CallContext
+from ._call import Call, CallContext, HandoffInstead
 from ._endpoints import AllEndpointsOpen, URLArg
 from ._errors import PDConfigError
 from ._fleet import Fleet
@@ -46,11 +46,6 @@ def _context(options: PDOptions, fleet: Fleet | None, *, asynchronous: bool) -> 
     if fleet is None or not fleet.serves(options):
         fleet = Fleet(options, asynchronous=asynchronous)
     return CallContext(options=options, fleet=fleet, observers=Observers(observers))
-
-
-def _is_json(request: httpx.Request) -> bool:
-    content_type: str = request.headers.get("content-type", "")
-    return content_type.split(";")[0].strip().lower() == "application/json"
 
 
 class _TransportBase:
@@ -119,15 +114,16 @@ class PDTransport(_TransportBase, httpx.BaseTransport):
             raise
 
     def _pass_through(self, call: Call) -> httpx.Response:
-        if _is_json(call.request):
+        if call.streams_upload:
+            refused = call.check_upload()
+        else:
             call.request.read()
-            try:
-                call.pass_through_body = call.pass_through_content()
-            except Refusal as exc:
-                return call.refuse(str(exc))
-        return self._decode(call)
+            refused = call.check_pass_through()
+        return refused or self._decode(call)
 
     def _prefill(self, call: Call) -> httpx.Response | None:
+        if not call.decode_admitted():
+            return call.decode_outage()
         try:
             return retry.run(call.prefill_retrying(), self._prefill_attempt, call)
         except (*retry.PREFILL_RETRYABLE, AllEndpointsOpen) as exc:
@@ -145,9 +141,13 @@ class PDTransport(_TransportBase, httpx.BaseTransport):
     def _decode(self, call: Call) -> httpx.Response:
         try:
             response = self._open_decode(call)
+        except HandoffInstead:
+            return self._prefill(call) or self._decode(call)
         except AllEndpointsOpen as exc:
             self._release(call)
             return call.decode_unavailable(exc)
+        except Refusal as exc:  # an upload refused as it streamed: it never reached its server whole
+            return call.refuse(str(exc))
         except BaseException:
             self._release(call)
             raise
@@ -227,15 +227,16 @@ class AsyncPDTransport(_TransportBase, httpx.AsyncBaseTransport):
             raise
 
     async def _pass_through(self, call: Call) -> httpx.Response:
-        if _is_json(call.request):
+        if call.streams_upload:
+            refused = call.check_upload()
+        else:
             await call.request.aread()
-            try:
-                call.pass_through_body = call.pass_through_content()
-            except Refusal as exc:
-                return call.refuse(str(exc))
-        return await self._decode(call)
+            refused = call.check_pass_through()
+        return refused or await self._decode(call)
 
     async def _prefill(self, call: Call) -> httpx.Response | None:
+        if not call.decode_admitted():
+            return call.decode_outage()
         try:
             return await retry.run_async(call.prefill_retrying(), self._prefill_attempt, call)
         except (*retry.PREFILL_RETRYABLE, AllEndpointsOpen) as exc:
@@ -253,9 +254,13 @@ class AsyncPDTransport(_TransportBase, httpx.AsyncBaseTransport):
     async def _decode(self, call: Call) -> httpx.Response:
         try:
             response = await self._open_decode(call)
+        except HandoffInstead:
+            return await self._prefill(call) or await self._decode(call)
         except AllEndpointsOpen as exc:
             await self._release(call)
             return call.decode_unavailable(exc)
+        except Refusal as exc:  # an upload refused as it streamed: it never reached its server whole
+            return call.refuse(str(exc))
         except BaseException:
             await self._release(call)
             raise

@@ -348,14 +348,48 @@ async def test_an_abandoned_answer_is_not_remembered(mode: str, pair: FakeVLLM) 
     await t.close()
 
 
-async def test_a_decode_only_call_whose_endpoint_fails_to_connect_goes_to_another(mode: str, pair: FakeVLLM) -> None:
+async def test_a_decode_only_call_whose_endpoint_fails_to_connect_is_handed_off_to_another(
+    mode: str, pair: FakeVLLM
+) -> None:
+    """Another decode endpoint holds nothing of the conversation: sent there decode-only, it
+    would compute the whole conversation itself. The call becomes a P/D handoff instead."""
     t, traces = twin(mode, remote_prefill="auto")
     await turn(t, TURN1, True)
     pair.router.routes["decode"].side_effect = [httpx.ConnectError("refused")]
-    await turn(t, TURN2, True)
+    assert await turn(t, TURN2, True) == echo({"messages": TURN2})
     assert pair.decode_urls == [DECODE, DECODE2]
-    assert traces.traces[1].outcome is Outcome.DECODE_ONLY
-    assert "kv_transfer_params" not in pair.decode_bodies[1]
+    assert len(pair.prefill_bodies) == 2
+    ids = pair.decode_bodies[1]["kv_transfer_params"]["prompt_token_ids"]
+    assert ids == ids_of_conversation({"messages": TURN2})
+    second = traces.traces[1]
+    assert (second.outcome, second.remote_prefill, second.conversation) == (
+        Outcome.DISAGGREGATED,
+        True,
+        "endpoint_unavailable",
+    )
+    assert second.remote_prefill_reason == "uncached_at_or_above_threshold"
+    assert second.error is None and second.decode_url == DECODE2
+    assert [e.in_flight for e in t.client.pd_fleet.decode.endpoints] == [0, 0]
+    await t.close()
+
+
+async def test_a_decode_only_call_whose_endpoint_stops_admitting_is_handed_off(mode: str, pair: FakeVLLM) -> None:
+    """Its breaker opened between the estimate and the decode leg: the same, without an attempt there."""
+    t, traces = twin(mode, remote_prefill="auto", conversations=ConversationSettings(warm_prefill=False))
+    await turn(t, TURN1, True)
+    holder = next(e for e in t.client.pd_fleet.decode.endpoints if e.url == DECODE)
+    real_estimate = t.client.pd_fleet.memory.estimate
+
+    def estimate_then_trip(*args: Any) -> Any:
+        estimate = real_estimate(*args)
+        holder.trip()
+        return estimate
+
+    t.client.pd_fleet.memory.estimate = estimate_then_trip  # type: ignore[method-assign]
+    assert await turn(t, TURN2, False) == echo({"messages": TURN2})
+    assert pair.decode_urls == [DECODE, DECODE2] and len(pair.prefill_bodies) == 2
+    assert "kv_transfer_params" in pair.decode_bodies[1]
+    assert (traces.traces[1].outcome, traces.traces[1].conversation) == (Outcome.DISAGGREGATED, "endpoint_unavailable")
     await t.close()
 
 

@@ -12,10 +12,11 @@ import sys
 import textwrap
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
-from pdclient import Outcome, PDTrace, RetrySettings
+from pdclient import AsyncPDTransport, Outcome, PDOptions, PDTrace, PDTransport, RetrySettings
 from tests.stubserver import Fault, StubServer, forward_proxy
 from tests.twins import Twin
 
@@ -129,3 +130,40 @@ async def test_16_legs_honour_http_proxy(mode: str, monkeypatch: pytest.MonkeyPa
             "http://decode.invalid/v1/chat/completions",
         ]
         await twin.close()
+
+
+# -- an upload that names kv_transfer_params' carrier ------------------------------------------------
+
+
+async def test_a_refused_upload_is_cut_before_the_server_has_it_whole(mode: str) -> None:
+    """The upload streams unread: its file goes out before the form field that names
+    ``vllm_xargs``, and the stream stops before that field's bytes, so the server's form
+    parser never sees a whole form (and vLLM never runs it)."""
+    audio = os.urandom(1 << 20).replace(b"vllm_xargs", b"").replace(b"kv_transfer_params", b"")
+    files = [("file", ("a.wav", audio)), ("vllm_xargs", (None, '{"kv\\u005ftransfer_params": []}'))]
+    with StubServer() as prefill, StubServer() as decode:
+        traces: list[PDTrace] = []
+        options = PDOptions(prefill_base_url=prefill.url, decode_base_url=decode.url, on_trace=traces.append)
+        transport = PDTransport(options=options) if mode == "sync" else AsyncPDTransport(options=options)
+        http: Any = httpx.Client(transport=transport) if mode == "sync" else httpx.AsyncClient(transport=transport)
+
+        async def send(request: httpx.Request) -> httpx.Response:
+            return http.send(request) if mode == "sync" else await http.send(request)
+
+        url = f"{decode.url}/audio/transcriptions"
+        response = await send(http.build_request("POST", url, data={"model": "w"}, files=files))
+        assert response.status_code == 400 and "vllm_xargs" in response.json()["error"]["message"]
+        for _ in range(250):  # the stub records the body once its connection closes
+            if decode.received:
+                break
+            await asyncio.sleep(0.02)
+        [received] = decode.received
+        assert 0 < len(received.raw_body) < int(received.headers["content-length"]), "cut mid-stream"
+        assert b"vllm_xargs" not in received.raw_body
+        assert [(e.in_flight, e.state) for e in transport.fleet.decode.endpoints] == [(0, "closed")]
+        assert traces == [] or traces[0].outcome is Outcome.REFUSED
+        # The same upload without that field reaches the server whole.
+        whole = http.build_request("POST", f"{decode.url}/files", data={"purpose": "batch"}, files=files[:1])
+        answered = await send(whole)
+        assert answered.json()["bytes"] == int(whole.headers["content-length"])
+        await (http.aclose() if mode == "async" else asyncio.to_thread(http.close))
