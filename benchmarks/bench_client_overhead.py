@@ -24,6 +24,12 @@ trip beside it and the ratio handoff / JSON (target <= 0.3); and each arm's medi
 CPU per call (``time.thread_time`` around the whole call: a sync client does all its work,
 I/O included, in the calling thread).
 
+A second table measures the client CPU of a non-streamed call that may move to another
+decode endpoint if its decode dies (``migrate_non_streamed=True``, ``_migrate.Assembler``:
+its decode leg streams with ``return_token_ids`` and the JSON body is assembled from the
+events) against the default non-streamed path (the decode's own JSON passed through), per
+answer length, over two decode stubs; printed with the ratio assembled / JSON.
+
 Run: make bench-client-overhead ARGS="--repeat 3"   (python benchmarks/bench_client_overhead.py)
 """
 
@@ -85,6 +91,29 @@ def stub_process(prompt_tokens: int) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@contextlib.contextmanager
+def decode_stub_process(answer_tokens: int) -> Iterator[str]:
+    """A decode stub in its own process whose answer has ``answer_tokens`` tokens; yields its base URL."""
+    code = (
+        "import sys; from tests.stubserver import StubServer; "
+        f"server = StubServer(record=False, words=[f' w{{i}}' for i in range({answer_tokens})]).start(); "
+        "print('READY', server.url, flush=True); sys.stdin.read(); server.stop()"
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=STUB.parents[1]
+    )
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline().strip()
+        if not line.startswith("READY "):
+            raise RuntimeError(f"decode stub did not start: {line!r}")
+        yield line.split(" ", 1)[1]
+    finally:
+        assert process.stdin is not None
+        process.stdin.close()
+        process.wait(timeout=10)
 
 
 def messages_for(prompt_tokens: int, kind: str) -> list[dict[str, str]]:
@@ -232,6 +261,56 @@ def bench_size(
     }
 
 
+def bench_non_streamed(
+    prefill_url: str, decode_urls: list[str], answer_tokens: int, iterations: int, warmup: int
+) -> dict[str, Any]:
+    """Client CPU and wall time of a non-streamed call: assembled from a stream (it may move) or the JSON as today."""
+    messages = messages_for(0, "short")
+    urls: Any = {"prefill_base_url": prefill_url, "decode_base_url": decode_urls, "api_key": "-"}
+    urls["remote_prefill"] = "always"
+    assembling = PDChatClient(**urls, migrate_non_streamed=True)
+    passing = PDChatClient(**urls)  # the default
+
+    def call(client: PDChatClient) -> int:
+        answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=answer_tokens + 8)
+        assert answer.usage is not None and answer.choices[0].message.content
+        return answer.usage.completion_tokens
+
+    arms = [Arm("assembled", lambda: call(assembling)), Arm("json", lambda: call(passing))]
+    for _ in range(warmup):
+        for arm in arms:
+            arm.run_once(record=False)
+    for i in range(iterations):
+        for arm in arms if i % 2 == 0 else arms[::-1]:
+            arm.run_once(record=True)
+    assembled, passed = arms
+    assembling.close()
+    passing.close()
+    return {
+        "tokens": answer_tokens,
+        "assembled_cpu_ms": median(assembled.cpu_ms),
+        "json_cpu_ms": median(passed.cpu_ms),
+        "cpu_ratio": median(assembled.cpu_ms) / median(passed.cpu_ms),
+        "assembled_ms": median(assembled.wall_ms),
+        "json_ms": median(passed.wall_ms),
+        "added_cpu_us_per_token": (median(assembled.cpu_ms) - median(passed.cpu_ms)) * 1000 / answer_tokens,
+    }
+
+
+def print_non_streamed(rows: list[dict[str, Any]]) -> None:
+    header = (
+        f"{'answer tokens':>13} | {'client CPU ms/call: assembled':>29} {'JSON':>6} {'ratio':>6} "
+        f"{'added us/token':>14} | {'wall ms: assembled':>18} {'JSON':>6}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(
+            f"{r['tokens']:>13} | {r['assembled_cpu_ms']:>29.2f} {r['json_cpu_ms']:>6.2f} {r['cpu_ratio']:>6.2f} "
+            f"{r['added_cpu_us_per_token']:>14.1f} | {r['assembled_ms']:>18.2f} {r['json_ms']:>6.2f}"
+        )
+
+
 def median_over(runs: list[list[dict[str, Any]]], i: int) -> dict[str, float]:
     """Row ``i``'s measured columns, each the median over the runs."""
     first = runs[0][i]
@@ -262,6 +341,11 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="runs of the whole table; prints their medians")
     parser.add_argument("--sizes", default="8192,32768", help="prompt ids the prefill answers with")
     parser.add_argument(
+        "--answer-tokens",
+        default="16,256",
+        help="non-streamed table: answer lengths (tokens) of the decode stubs; empty: skip the table",
+    )
+    parser.add_argument(
         "--messages",
         choices=("short", "long", "both"),
         default="both",
@@ -290,9 +374,23 @@ def main() -> None:
             runs.append(rows)
             print(f"\nrun {run + 1} of {args.repeat}, load average {os.getloadavg()[0]:.1f}")
             print_table(rows)
+        answers = [int(n) for n in args.answer_tokens.split(",") if n]
+        decodes = {n: [stack.enter_context(decode_stub_process(n)) for _ in range(2)] for n in answers}
+        non_streamed: list[list[dict[str, Any]]] = []
+        for run in range(args.repeat if answers else 0):
+            rows = [
+                bench_non_streamed(prefill_urls[sizes[0]], decodes[n], n, args.iterations, args.warmup) for n in answers
+            ]
+            non_streamed.append(rows)
+            load = os.getloadavg()[0]
+            print(f"\nnon-streamed, run {run + 1} of {args.repeat}, {sizes[0]} prompt ids, load average {load:.1f}")
+            print_non_streamed(rows)
     if len(runs) > 1:
         print(f"\nmedian of each column over the {len(runs)} runs")
         print_table([{**row, **median_over(runs, i)} for i, row in enumerate(runs[0])])
+    if len(non_streamed) > 1:
+        print(f"\nnon-streamed: median of each column over the {len(non_streamed)} runs")
+        print_non_streamed([{**row, **median_over(non_streamed, i)} for i, row in enumerate(non_streamed[0])])
     print()
     print("ratio = median pdclient / median baseline (target <= 1.05); paired = median of per-iteration ratios")
     print(
@@ -304,6 +402,11 @@ def main() -> None:
         "handoff/JSON target <= 0.3"
     )
     print("client CPU = thread_time per whole call (the least load-sensitive column on a busy machine)")
+    print(
+        "non-streamed: assembled = the decode leg streamed (return_token_ids, include_usage) and the JSON body "
+        "assembled, so the call may move (migrate_non_streamed=True); JSON = the decode's own JSON passed through "
+        "(the default)"
+    )
 
 
 if __name__ == "__main__":

@@ -3,11 +3,14 @@
 The decisions and the bytes, no I/O (the streams that send the continuation are in
 ``_migrate_stream``). One ``CallMigration`` per P/D call, made when its decode body is built:
 
-- **arming** (``arm``): a call can move only if it is streamed, its prompt ids are known,
-  the pool has another decode endpoint, ``max_decode_migrations`` > 0, and nothing in the
-  request makes a continuation inexact (``static_refusal``). An unarmed call is streamed as
-  before (no token ids asked for, no event parsed) and the reason goes into the error if
-  its stream breaks.
+- **arming** (``arm``): a call can move only if its prompt ids are known, the pool has
+  another decode endpoint, ``max_decode_migrations`` > 0, and nothing in the request makes
+  a continuation inexact (``static_refusal``). An unarmed call goes as before (no token ids
+  asked for, no event parsed) and the reason goes into the error if its stream breaks.
+- **non-streamed calls** (``Assembler``, ``PDOptions.migrate_non_streamed``, off by
+  default): an armed call that did not ask for a stream streams its decode leg all the same
+  (``stream: true``, ``stream_options.include_usage``), so that it can move like any other,
+  and the caller gets the JSON body vLLM would have answered, assembled from the events.
 - **tracking** (``Tracker``): an armed call's decode leg carries ``return_token_ids: true``;
   vLLM then puts each chunk's generated ids in ``choices[0].token_ids`` (and the prompt's in
   the first chunk). The tracker splits the SSE body into events, keeps the ids of every
@@ -24,6 +27,10 @@ The decisions and the bytes, no I/O (the streams that send the continuation are 
 - **splicing** (``Tracker.splice``): the continuation's events reach the caller under the
   original ``id``, ``created`` and ``model``; its role chunk is dropped; ``usage`` counts
   the original prompt and the whole answer once.
+- **an ended answer** (``Tracker.answered``): once every choice has sent its
+  ``finish_reason`` the answer is whole; a cut after that never moves (a continuation
+  would append a second answer). The stream is ended as vLLM ends one: the usage event if
+  the caller asked for usage and had not got it, then ``[DONE]`` (``CallMigration.ending``).
 
 Prior art: NVIDIA Dynamo replays the generated token ids to a new worker
 (``--migration-limit``, ai-dynamo/dynamo#1930) and refuses guided decoding
@@ -59,6 +66,7 @@ MAX_EVENT_BYTES = 4 << 20
 """An SSE event longer than this (no blank line seen) ends the tracking: it is not vLLM's."""
 
 _TRUE = msgspec.Raw(b"true")
+_INCLUDE_USAGE = msgspec.Raw(b'{"include_usage":true}')
 _TOKEN_IDS = b',"token_ids":'
 _PROMPT_TOKEN_IDS = b',"prompt_token_ids":'
 _PROMPT_KEY = b'"prompt_token_ids":'
@@ -107,11 +115,9 @@ def _is_int(value: object) -> bool:
 def static_refusal(plan: wire.Plan) -> str | None:
     """Why no continuation of this request could be exact, from the request alone; None if one can."""
     fields = plan.fields
-    if not plan.stream:
-        # Nothing of a non-streamed answer reaches the caller before it is whole, so there is
-        # nothing to splice; a decode that fails before answering is repeated whole by the
-        # openai SDK's max_retries (a new prefill: the first decode may have pulled its KV).
-        return "not streamed"
+    if not plan.stream and _get(fields, "stream_options") is not None:
+        # vLLM refuses stream_options on a non-streamed call: the caller gets that 400 as before.
+        return "stream_options on a non-streamed call"
     if plan.ids_skipped is not None:
         return f"the prompt's ids are not forwarded ({plan.ids_skipped})"
     n = _get(fields, "n")
@@ -163,6 +169,10 @@ def arm(call: Call) -> CallMigration:
     reason: str | None
     if limit == 0:
         reason = "max_decode_migrations is 0"
+    elif not plan.stream and not options.migrate_non_streamed:
+        # Its decode leg would have to stream, which costs the decode server's API process
+        # more CPU on every call; off, the openai SDK's max_retries repeats a failed one whole.
+        reason = "not streamed (migrate_non_streamed is off)"
     elif len(call.context.fleet.decode.endpoints) < 2:
         reason = "no other decode endpoint (decode_base_url lists one)"
     elif call.fallback_url is not None:
@@ -218,11 +228,21 @@ class CallMigration:
         self.prompt_ids = prompt_ids
         self.prompt_count = prompt_count
         self.caller_wants_ids = _get(plan.fields, "return_token_ids") is True
+        self.assembles = refused is None and not plan.stream
+        """A non-streamed call whose decode leg streams: its body is assembled (``Assembler``)."""
+        options = _get(plan.fields, "stream_options")
+        self.wants_usage = self.assembles or (isinstance(options, dict) and options.get("include_usage") is True)
+        """The caller's answer ends with a usage report (a streamed one only if asked for)."""
+        self._leg_fields: dict[str, msgspec.Raw] = {}
+        """What the decode legs of an armed call carry beyond the caller's fields."""
         self.tracker: Tracker | None = None
         if refused is None:
             self.tracker = Tracker(
                 chat=plan.kind is wire.Kind.CHAT, keep_ids=self.caller_wants_ids, want_prompt_ids=prompt_ids is None
             )
+            self._leg_fields["return_token_ids"] = _TRUE
+            if self.assembles:
+                self._leg_fields.update(stream=_TRUE, stream_options=_INCLUDE_USAGE)
         self.moves: list[Continuation] = []
         self._broken: list[Endpoint] = []
         """The decode endpoints whose stream broke during this call: never a continuation's."""
@@ -238,12 +258,50 @@ class CallMigration:
         return self.tracker is not None
 
     def decode_body(self, plan: wire.Plan, result: wire.PrefillResult | None) -> bytes:
-        """The first decode leg's body: asks for token ids when the call is armed."""
-        if self.tracker is None or self.caller_wants_ids:
+        """The first decode leg's body: asks for token ids (and a stream) when the call is armed."""
+        if self.tracker is None or (self.caller_wants_ids and not self.assembles):
             return wire.decode_body(plan, result)
         fields = wire.decode_fields(plan, result)
-        fields["return_token_ids"] = _TRUE
+        fields.update(self._leg_fields)
         return wire.encode_fields(fields)
+
+    def prompt_tokens(self) -> int | None:
+        """The call's prompt length in tokens, once known (from the prefill, or the decode's first chunk)."""
+        if self.prompt_ids is not None:
+            return self.prompt_count
+        tracker = self.tracker
+        return len(tracker.prompt_ids) if tracker is not None and tracker.prompt_ids is not None else None
+
+    def usage(self) -> dict[str, int] | None:
+        """The answer's usage from the ids pdclient holds (vLLM counts the same tokens), if known."""
+        prompt = self.prompt_tokens()
+        if prompt is None or self.tracker is None:
+            return None
+        completion = len(self.tracker.ids)
+        return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
+
+    def ending(self) -> bytes:
+        """What a stream cut after its answer ended still owes the caller, as vLLM ends one:
+        the usage event (if the caller wants one and has not had it), then ``[DONE]``."""
+        tracker = self.tracker
+        assert tracker is not None
+        out = b""
+        usage = self.usage()
+        if self.wants_usage and not tracker.usage_sent and usage is not None:
+            event_id, created, model = tracker.header or (None, None, None)
+            kind = "chat.completion.chunk" if tracker.chat else "text_completion"
+            event: dict[str, Any] = {
+                "id": event_id,
+                "object": kind,
+                "created": created,
+                "model": model,
+                "choices": [],
+                "usage": usage,
+            }
+            out = b"data: " + orjson.dumps(event) + b"\n\n"
+        if not tracker.done:
+            out += b"data: [DONE]\n\n"
+        return out
 
     # -- when a stream breaks ----------------------------------------------------------
 
@@ -286,7 +344,7 @@ class CallMigration:
         least = _get(fields, "min_tokens")
         if _is_int(least) and least > 0:
             fields["min_tokens"] = msgspec.Raw(b"%d" % max(0, least - len(kept)))
-        fields["return_token_ids"] = _TRUE
+        fields.update(self._leg_fields)
         ids = self.prompt_ids
         assert ids is not None
         if kept:
@@ -312,7 +370,7 @@ class CallMigration:
     def prefill_request(self, call: Call, continuation: Continuation) -> httpx.Request:
         """The continuation's prefill leg (route prefill+decode): another prefill attempt of the call."""
         leg = call.prefill
-        leg.pick(RouteRequest(leg="prefill", affinity_key=self.plan.affinity_key))
+        leg.pick(RouteRequest(leg="prefill", affinity_key=self.plan.affinity_key, tenant=self.plan.tenant))
         body = continuation.prefill_body()
         request = call._leg_request(leg.url, body, call._sign(leg.url, body), call.deadline)
         request.headers["x-request-id"] = continuation.request_id
@@ -337,7 +395,8 @@ class CallMigration:
         continuation = self.pending
         assert continuation is not None
         leg = call.decode
-        _pick_from(leg, self._others(call), RouteRequest(leg="decode", affinity_key=self.plan.affinity_key))
+        route = RouteRequest(leg="decode", affinity_key=self.plan.affinity_key, tenant=self.plan.tenant)
+        _pick_from(leg, self._others(call), route)
         body = continuation.decode_body()
         request = call._leg_request(leg.url, body, call._sign(leg.url, body))
         request.headers["x-request-id"] = continuation.request_id
@@ -424,17 +483,26 @@ class Tracker:
         "_held_ids",
         "_splice",
         "chat",
+        "choices",
         "done",
+        "finished",
         "header",
         "ids",
         "keep_ids",
         "prompt_ids",
         "stopped",
+        "usage_sent",
         "want_prompt_ids",
     )
 
-    def __init__(self, *, chat: bool, keep_ids: bool, want_prompt_ids: bool) -> None:
+    def __init__(self, *, chat: bool, keep_ids: bool, want_prompt_ids: bool, choices: int = 1) -> None:
         self.chat = chat
+        self.choices = choices
+        """How many choices the answer has (``n``); each one finishes on its own."""
+        self.finished: dict[int, str] = {}
+        """The ``finish_reason`` of each choice that sent one to the caller, by its index."""
+        self.usage_sent = False
+        """The final usage event (``choices: []``) went to the caller."""
         self.keep_ids = keep_ids
         """The caller asked for token ids: pass them on."""
         self.want_prompt_ids = want_prompt_ids
@@ -475,6 +543,11 @@ class Tracker:
         """The body ended without ``[DONE]``: what is left, as it is."""
         rest, self._buf = self._flush() + self._buf, b""
         return rest
+
+    @property
+    def answered(self) -> bool:
+        """Every choice has sent its ``finish_reason``: the answer is whole, whatever follows."""
+        return len(self.finished) >= self.choices
 
     def cut(self) -> None:
         """The stream broke: drop what was not passed on (held chunks, a partial event)."""
@@ -529,6 +602,8 @@ class Tracker:
         if "error" in obj:
             self._stop("the decode reported an error in the stream")
         if choice is None:
+            if type(obj.get("usage")) is dict:
+                self.usage_sent = True
             return self._flush() + self._output(original, event, obj, None, None)
         ids = choice.get("token_ids")
         finish = choice.get("finish_reason")
@@ -561,6 +636,9 @@ class Tracker:
         flushed = self._flush()
         if ids:
             self.ids.extend(ids)
+        if finish is not None:
+            index = choice.get("index", 0)
+            self.finished[index if type(index) is int else 0] = str(finish)
         return flushed + out if flushed else out
 
     def _output(
@@ -640,3 +718,254 @@ class _Splice:
                 usage["total_tokens"] = self.prompt_tokens + self.base + generated
             usage.pop("prompt_tokens_details", None)  # the continuation's prompt, not the caller's
         return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+# -- a non-streamed call's body ------------------------------------------------------------
+
+
+class CannotAssemble(Exception):
+    """The decode's events do not make the answer a non-streamed call expects; the message says why."""
+
+
+class _Choice:
+    """One choice of the answer, as its events arrive."""
+
+    __slots__ = (
+        "content",
+        "finish_reason",
+        "logprobs",
+        "prompt_token_ids",
+        "reasoning",
+        "reasoning_key",
+        "role",
+        "stop_reason",
+        "text_logprobs",
+        "token_ids",
+        "tool_calls",
+    )
+
+    def __init__(self) -> None:
+        self.role: Any = None
+        self.content: list[str] = []
+        """Chat: the content deltas; completions: the text deltas."""
+        self.reasoning: list[str] = []
+        self.reasoning_key = "reasoning"
+        self.tool_calls: dict[Any, dict[str, Any]] = {}
+        self.logprobs: list[Any] | None = None
+        """Chat: the entries of ``logprobs.content``, once a chunk carried them."""
+        self.text_logprobs: dict[str, list[Any]] | None = None
+        """Completions: ``logprobs``' four lists, once a chunk carried them."""
+        self.finish_reason: Any = None
+        self.stop_reason: Any = None
+        self.token_ids: list[Any] = []
+        self.prompt_token_ids: Any = None
+
+    def add_chat(self, choice: dict[str, Any]) -> None:
+        delta = choice.get("delta")
+        if type(delta) is dict:
+            if delta.get("role") is not None:
+                self.role = delta["role"]
+            if content := delta.get("content"):
+                self.content.append(content)
+            for key in ("reasoning", "reasoning_content"):
+                if reasoning := delta.get(key):
+                    self.reasoning.append(reasoning)
+                    self.reasoning_key = key
+            for call in delta.get("tool_calls") or ():
+                self._tool_call(call)
+        logprobs = choice.get("logprobs")
+        if type(logprobs) is dict:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(logprobs.get("content") or ())
+        self._add(choice)
+
+    def add_text(self, choice: dict[str, Any]) -> None:
+        if text := choice.get("text"):
+            self.content.append(text)
+        logprobs = choice.get("logprobs")
+        if type(logprobs) is dict:
+            if self.text_logprobs is None:
+                self.text_logprobs = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+            for name, entries in self.text_logprobs.items():
+                entries.extend(logprobs.get(name) or ())
+        if choice.get("prompt_token_ids") is not None:
+            self.prompt_token_ids = choice["prompt_token_ids"]
+        self._add(choice)
+
+    def _add(self, choice: dict[str, Any]) -> None:
+        if type(ids := choice.get("token_ids")) is list:
+            self.token_ids.extend(ids)
+        if choice.get("finish_reason") is not None:
+            self.finish_reason = choice["finish_reason"]
+            self.stop_reason = choice.get("stop_reason")
+
+    def _tool_call(self, call: Any) -> None:
+        """A tool call's deltas, merged as the openai SDK merges a streamed one: by index,
+        the name and id once, the arguments concatenated."""
+        if type(call) is not dict:
+            return
+        merged = self.tool_calls.setdefault(call.get("index", len(self.tool_calls)), {"function": {}})
+        for key in ("id", "type"):
+            if call.get(key) is not None:
+                merged[key] = call[key]
+        function = call.get("function")
+        if type(function) is dict:
+            if function.get("name") is not None:
+                merged["function"]["name"] = function["name"]
+            if function.get("arguments"):
+                merged["function"]["arguments"] = merged["function"].get("arguments", "") + function["arguments"]
+
+    def message(self) -> dict[str, Any]:
+        reasoning = "".join(self.reasoning) or None
+        tool_calls = [
+            {
+                "id": call.get("id"),
+                "type": call.get("type", "function"),
+                "function": {"name": call["function"].get("name"), "arguments": call["function"].get("arguments", "")},
+            }
+            for call in self.tool_calls.values()
+        ]
+        content: str | None = "".join(self.content)
+        if not content and (reasoning is not None or tool_calls):
+            content = None  # as vLLM's parsers leave it when the answer is all reasoning or tool calls
+        message: dict[str, Any] = {
+            "role": self.role or "assistant",
+            "content": content,
+            "refusal": None,
+            "annotations": None,
+            "audio": None,
+            "function_call": None,
+        }
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        message["reasoning"] = reasoning
+        if self.reasoning_key != "reasoning":
+            message[self.reasoning_key] = reasoning  # the name older servers stream it under
+        return message
+
+
+class Assembler:
+    """A non-streamed call's JSON body, made of the events its decode leg streamed.
+
+    Fed the events the caller would have had (``Tracker``'s output: ids stripped unless the
+    caller asked for them, a continuation spliced in), it builds the body vLLM answers a
+    non-streamed call with, field for field as vLLM 0.32 writes it: each choice's whole
+    ``message`` (role, content, reasoning, tool calls) or ``text``, its ``logprobs`` entries
+    in order, ``finish_reason`` and ``stop_reason``, the usage event's ``usage``, and
+    ``token_ids`` / ``prompt_token_ids`` only when the caller asked for them.
+    """
+
+    __slots__ = ("_buf", "_choices", "_header", "_metrics", "_prompt_ids", "_usage", "chat", "fingerprint", "keep_ids")
+
+    def __init__(self, *, chat: bool, keep_ids: bool) -> None:
+        self.chat = chat
+        self.keep_ids = keep_ids
+        self.fingerprint: Any = None
+        self._buf = b""
+        self._header: tuple[Any, Any, Any] | None = None
+        self._choices: dict[int, _Choice] = {}
+        self._usage: dict[str, Any] | None = None
+        self._metrics: Any = None
+        self._prompt_ids: Any = None
+
+    def feed(self, data: bytes) -> None:
+        """Whole SSE events (a partial one waits for its end); raises ``CannotAssemble``."""
+        buf = self._buf + data if self._buf else data
+        start = 0
+        while (end := buf.find(b"\n\n", start)) >= 0:
+            self._event(buf[start:end])
+            start = end + 2
+        self._buf = buf[start:]
+
+    def body(self, usage: dict[str, int] | None = None) -> bytes:
+        """The JSON body; ``usage`` stands in when no usage event came (a stream cut after its end)."""
+        if self._buf.strip():
+            self._event(self._buf.strip())
+        self._buf = b""
+        if self._header is None:
+            raise CannotAssemble("the decode's stream ended before its first event")
+        if not self._choices:
+            raise CannotAssemble("the decode's stream carried no choice")
+        event_id, created, model = self._header
+        final = dict(self._usage if self._usage is not None else usage or {}) or None
+        if final is not None:
+            # The usage event leaves out what is None; a non-streamed body writes every field.
+            final.setdefault("prompt_tokens_details", None)
+            final.setdefault("completion_tokens_details", None)
+        choices = [self._choice_body(index, c) for index, c in sorted(self._choices.items())]
+        ids = self._prompt_ids if self.keep_ids else None
+        answer: dict[str, Any] = {"id": event_id, "object": "chat.completion" if self.chat else "text_completion"}
+        answer.update(created=created, model=model, choices=choices, service_tier=None)
+        answer.update(system_fingerprint=self.fingerprint, usage=final)
+        if self.chat:
+            answer.update(prompt_logprobs=None, prompt_token_ids=ids, prompt_text=None)
+        answer.update(kv_transfer_params=None, ec_transfer_params=None, metrics=self._metrics)
+        return orjson.dumps(answer)
+
+    def _choice_body(self, index: int, choice: _Choice) -> dict[str, Any]:
+        token_ids = choice.token_ids if self.keep_ids else None
+        if self.chat:
+            logprobs = None if choice.logprobs is None else {"content": choice.logprobs}
+            return {
+                "index": index,
+                "message": choice.message(),
+                "logprobs": logprobs,
+                "finish_reason": choice.finish_reason,
+                "stop_reason": choice.stop_reason,
+                "token_ids": token_ids,
+                "routed_experts": None,
+            }
+        return {
+            "index": index,
+            "text": "".join(choice.content),
+            "logprobs": choice.text_logprobs,
+            "finish_reason": choice.finish_reason,
+            "stop_reason": choice.stop_reason,
+            "token_ids": token_ids,
+            "prompt_logprobs": None,
+            "prompt_token_ids": choice.prompt_token_ids if self.keep_ids else None,
+            "routed_experts": None,
+        }
+
+    def _event(self, event: bytes) -> None:
+        if not event.startswith(b"data:"):
+            return  # a comment (a keep-alive), or a field vLLM does not send
+        payload = event[5:].strip()
+        if payload == _DONE:
+            return
+        try:
+            obj = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            raise CannotAssemble("the decode sent an event that is not JSON") from None
+        if type(obj) is not dict:
+            raise CannotAssemble("the decode sent an event that is not a JSON object")
+        if "error" in obj:
+            error = obj["error"]
+            message = error.get("message") if type(error) is dict else error
+            raise CannotAssemble(f"the decode reported an error in its stream: {message}")
+        if self._header is None:
+            self._header = (obj.get("id"), obj.get("created"), obj.get("model"))
+        if obj.get("system_fingerprint") is not None:
+            self.fingerprint = obj["system_fingerprint"]
+        if type(usage := obj.get("usage")) is dict:
+            self._usage = usage
+            self._metrics = obj.get("metrics", self._metrics)
+        if self.chat and obj.get("prompt_token_ids") is not None:
+            self._prompt_ids = obj["prompt_token_ids"]
+        choices = obj.get("choices")
+        if type(choices) is not list:
+            return
+        for choice in choices:
+            if type(choice) is not dict:
+                continue
+            index = choice.get("index", 0)
+            state = self._choices.get(index) if type(index) is int else None
+            if state is None:
+                if type(index) is not int:
+                    raise CannotAssemble(f"the decode sent a choice whose index is {index!r}")
+                state = self._choices[index] = _Choice()
+            if self.chat:
+                state.add_chat(choice)
+            else:
+                state.add_text(choice)

@@ -6,6 +6,10 @@ passes the caller whole SSE events (``_migrate.Tracker``); when the decode strea
 move, opens a continuation on another decode endpoint (through a prefill endpoint first
 for a long prompt, ``_migrate.continuation_route``) and splices its events into the same
 body. A stream that may not move raises the openai error of ``_streams`` with the reason.
+A stream cut once its answer had ended does not move: it is ended as vLLM ends one.
+
+A non-streamed call that may move streams its decode leg all the same; the events go into
+an ``_migrate.Assembler`` instead of to the caller, who gets the JSON body at the end.
 
 Observers see each continuation as another decode leg attempt (and its prefill, if any,
 as another prefill attempt); the sync and async twins differ only by ``await``.
@@ -23,7 +27,7 @@ import httpx
 
 from ._call import Call, Leg
 from ._endpoints import AllEndpointsOpen
-from ._migrate import CallMigration, CannotMove, Continuation, Route
+from ._migrate import Assembler, CallMigration, CannotAssemble, CannotMove, Continuation, Route
 from ._routing import RouteRequest
 from ._streams import _STREAM_ERRORS, AsyncDecodeStream, DecodeStream, _until_error, _until_error_async
 
@@ -41,11 +45,19 @@ def _movable(response: httpx.Response, call: Call) -> CallMigration | None:
     return migration if content_type.startswith("text/event-stream") else None
 
 
+def _answers_json(response: httpx.Response, migration: CallMigration) -> None:
+    """A non-streamed call gets JSON: the response's headers say so before the call reads them
+    (its usage merge is made for a JSON body, and the SDK parses what they name)."""
+    if migration.assembles:
+        response.headers["content-type"] = "application/json"
+
+
 def decode_stream(response: httpx.Response, call: Call, transport: PDTransport) -> httpx.SyncByteStream:
     """The caller's body: a ``MigratingDecodeStream`` if the call may move, else a plain ``DecodeStream``."""
     migration = _movable(response, call)
     if migration is None:
         return DecodeStream(response, call)
+    _answers_json(response, migration)
     return MigratingDecodeStream(response, call, migration, transport)
 
 
@@ -53,6 +65,7 @@ def async_decode_stream(response: httpx.Response, call: Call, transport: AsyncPD
     migration = _movable(response, call)
     if migration is None:
         return AsyncDecodeStream(response, call)
+    _answers_json(response, migration)
     return AsyncMigratingDecodeStream(response, call, migration, transport)
 
 
@@ -67,7 +80,8 @@ def _release_leg(call: Call, migration: CallMigration, continuation: Continuatio
         return None
     leg = Leg(call, "release", call.context.fleet.decode)
     try:
-        base = leg.pick(RouteRequest(leg="decode", affinity_key=migration.plan.affinity_key))
+        plan = migration.plan
+        base = leg.pick(RouteRequest(leg="decode", affinity_key=plan.affinity_key, tenant=plan.tenant))
     except AllEndpointsOpen:
         return None
     request = call._leg_request(base, content, call._sign(base, content))
@@ -75,29 +89,79 @@ def _release_leg(call: Call, migration: CallMigration, continuation: Continuatio
     return leg, leg.start(request)
 
 
-class MigratingDecodeStream(httpx.SyncByteStream):
-    def __init__(self, response: httpx.Response, call: Call, migration: CallMigration, transport: PDTransport) -> None:
+class _Body:
+    """What the twins share besides I/O: where the tracked events go, and how the body ends."""
+
+    def __init__(self, response: httpx.Response, call: Call, migration: CallMigration) -> None:
         self._response = response
         self._call = call
         self._migration = migration
-        self._transport = transport
+        assert migration.tracker is not None
+        self._tracker = migration.tracker
+        self._assembler = (
+            Assembler(chat=self._tracker.chat, keep_ids=migration.caller_wants_ids) if migration.assembles else None
+        )
+        self._received = 0
+        self._first = True
         self._closed = False
         self._drained = False
+
+    def _pass_on(self, out: bytes) -> bytes:
+        """Events the tracker passed on: the caller's now (a stream), or the body's (assembled)."""
+        if not out:
+            return b""
+        self._migration.delivered(time.perf_counter())
+        if self._assembler is not None:
+            try:
+                self._assembler.feed(out)
+            except CannotAssemble as exc:
+                raise self._unassembled(exc) from None
+            return b""
+        if self._first:
+            self._first = False
+            self._call.first_byte()
+        return self._call.to_caller(out)
+
+    def _end(self) -> bytes:
+        """The body's last bytes, once the decode's events are over: the assembled body, and
+        what the usage merge still holds."""
+        self._drained = True
+        out = b""
+        if self._assembler is not None:
+            try:
+                body = self._assembler.body(self._migration.usage())
+            except CannotAssemble as exc:
+                raise self._unassembled(exc) from None
+            self._call.first_byte()
+            out = self._call.to_caller(body)
+        return out + self._call.caller_rest()
+
+    def _unassembled(self, error: CannotAssemble) -> Exception:
+        # The caller's 200 is on its way already: the body it cannot have is an error of its reading.
+        return self._call.broken_stream(httpx.DecodingError(str(error)), self._received)
+
+    def _broke(self, error: httpx.TransportError | httpx.DecodingError) -> None:
+        """The stream broke (its response is closed): the leg ends with the error, whatever comes next."""
+        self._migration.broke(time.perf_counter())
+        self._tracker.cut()
+        self._call.decode.end(self._call.decode.status, error)
+
+
+class MigratingDecodeStream(_Body, httpx.SyncByteStream):
+    def __init__(self, response: httpx.Response, call: Call, migration: CallMigration, transport: PDTransport) -> None:
+        super().__init__(response, call, migration)
+        self._transport = transport
 
     def __iter__(self) -> Iterator[bytes]:
         if self._drained:
             return
-        call, migration = self._call, self._migration
-        tracker = migration.tracker
-        assert tracker is not None
-        received = 0
-        first = True
+        tracker = self._tracker
         while True:
             chunks = iter(self._response.stream)  # type: ignore[arg-type]
             reads = 0  # of this response: a move starts a leg of its own
             try:
                 for chunk in chunks:
-                    received += len(chunk)
+                    self._received += len(chunk)
                     reads += 1
                     out = tracker.feed(chunk)
                     if tracker.done:
@@ -105,37 +169,34 @@ class MigratingDecodeStream(httpx.SyncByteStream):
                         for rest in _until_error(chunks):
                             out += rest
                         self._drained = True
-                        call.decode_streamed(reads)
-                    if out:
-                        if first:
-                            first = False
-                            call.first_byte()
-                        migration.delivered(time.perf_counter())
-                        out = call.to_caller(out)
-                    if out:
+                        self._call.decode_streamed(reads)
+                    if out := self._pass_on(out):
                         yield out
                     if self._drained:
                         break
                 else:
-                    rest = tracker.end()
-                    self._drained = True
-                    if rest := call.to_caller(rest):
+                    if rest := self._pass_on(tracker.end()):
                         yield rest
-                if held := call.caller_rest():
-                    yield held
-                return
             except _STREAM_ERRORS as exc:
-                self._response = self._move(exc, received)
+                response = self._move(exc)
+                if response is not None:
+                    self._response = response
+                    continue
+                if ending := self._pass_on(self._migration.ending()):
+                    yield ending
+            if rest := self._end():
+                yield rest
+            return
 
-    def _move(self, error: httpx.TransportError | httpx.DecodingError, received: int) -> httpx.Response:
-        """Open a continuation of the broken stream, or raise the openai error saying why not."""
-        call, migration = self._call, self._migration
-        assert migration.tracker is not None
-        migration.broke(time.perf_counter())
-        migration.tracker.cut()
+    def _move(self, error: httpx.TransportError | httpx.DecodingError) -> httpx.Response | None:
+        """Open a continuation of the broken stream (None: its answer had ended), or raise the
+        openai error saying why not."""
+        call, migration, received = self._call, self._migration, self._received
         with contextlib.suppress(Exception):
             self._response.close()
-        call.decode.end(call.decode.status, error)
+        self._broke(error)
+        if self._tracker.answered:
+            return None  # every choice had finished: nothing to continue, and nothing lost
         reason = migration.why_not(call)
         if reason is not None:
             raise call.broken_stream(error, received, reason) from error
@@ -215,67 +276,55 @@ class MigratingDecodeStream(httpx.SyncByteStream):
             self._call.decode_closed()
 
 
-class AsyncMigratingDecodeStream(httpx.AsyncByteStream):
+class AsyncMigratingDecodeStream(_Body, httpx.AsyncByteStream):
     def __init__(
         self, response: httpx.Response, call: Call, migration: CallMigration, transport: AsyncPDTransport
     ) -> None:
-        self._response = response
-        self._call = call
-        self._migration = migration
+        super().__init__(response, call, migration)
         self._transport = transport
-        self._closed = False
-        self._drained = False
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         if self._drained:
             return
-        call, migration = self._call, self._migration
-        tracker = migration.tracker
-        assert tracker is not None
-        received = 0
-        first = True
+        tracker = self._tracker
         while True:
             chunks = aiter(self._response.stream)  # type: ignore[arg-type]
             reads = 0  # of this response: a move starts a leg of its own
             try:
                 async for chunk in chunks:
-                    received += len(chunk)
+                    self._received += len(chunk)
                     reads += 1
                     out = tracker.feed(chunk)
                     if tracker.done:
                         async for rest in _until_error_async(chunks):
                             out += rest
                         self._drained = True
-                        call.decode_streamed(reads)
-                    if out:
-                        if first:
-                            first = False
-                            call.first_byte()
-                        migration.delivered(time.perf_counter())
-                        out = call.to_caller(out)
-                    if out:
+                        self._call.decode_streamed(reads)
+                    if out := self._pass_on(out):
                         yield out
                     if self._drained:
                         break
                 else:
-                    rest = tracker.end()
-                    self._drained = True
-                    if rest := call.to_caller(rest):
+                    if rest := self._pass_on(tracker.end()):
                         yield rest
-                if held := call.caller_rest():
-                    yield held
-                return
             except _STREAM_ERRORS as exc:
-                self._response = await self._move(exc, received)
+                response = await self._move(exc)
+                if response is not None:
+                    self._response = response
+                    continue
+                if ending := self._pass_on(self._migration.ending()):
+                    yield ending
+            if rest := self._end():
+                yield rest
+            return
 
-    async def _move(self, error: httpx.TransportError | httpx.DecodingError, received: int) -> httpx.Response:
-        call, migration = self._call, self._migration
-        assert migration.tracker is not None
-        migration.broke(time.perf_counter())
-        migration.tracker.cut()
+    async def _move(self, error: httpx.TransportError | httpx.DecodingError) -> httpx.Response | None:
+        call, migration, received = self._call, self._migration, self._received
         with contextlib.suppress(Exception):
             await self._response.aclose()
-        call.decode.end(call.decode.status, error)
+        self._broke(error)
+        if self._tracker.answered:
+            return None  # every choice had finished: nothing to continue, and nothing lost
         reason = migration.why_not(call)
         if reason is not None:
             raise call.broken_stream(error, received, reason) from error

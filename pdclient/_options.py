@@ -165,6 +165,11 @@ class PDOptions:
     max_decode_migrations: int = 1
     """How many times one streamed call may move to another decode endpoint after its stream
     broke, continuing the answer token for token (pdclient/_migrate.py); 0 turns it off."""
+    migrate_non_streamed: bool = False
+    """Whether non-streamed calls may move too: their decode leg then streams and pdclient
+    assembles the JSON body vLLM would have answered. Off by default: the decode server's API
+    process spends ~1.4x the CPU on a streamed answer, the client ~30 us more per token; off,
+    a non-streamed call whose decode dies is repeated whole by the openai SDK's max_retries."""
     remote_prefill: str = "auto"
     """Whether a chat or completions call gets a remote prefill: ``"auto"`` (the default): a
     chat call that extends a conversation the client remembers goes decode-only to the
@@ -202,6 +207,7 @@ class PDOptions:
         set_(self, "observers", tuple(self.observers))
         _check_fleet_options(self)
         check_migrations(self.max_decode_migrations, "max_decode_migrations")
+        _check_type("migrate_non_streamed", self.migrate_non_streamed, bool)
         check_remote_prefill(self.remote_prefill, "remote_prefill")
         _check_type("conversations", self.conversations, ConversationSettings)
 
@@ -260,6 +266,34 @@ _CALL_OPTION_TYPES: Mapping[str, tuple[type, ...]] = {
     "max_decode_migrations": (int,),
     "remote_prefill": (str,),
 }
+
+
+def call_override_refusal(call: CallOptions, client: PDOptions) -> str | None:
+    """Why a call's own options may not apply under ``client``, or None.
+
+    With ``allow_call_overrides`` off a call may only be more conservative than the
+    client: fewer decode migrations; ``on_prefill_failure`` ``"fail"``, or the client's own
+    (a fallback URL is ``allow_call_fallback_url``'s to allow); ``remote_prefill``
+    ``"always"`` (the plain P/D handoff: no memory, no decode-only guess), or the client's
+    own. ``forward_ids`` and ``session`` always pass: without ids the decode server
+    tokenizes the prompt itself as any plain vLLM call does, and a session only groups the
+    caller's own calls (conversation keys are kept per tenant).
+    """
+    if client.allow_call_overrides:
+        return None
+    why = "allow_call_overrides is off: a call may only be more conservative than the client's options"
+    migrations = call.max_decode_migrations
+    if migrations is not None and migrations > client.max_decode_migrations:
+        limit = client.max_decode_migrations
+        return f"{CALL_OPTIONS_KEY}.max_decode_migrations may be at most {limit} here, not {migrations} ({why})"
+    policy = call.on_prefill_failure
+    if policy == "decode" and client.on_prefill_failure != "decode":
+        return f'{CALL_OPTIONS_KEY}.on_prefill_failure may be "fail" here, not "decode" ({why})'
+    mode = call.remote_prefill
+    if mode is not None and mode not in ("always", client.remote_prefill):
+        allowed = " or ".join(dict.fromkeys(("always", client.remote_prefill)))
+        return f"{CALL_OPTIONS_KEY}.remote_prefill may be {allowed} here, not {mode} ({why})"
+    return None
 
 
 def parse_call_options(value: object) -> CallOptions:

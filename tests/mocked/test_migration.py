@@ -322,11 +322,172 @@ async def test_refused_when_the_continuation_fails(mode: str, pool: FakeVLLM) ->
     await t.close()
 
 
-async def test_non_streamed_calls_are_not_migrated(mode: str, pool: FakeVLLM) -> None:
+# -- a stream cut after its answer ended ----------------------------------------------------------
+
+FINISHED = 1 + len(WORDS) + 1  # the role chunk, one chunk per word, the finish chunk
+
+
+async def test_a_stream_cut_after_its_finish_chunk_ends_as_the_server_ended_it(mode: str, pool: FakeVLLM) -> None:
+    pool.cuts = [FINISHED]
+    t, legs = twin(mode)
+    received = await chunks(t, stream_options={"include_usage": True})
+    assert text_of(received) == ANSWER
+    assert [c.choices[0].finish_reason for c in received if c.choices and c.choices[0].finish_reason] == ["stop"]
+    usage = received[-1].usage  # made of the ids pdclient holds: the words and the end-of-sequence token
+    assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (len(PROMPT_IDS), len(WORDS) + 1)
+    assert {c.id for c in received} == {"chatcmpl-d"} and caller_saw_no_ids(received)
+    assert len(pool.decode_bodies) == 1
+    (trace,) = legs.traces
+    assert trace.error is None and trace.migrations == () and trace.fallback is None
+    assert legs.events[-2:] == ["decode 1 decode", "decode 1 200 RemoteProtocolError"]
+    await t.close()
+
+
+async def test_the_raw_stream_cut_after_its_finish_gets_usage_then_done(mode: str, pool: FakeVLLM) -> None:
+    """As ``pdclient serve`` relays it: the usage event the caller asked for, then ``[DONE]``, once each."""
+    pool.cuts = [FINISHED]
     t, _ = twin(mode)
-    result = await t.chat(messages=MESSAGES)
-    assert result.choices[0].message.content == ANSWER
-    assert "return_token_ids" not in pool.decode_bodies[0]
+    create = t.client.chat.completions.with_streaming_response.create
+    body = {"model": "m", "messages": MESSAGES, "stream": True, "stream_options": {"include_usage": True}}
+    if mode == "sync":
+        with create(**body) as response:
+            raw = b"".join(response.iter_bytes())
+    else:
+        async with create(**body) as response:
+            raw = b"".join([part async for part in response.iter_bytes()])
+    events = [e for e in raw.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]" and raw.count(b"[DONE]") == 1 and raw.count(b'"usage"') == 1
+    usage = json.loads(events[-2][6:])
+    assert usage["choices"] == [] and usage["id"] == "chatcmpl-d" and usage["object"] == "chat.completion.chunk"
+    assert usage["usage"]["completion_tokens"] == len(WORDS) + 1
+    await t.close()
+
+
+# -- non-streamed calls ----------------------------------------------------------------------------
+
+
+def cut_json_or_stream(pool: FakeVLLM) -> Any:
+    """A decode that dies mid-answer whether streamed or not: a non-streamed body is cut halfway."""
+    from tests.fake_vllm import CutStream
+
+    def respond(request: httpx.Request) -> httpx.Response:
+        if json.loads(request.content).get("stream"):
+            return pool.respond(request)
+        whole = pool.respond(request).content
+        return httpx.Response(
+            200, stream=CutStream([whole[: len(whole) // 2]]), headers={"content-type": "application/json"}
+        )
+
+    return respond
+
+
+@pytest.mark.parametrize("kind", ["chat", "completions"])
+async def test_a_non_streamed_call_whose_decode_dies_mid_answer_moves(mode: str, pool: FakeVLLM, kind: str) -> None:
+    pool.router.routes["decode"].mock(side_effect=cut_json_or_stream(pool))
+    pool.router.routes["decode_completions"].mock(side_effect=cut_json_or_stream(pool))
+    pool.cuts = [4]
+    t, legs = twin(mode, migrate_non_streamed=True)
+    if kind == "chat":
+        answer = await t.chat(messages=MESSAGES, max_tokens=20)
+        assert answer.choices[0].message.content == ANSWER and answer.object == "chat.completion"
+    else:
+        answer = await t.call(t.client.completions.create, model="m", prompt="Once upon a time", max_tokens=20)
+        assert answer.choices[0].text == ANSWER and answer.object == "text_completion"
+    assert answer.choices[0].finish_reason == "stop" and answer.id in ("chatcmpl-d", "cmpl-d")
+    assert answer.usage.completion_tokens == len(WORDS)
+    first, continuation = pool.decode_bodies
+    for body in (first, continuation):
+        assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+        assert body["return_token_ids"] is True
+    kept = 3 if kind == "chat" else 4  # completions send no role chunk
+    assert continuation["max_tokens"] == 20 - kept
+    (trace,) = legs.traces
+    assert trace.outcome.value == "disaggregated" and trace.error is None
+    assert [m.after_tokens for m in trace.migrations] == [kept]
+    await t.close()
+
+
+async def test_a_non_streamed_answer_is_the_json_vllm_writes(mode: str, pool: FakeVLLM) -> None:
+    t, legs = twin(mode, migrate_non_streamed=True)
+    raw = await t.call(t.client.chat.completions.with_raw_response.create, model="m", messages=MESSAGES)
+    body = raw.http_response.json()
+    assert raw.http_response.headers["content-type"] == "application/json"
+    (choice,) = body["choices"]
+    assert choice["message"]["content"] == ANSWER and choice["message"]["role"] == "assistant"
+    assert choice["finish_reason"] == "stop" and choice["token_ids"] is None and body["prompt_token_ids"] is None
+    assert body["usage"] == {
+        "prompt_tokens": len(PROMPT_IDS),
+        "total_tokens": len(PROMPT_IDS) + len(WORDS),
+        "completion_tokens": len(WORDS),
+        "prompt_tokens_details": None,
+        "completion_tokens_details": None,
+    }
+    assert raw.parse().choices[0].message.content == ANSWER
+    assert legs.traces[0].decode_first_byte_ms is not None
+    await t.close()
+
+
+@pytest.mark.parametrize(
+    ("options", "request_fields", "reason"),
+    [
+        ({}, {}, "not streamed (migrate_non_streamed is off)"),
+        ({"migrate_non_streamed": True}, {"n": 2}, "n > 1"),
+        (
+            {"migrate_non_streamed": True},
+            {"extra_body": {"pdclient": {"max_decode_migrations": 0}}},
+            "max_decode_migrations is 0",
+        ),
+        (
+            {"migrate_non_streamed": True},
+            {"stream_options": {"include_usage": True}},
+            "stream_options on a non-streamed call",
+        ),
+    ],
+    ids=["off by default", "n > 1", "max_decode_migrations 0", "stream_options"],
+)
+async def test_a_non_streamed_call_that_cannot_move_goes_as_before(
+    mode: str, pool: FakeVLLM, options: dict[str, Any], request_fields: dict[str, Any], reason: str
+) -> None:
+    t, legs = twin(mode, **options)
+    answer = await t.chat(messages=MESSAGES, **request_fields)
+    assert answer.choices[0].message.content == ANSWER
+    (body,) = pool.decode_bodies
+    assert "return_token_ids" not in body and body.get("stream") is None
+    assert body.get("stream_options") == request_fields.get("stream_options")
+
+    for route in ("decode", "decode2"):
+        pool.router.routes[route].mock(side_effect=cut_json_or_stream(pool))
+    with pytest.raises(openai.APIConnectionError):
+        await t.chat(messages=MESSAGES, **request_fields)
+    assert f"not migrated: {reason}" in (legs.traces[-1].error or "")
+    await t.close()
+
+
+def test_migrate_non_streamed_is_a_validated_switch() -> None:
+    assert PDOptions(prefill_base_url=PREFILL, decode_base_url=DECODE).migrate_non_streamed is False
+    with pytest.raises(PDConfigError, match="migrate_non_streamed must be a bool"):
+        PDOptions(prefill_base_url=PREFILL, decode_base_url=DECODE, migrate_non_streamed="yes")  # type: ignore[arg-type]
+    t = Twin("sync", decode_base_url=[DECODE, DECODE2], migrate_non_streamed=True)
+    assert t.client.pd_options.migrate_non_streamed is True
+    assert t.client.with_options(migrate_non_streamed=False).pd_options.migrate_non_streamed is False
+
+
+async def test_an_error_in_a_non_streamed_calls_events_is_an_error(mode: str, pool: FakeVLLM) -> None:
+    def failing(request: httpx.Request) -> httpx.Response:
+        pool.decode_bodies.append(json.loads(request.content))
+        role = {"id": "chatcmpl-e", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+        events = [role, {"error": {"message": "engine dead", "type": "InternalServerError", "code": 500}}]
+        content = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+        return httpx.Response(200, content=content, headers={"content-type": "text/event-stream"})
+
+    pool.router.routes["decode"].mock(side_effect=failing)
+    t, legs = twin(mode, migrate_non_streamed=True)
+    with pytest.raises(openai.APIConnectionError):
+        await t.chat(messages=MESSAGES)
+    (trace,) = legs.traces
+    assert trace.outcome.value == "failed" and "the decode reported an error in its stream: engine dead" in (
+        trace.error or ""
+    )
     await t.close()
 
 

@@ -231,3 +231,137 @@ async def test_many_calls_each_cut_once_all_arrive_whole() -> None:
     assert len(continuations) == 300
     assert all(r.ids_match for r in continuations), "a continuation received another call's prompt"
     assert in_flight == [0, 0, 0, 0]
+
+
+# -- a stream cut after its answer ended -----------------------------------------------------
+
+ROLE, FINISH = 1, 1  # the events around the words: the role chunk first, the finish chunk last
+
+
+def finishes(chunks: list[Any]) -> list[str]:
+    return [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+
+
+@pytest.mark.parametrize(
+    ("max_tokens", "cut_after", "finish", "completion_tokens"),
+    [
+        # Before the usage event and [DONE]: pdclient counts the ids it holds, as vLLM does (the
+        # twelve words and the end-of-sequence token, whose id came with the finish chunk).
+        (40, ROLE + len(WORDS) + FINISH, "stop", len(WORDS) + 1),
+        (5, ROLE + 5 + FINISH, "length", 5),  # a budget spent: nothing left to continue with
+        (40, ROLE + len(WORDS) + FINISH + 1, "stop", len(WORDS)),  # after the stub's own usage event
+    ],
+    ids=["stop, before its usage", "length, before its usage", "stop, before [DONE]"],
+)
+async def test_a_stream_cut_after_its_finish_is_ended_not_moved(
+    mode: str, pool: tuple[StubServer, ...], max_tokens: int, cut_after: int, finish: str, completion_tokens: int
+) -> None:
+    prefill, d1, d2, _ = pool
+    for server in (d1, d2):
+        server.fault_hook = first_decodes(Fault(drop_after_events=cut_after, reset=True))
+    traces: list[PDTrace] = []
+    twin = Twin(
+        mode, prefill_base_url=prefill.url, decode_base_url=[d1.url, d2.url], retries=FAST, on_trace=traces.append
+    )
+    chunks = await stream_chunks(twin, max_tokens=max_tokens, stream_options={"include_usage": True})
+    await twin.close()
+
+    assert text(chunks) == "".join(WORDS[:max_tokens]), "the answer once, nothing after its end"
+    assert finishes(chunks) == [finish]
+    (usage,) = [c.usage for c in chunks if c.usage is not None]
+    assert usage.prompt_tokens == prefill.prompt_tokens and usage.completion_tokens == completion_tokens
+    assert len(decodes(d1, d2)) == 1, "no continuation was asked for"
+    (trace,) = traces
+    assert trace.outcome.value == "disaggregated" and trace.error is None and trace.migrations == ()
+
+
+# -- non-streamed calls ---------------------------------------------------------------------------
+
+VLLM_CHAT_FIELDS = [
+    "id",
+    "object",
+    "created",
+    "model",
+    "choices",
+    "service_tier",
+    "system_fingerprint",
+    "usage",
+    "prompt_logprobs",
+    "prompt_token_ids",
+    "prompt_text",
+    "kv_transfer_params",
+    "ec_transfer_params",
+    "metrics",
+]
+
+
+async def raw_chat(twin: Twin, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
+    """A non-streamed call's parsed answer and the JSON body it was parsed from."""
+    raw = await twin.call(twin.client.chat.completions.with_raw_response.create, model="m", messages=MESSAGES, **kwargs)
+    return raw.parse(), raw.http_response.json()
+
+
+@pytest.mark.parametrize("cut_after", [2, 7], ids=["after 1 token", "after 6 tokens"])
+async def test_a_non_streamed_call_moves_and_gets_one_json_body(
+    mode: str, pool: tuple[StubServer, ...], cut_after: int
+) -> None:
+    prefill, d1, d2, _ = pool
+    for server in (d1, d2):
+        server.fault_hook = first_decodes(Fault(drop_after_events=cut_after, reset=True))
+    traces: list[PDTrace] = []
+    twin = Twin(
+        mode,
+        prefill_base_url=prefill.url,
+        decode_base_url=[d1.url, d2.url],
+        retries=FAST,
+        on_trace=traces.append,
+        migrate_non_streamed=True,
+    )
+    answer, body = await raw_chat(twin, max_tokens=40)
+    await twin.close()
+
+    kept = cut_after - ROLE
+    assert answer.choices[0].message.content == ANSWER and answer.choices[0].finish_reason == "stop"
+    assert answer.usage.prompt_tokens == prefill.prompt_tokens and answer.usage.completion_tokens == len(WORDS)
+    assert list(body) == VLLM_CHAT_FIELDS and body["prompt_token_ids"] is None
+    assert body["choices"][0]["token_ids"] is None and body["id"] == "chatcmpl-d"
+    first, continuation = decodes(d1, d2)
+    for leg in (first, continuation):
+        assert leg.body["stream"] is True and leg.body["stream_options"] == {"include_usage": True}
+        assert leg.body["return_token_ids"] is True
+    assert continuation.body["max_tokens"] == 40 - kept and continuation.ids_match is True
+    (trace,) = traces
+    (moved,) = trace.migrations
+    assert trace.outcome.value == "disaggregated" and trace.error is None and moved.after_tokens == kept
+
+
+async def test_a_non_streamed_completions_call_moves(mode: str, pool: tuple[StubServer, ...]) -> None:
+    prefill, d1, d2, _ = pool
+    for server in (d1, d2):
+        server.fault_hook = first_decodes(Fault(drop_after_events=3))
+    twin = Twin(
+        mode, prefill_base_url=prefill.url, decode_base_url=[d1.url, d2.url], retries=FAST, migrate_non_streamed=True
+    )
+    answer = await twin.call(twin.client.completions.create, model="m", prompt="Count:", max_tokens=30)
+    await twin.close()
+    assert answer.choices[0].text == ANSWER and answer.usage.completion_tokens == len(WORDS)
+    _, continuation = decodes(d1, d2)
+    assert continuation.body["prompt"][-3:] == [ANSWER_ID, ANSWER_ID + 1, ANSWER_ID + 2]
+
+
+async def test_a_non_streamed_call_cut_after_its_finish_keeps_its_answer(
+    mode: str, pool: tuple[StubServer, ...]
+) -> None:
+    prefill, d1, d2, _ = pool
+    for server in (d1, d2):
+        server.fault_hook = first_decodes(Fault(drop_after_events=ROLE + 5 + FINISH))
+    twin = Twin(
+        mode, prefill_base_url=prefill.url, decode_base_url=[d1.url, d2.url], retries=FAST, migrate_non_streamed=True
+    )
+    answer, body = await raw_chat(twin, max_tokens=5, extra_body={"return_token_ids": True})
+    await twin.close()
+    assert answer.choices[0].message.content == "".join(WORDS[:5]) and answer.choices[0].finish_reason == "length"
+    assert body["choices"][0]["token_ids"] == [ANSWER_ID + i for i in range(5)]
+    assert body["prompt_token_ids"] == prefill.prompt_ids({"messages": MESSAGES})
+    assert answer.usage.prompt_tokens == prefill.prompt_tokens and answer.usage.completion_tokens == 5
+    assert len(decodes(d1, d2)) == 1

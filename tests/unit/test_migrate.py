@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pdclient._migrate import Tracker
+import pytest
+
+from pdclient._migrate import Assembler, CannotAssemble, Tracker
 
 
 def event(choice: dict[str, Any] | None = None, **top: Any) -> bytes:
@@ -119,3 +121,152 @@ def test_a_spliced_continuation_reads_as_the_same_stream() -> None:
     assert all((e["id"], e["created"], e["model"]) == ("chatcmpl-a", 7, "m") for e in events)
     assert events[-1]["usage"] == {"prompt_tokens": 30, "completion_tokens": 3, "total_tokens": 33}
     assert tracker.ids == [1, 2, 3]
+
+
+# -- an ended answer ---------------------------------------------------------------------------
+
+
+def test_an_answer_has_ended_once_every_choice_sent_its_finish_reason() -> None:
+    tracker = Tracker(chat=True, keep_ids=False, want_prompt_ids=False)
+    tracker.feed(event({"delta": {"role": "assistant", "content": ""}}) + content("A", [1]))
+    assert not tracker.answered and tracker.finished == {}
+    tracker.feed(event({"delta": {}, "finish_reason": "length", "token_ids": []}))
+    assert tracker.answered and tracker.finished == {0: "length"} and not tracker.usage_sent
+    tracker.feed(event(usage={"prompt_tokens": 3, "total_tokens": 4, "completion_tokens": 1}))
+    assert tracker.usage_sent and not tracker.done
+
+    several = Tracker(chat=False, keep_ids=False, want_prompt_ids=False, choices=2)
+    first = b'data: {"id":"c","choices":[{"index":1,"text":"x","finish_reason":"stop","token_ids":[5]}]}\n\n'
+    several.feed(first)
+    assert several.finished == {1: "stop"} and not several.answered, "the other choice is still going"
+    several.feed(first.replace(b'"index":1', b'"index":0'))
+    assert several.answered
+
+
+# -- a non-streamed call's body ------------------------------------------------------------------
+
+
+def assembled(data: bytes, *, chat: bool = True, keep_ids: bool = False, **kwargs: Any) -> dict[str, Any]:
+    assembler = Assembler(chat=chat, keep_ids=keep_ids)
+    for i in range(0, len(data), 7):  # in reads that cut events anywhere
+        assembler.feed(data[i : i + 7])
+    return json.loads(assembler.body(**kwargs))
+
+
+def test_a_chat_answer_is_assembled_as_vllm_writes_it_non_streamed() -> None:
+    def entry(token: str) -> dict[str, Any]:
+        return {"token": token, "logprob": -0.5, "bytes": list(token.encode()), "top_logprobs": []}
+
+    role = event({"delta": {"role": "assistant", "content": ""}})
+    first = event({"delta": {"content": "Hi"}, "logprobs": {"content": [entry("Hi")]}})
+    second = event({"delta": {"content": " there"}, "logprobs": {"content": [entry(" there")]}})
+    finish = event({"delta": {}, "logprobs": {"content": []}, "finish_reason": "stop", "stop_reason": None})
+    usage = event(usage={"prompt_tokens": 5, "total_tokens": 8, "completion_tokens": 3}, system_fingerprint="fp")
+    body = assembled(role + first + second + finish + usage + b"data: [DONE]\n\n")
+    message = {
+        "role": "assistant",
+        "content": "Hi there",
+        "refusal": None,
+        "annotations": None,
+        "audio": None,
+        "function_call": None,
+        "reasoning": None,
+    }
+    assert body == {
+        "id": "chatcmpl-a",
+        "object": "chat.completion",
+        "created": 7,
+        "model": "m",
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "logprobs": {"content": [entry("Hi"), entry(" there")]},
+                "finish_reason": "stop",
+                "stop_reason": None,
+                "token_ids": None,
+                "routed_experts": None,
+            }
+        ],
+        "service_tier": None,
+        "system_fingerprint": "fp",
+        "usage": {
+            "prompt_tokens": 5,
+            "total_tokens": 8,
+            "completion_tokens": 3,
+            "prompt_tokens_details": None,
+            "completion_tokens_details": None,
+        },
+        "prompt_logprobs": None,
+        "prompt_token_ids": None,
+        "prompt_text": None,
+        "kv_transfer_params": None,
+        "ec_transfer_params": None,
+        "metrics": None,
+    }
+
+
+def test_the_callers_own_ids_are_assembled_and_usage_stands_in_when_none_came() -> None:
+    role = event({"delta": {"role": "assistant", "content": ""}, "token_ids": []}, prompt_token_ids=[1, 2])
+    data = role + content("A", [10]) + event({"delta": {}, "finish_reason": "length", "token_ids": [11]})
+    fallback = {"prompt_tokens": 2, "total_tokens": 4, "completion_tokens": 2}
+    body = assembled(data, keep_ids=True, usage=fallback)
+    (choice,) = body["choices"]
+    assert body["prompt_token_ids"] == [1, 2] and choice["token_ids"] == [10, 11]
+    assert choice["finish_reason"] == "length" and choice["logprobs"] is None
+    assert body["usage"] == {**fallback, "prompt_tokens_details": None, "completion_tokens_details": None}
+
+
+def test_a_completions_answer_is_assembled() -> None:
+    def piece(text: str, **extra: Any) -> bytes:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": None, **extra}
+        body = {"id": "cmpl-a", "object": "text_completion", "created": 7, "model": "m", "choices": [choice]}
+        return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+    data = piece("Once", prompt_token_ids=[4, 5], token_ids=[9]) + piece(" upon", token_ids=[10])
+    data += piece("", finish_reason="stop", stop_reason=None, token_ids=[2])
+    body = assembled(data, chat=False)
+    assert body["object"] == "text_completion" and "prompt_token_ids" not in body
+    assert body["choices"] == [
+        {
+            "index": 0,
+            "text": "Once upon",
+            "logprobs": None,
+            "finish_reason": "stop",
+            "stop_reason": None,
+            "token_ids": None,
+            "prompt_logprobs": None,
+            "prompt_token_ids": None,
+            "routed_experts": None,
+        }
+    ]
+    kept = assembled(data, chat=False, keep_ids=True)["choices"][0]
+    assert kept["prompt_token_ids"] == [4, 5] and kept["token_ids"] == [9, 10, 2]
+
+
+def test_reasoning_and_tool_calls_are_assembled_as_the_sdk_merges_them() -> None:
+    call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a"'}}
+    data = event({"delta": {"role": "assistant", "content": ""}}) + event({"delta": {"reasoning": "Hmm."}})
+    data += event({"delta": {"tool_calls": [call]}})
+    data += event({"delta": {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}})
+    data += event({"delta": {}, "finish_reason": "tool_calls"})
+    message = assembled(data)["choices"][0]["message"]
+    assert message["content"] is None and message["reasoning"] == "Hmm."
+    assert message["tool_calls"] == [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    ]
+
+
+def test_what_cannot_be_assembled_says_why() -> None:
+    role = event({"delta": {"role": "assistant", "content": ""}})
+    cases = [
+        (role + b'data: {"error": {"message": "engine dead", "code": 500}}\n\n', "reported an error.*engine dead"),
+        (b"data: not json\n\n", "not JSON"),
+        (b"data: [1, 2]\n\n", "not a JSON object"),
+        (b"", "ended before its first event"),
+        (event(usage={"prompt_tokens": 1}), "carried no choice"),
+        (event({"index": "0", "delta": {"content": "x"}}), "index is '0'"),
+    ]
+    for data, reason in cases:
+        with pytest.raises(CannotAssemble, match=reason):
+            assembled(data)
