@@ -34,6 +34,7 @@ install-openai2:
 lint:
 	$(VENV)/bin/ruff check pdclient tests benchmarks examples server_patch tools
 	$(VENV)/bin/ruff format --check pdclient tests benchmarks examples server_patch tools
+	$(VENV)/bin/lint-imports
 
 typecheck: install
 	$(VENV)/bin/mypy --strict pdclient

@@ -43,8 +43,8 @@ from typing import Any
 
 import httpx
 
-from pdclient._wire import Kind, decode_body, plan_call, prefill_body, read_prefill
 from pdclient.cli.bench import _WORDS, bootstrap_ci, quantile
+from pdclient.wire import Kind, decode_body, plan_call, prefill_body, read_prefill
 
 ARMS = ("decode-only", "pd")
 

@@ -136,7 +136,7 @@ def one_round(round_: int, arm: str, pd: LocalPD, d2: ExtraDecode, args: argpars
 
 def chunk_cost(events: int = 200_000) -> None:
     """Client CPU per SSE event: a call that may move (tracked) against one that may not."""
-    from pdclient._migrate import Tracker
+    from pdclient.migration import Tracker
 
     event = (
         b'data: {"id":"chatcmpl-8c1d2e3f4a5b6c7d","object":"chat.completion.chunk","created":1764560000,'

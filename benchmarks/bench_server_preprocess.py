@@ -133,7 +133,7 @@ def guard_cost(body: bytes, plain: bytes, repeats: int) -> dict[str, float]:
     from pdclient_server_patch import _guard
     from pdclient_server_patch._signing import SIGNATURE_HEADER
 
-    spec = importlib.util.spec_from_file_location("client_signing", REPO / "pdclient" / "_signing.py")
+    spec = importlib.util.spec_from_file_location("client_signing", REPO / "pdclient" / "wire" / "_signing.py")
     assert spec is not None and spec.loader is not None
     client = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(client)

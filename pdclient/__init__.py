@@ -7,19 +7,15 @@ code: docs/ARCHITECTURE.md.
 """
 
 from ._client import AsyncPDChatClient, PDChatClient
-from ._conversations import ConversationSettings
-from ._discovery import DiscoverySettings
-from ._endpoints import BreakerSettings
 from ._errors import PDConfigError, PDError, PDSetupError
-from ._health import HealthSettings
-from ._load import LoadAware, ScrapeSettings
 from ._observe import CallView, LegView, PDObserver
 from ._options import PDOptions
-from ._prefix_index import CacheAware
-from ._retry import RetrySettings
-from ._routing import RouteDecision, RouteRequest, RoutingPolicy
 from ._trace import Outcome, PDTrace
-from ._transport import AsyncPDTransport, PDTransport
+from .conversations import ConversationSettings
+from .fleet import DiscoverySettings, HealthSettings, ScrapeSettings
+from .pools import BreakerSettings, RetrySettings
+from .routing import CacheAware, LoadAware, RouteDecision, RouteRequest, RoutingPolicy
+from .transport import AsyncPDTransport, PDTransport
 
 __version__ = "0.2.0"
 

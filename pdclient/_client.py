@@ -2,7 +2,7 @@
 
 The clients are thin: they make the ``PDOptions``, build an httpx client around a
 ``PDTransport`` and hand everything else to ``openai.OpenAI`` unchanged. The handoff
-lives in the transport and the call state (``_transport``, ``_call``).
+lives in the transport and the call state (``transport._transport``, ``handoff._call``).
 """
 
 from __future__ import annotations
@@ -16,19 +16,14 @@ import httpx
 import openai
 from typing_extensions import Self
 
-from ._conversations import ConversationSettings
-from ._discovery import DiscoverySettings
-from ._endpoints import BreakerSettings, URLArg
 from ._errors import PDConfigError
-from ._fleet import Fleet
-from ._health import HealthSettings
-from ._leg_client import LEG_LIMITS
-from ._load import ScrapeSettings
 from ._observe import PDObserver
 from ._options import PDOptions
-from ._retry import RetrySettings
-from ._routing import RoutingPolicy
-from ._transport import AsyncPDTransport, PDTransport
+from .conversations import ConversationSettings
+from .fleet import DiscoverySettings, Fleet, HealthSettings, ScrapeSettings
+from .pools import BreakerSettings, RetrySettings, URLArg
+from .routing import RoutingPolicy
+from .transport import LEG_LIMITS, AsyncPDTransport, PDTransport
 
 if TYPE_CHECKING:
     from ._trace import PDTrace

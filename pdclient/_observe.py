@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import httpx
 
 if TYPE_CHECKING:
-    from ._routing import RouteDecision
     from ._trace import PDTrace
+    from .routing import RouteDecision
 
 logger = logging.getLogger("pdclient")
 

@@ -13,36 +13,27 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ._conversations import REMOTE_PREFILL_MODES, ConversationSettings
-from ._discovery import DiscoverySettings
-from ._endpoints import DECODE_ENV, PREFILL_ENV, BreakerSettings, URLArg, normalise_url, resolve_urls
 from ._errors import PDConfigError
-from ._health import HealthSettings
-from ._load import ScrapeSettings
 from ._observe import PDObserver
-from ._retry import RetrySettings
-from ._routing import POLICIES, RoutingPolicy, legs_of, wants_load_signals
-from ._signing import SECRET_ENV
+from .conversations import ConversationSettings
+from .fleet import DiscoverySettings, HealthSettings, ScrapeSettings
+from .pools import DECODE_ENV, PREFILL_ENV, BreakerSettings, RetrySettings, URLArg, resolve_urls
+from .routing import POLICIES, RoutingPolicy, legs_of, wants_load_signals
+from .wire import (
+    CALL_OPTIONS_KEY,
+    SECRET_ENV,
+    CallOptions,
+    check_failure_policy,
+    check_migrations,
+    check_remote_prefill,
+)
 
 if TYPE_CHECKING:
     from ._trace import PDTrace
-
-PREFILL_FAILURE_POLICIES = ("decode", "fail")
-"""Besides these, ``on_prefill_failure`` may be the base URL of a fallback server."""
-
-CALL_OPTIONS_KEY = "pdclient"
-
-
-def check_failure_policy(value: object, source: str) -> str:
-    if value in PREFILL_FAILURE_POLICIES:
-        return str(value)
-    if isinstance(value, str) and value.startswith(("http://", "https://")):
-        return normalise_url(value, source)
-    raise PDConfigError(f"{source} must be one of {PREFILL_FAILURE_POLICIES} or a fallback base URL, got {value!r}")
 
 
 def _check_routing(value: object, name: str = "routing") -> str | RoutingPolicy:
@@ -92,18 +83,6 @@ def _check_fleet_options(options: PDOptions) -> None:
                 )
     set_(options, "health_checks", _check_settings("health_checks", options.health_checks, HealthSettings))
     set_(options, "discovery", _check_settings("discovery", options.discovery, DiscoverySettings))
-
-
-def check_migrations(value: object, source: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise PDConfigError(f"{source} must be an int >= 0 (0 turns decode migration off), got {value!r}")
-    return value
-
-
-def check_remote_prefill(value: object, source: str) -> str:
-    if value in REMOTE_PREFILL_MODES:
-        return str(value)
-    raise PDConfigError(f"{source} must be one of {', '.join(REMOTE_PREFILL_MODES)}, got {value!r}")
 
 
 def _check_type(name: str, value: object, expected: type) -> None:
@@ -164,7 +143,7 @@ class PDOptions:
     background (``DiscoverySettings``; True: the defaults). Off by default."""
     max_decode_migrations: int = 1
     """How many times one streamed call may move to another decode endpoint after its stream
-    broke, continuing the answer token for token (pdclient/_migrate.py); 0 turns it off."""
+    broke, continuing the answer token for token (pdclient/migration/_core.py); 0 turns it off."""
     migrate_non_streamed: bool = False
     """Whether non-streamed calls may move too: their decode leg then streams and pdclient
     assembles the JSON body vLLM would have answered. Off by default: the decode server's API
@@ -244,30 +223,6 @@ class PDOptions:
         return tuple(f.name for f in dataclasses.fields(cls))
 
 
-@dataclass(frozen=True)
-class CallOptions:
-    """Per-call options from ``extra_body={"pdclient": {...}}``; None means "the client's"."""
-
-    on_prefill_failure: str | None = None
-    session: str | None = None
-    """An explicit affinity key (a user or conversation id) instead of the conversation's opening."""
-    forward_ids: bool = True
-    """False sends the decode leg no ids (it renders and tokenizes the prompt itself): for A/B checks."""
-    max_decode_migrations: int | None = None
-    """This call's bound on decode migrations (``PDOptions.max_decode_migrations``)."""
-    remote_prefill: str | None = None
-    """``always``, ``never`` or ``auto`` for this call (``PDOptions.remote_prefill``)."""
-
-
-_CALL_OPTION_TYPES: Mapping[str, tuple[type, ...]] = {
-    "on_prefill_failure": (str,),
-    "session": (str, int),
-    "forward_ids": (bool,),
-    "max_decode_migrations": (int,),
-    "remote_prefill": (str,),
-}
-
-
 def call_override_refusal(call: CallOptions, client: PDOptions) -> str | None:
     """Why a call's own options may not apply under ``client``, or None.
 
@@ -294,32 +249,3 @@ def call_override_refusal(call: CallOptions, client: PDOptions) -> str | None:
         allowed = " or ".join(dict.fromkeys(("always", client.remote_prefill)))
         return f"{CALL_OPTIONS_KEY}.remote_prefill may be {allowed} here, not {mode} ({why})"
     return None
-
-
-def parse_call_options(value: object) -> CallOptions:
-    """The per-call options object, checked; ``PDConfigError`` names what is wrong."""
-    if value is None:
-        return CallOptions()
-    if not isinstance(value, dict):
-        raise PDConfigError(f"{CALL_OPTIONS_KEY} must be an object of per-call options, got {type(value).__name__}")
-    for name, item in value.items():
-        types = _CALL_OPTION_TYPES.get(name)
-        if types is None:
-            raise PDConfigError(
-                f"{CALL_OPTIONS_KEY}.{name} is not a per-call option; known: {', '.join(sorted(_CALL_OPTION_TYPES))}"
-            )
-        if not isinstance(item, types) or (bool not in types and isinstance(item, bool)):
-            names = " or ".join(t.__name__ for t in types)
-            raise PDConfigError(f"{CALL_OPTIONS_KEY}.{name} must be a {names}, got {item!r}")
-    options = dict(value)
-    if "on_prefill_failure" in options:
-        options["on_prefill_failure"] = check_failure_policy(
-            options["on_prefill_failure"], f"{CALL_OPTIONS_KEY}.on_prefill_failure"
-        )
-    if "session" in options:
-        options["session"] = str(options["session"])
-    if "max_decode_migrations" in options:
-        check_migrations(options["max_decode_migrations"], f"{CALL_OPTIONS_KEY}.max_decode_migrations")
-    if "remote_prefill" in options:
-        check_remote_prefill(options["remote_prefill"], f"{CALL_OPTIONS_KEY}.remote_prefill")
-    return CallOptions(**options)

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from ._endpoints import redact_url
+from .wire import redact_url
 
 HEADER_PREFIX = "x-pd-"
 
@@ -106,18 +106,18 @@ class PDTrace(BaseModel):
     remote_prefill_reason: str | None = None
     """Why, machine-readable: ``mode_always``, ``mode_never``, ``no_estimate`` (not a chat
     call), ``uncached_at_or_above_threshold``, ``uncached_ratio_at_or_above``,
-    ``mostly_cached`` (``_conversations.Reason``)."""
+    ``mostly_cached`` (``conversations._memory.Reason``)."""
     conversation: str | None = None
     """How an ``auto`` chat call related to the conversation remembered under its key:
     ``extends_answer``, ``extends_prompt``, ``unknown``, ``edited``, ``reshaped``,
-    ``endpoint_unavailable`` (``_conversations.Match``)."""
+    ``endpoint_unavailable`` (``conversations._memory.Match``)."""
     estimated_prompt_tokens: int | None = None
     """``auto``: the prompt's estimated length in tokens."""
     estimated_uncached_tokens: int | None = None
     """``auto``: of those, the tokens estimated not in the decode endpoint's prefix cache."""
     prefill_warm_up_url: str | None = None
     """``auto``, decode-only: the prefill endpoint the prompt was queued to, off the caller's
-    path, to keep its prefix cache up with the conversation (``_warm``)."""
+    path, to keep its prefix cache up with the conversation (``fleet._warm``)."""
     migrations: tuple[Migration, ...] = ()
     """Each time the decode stream broke and the answer continued on another decode endpoint
     (``max_decode_migrations``), in order. Not in the response headers: known only later."""

@@ -62,10 +62,10 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
-from ._endpoints import redact_url
 from ._errors import PDConfigError
-from ._fleet import Fleet
 from ._observe import CallView, LegView, PDObserver
+from .fleet import Fleet
+from .wire import redact_url
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry

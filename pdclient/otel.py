@@ -34,7 +34,7 @@ from ._client import _PDClient
 from ._errors import PDConfigError
 from ._observe import CallView, LegView, PDObserver
 from ._trace import Outcome, PDTrace
-from ._transport import AsyncPDTransport, PDTransport
+from .transport import AsyncPDTransport, PDTransport
 
 INSTRUMENTATION_NAME = "pdclient"
 ATTRIBUTE_PREFIX = "pdclient."

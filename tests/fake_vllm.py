@@ -297,7 +297,7 @@ class FakeVLLM:
     decode_urls: list[str] = field(default_factory=list)
     """The base URL each decode body went to."""
     warm_up_bodies: list[Body] = field(default_factory=list)
-    """Plain calls (no ``do_remote_decode``) to the prefill endpoint: prefill warm-ups (pdclient/_warm.py)."""
+    """Plain calls (no ``do_remote_decode``) to the prefill endpoint: prefill warm-ups (pdclient/fleet/_warm.py)."""
     cuts: list[int] = field(default_factory=list)
     """Streamed decodes to break, in order: each sends this many SSE frames, then its connection drops."""
     router: Any = None

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._trace import PDTrace
-from . import CLIError, add_pair_arguments, open_client
+from ._common import CLIError, add_pair_arguments, open_client
 
 ARMS = ("ids", "no ids")
 # Common words, one or two tokens each; a random sequence of them defeats prefix caching.

@@ -7,7 +7,7 @@
 
 URLs default to ``$PDCLIENT_PREFILL_BASE_URL`` / ``$PDCLIENT_DECODE_BASE_URL``; ``--local``
 starts a ``pdclient.local.LocalPD`` pair (progress on stderr) and stops it on exit. The
-pair is named the same way in ``bench`` and ``doctor`` (``pdclient.cli.open_pair``).
+pair is named the same way in ``bench`` and ``doctor`` (``pdclient.cli._common.open_pair``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import argparse
 import sys
 from typing import Any, TextIO
 
-from . import EXIT_ERROR, add_pair_arguments, open_client
+from ._common import EXIT_ERROR, add_pair_arguments, open_client
 
 
 def register(commands: Any) -> None:

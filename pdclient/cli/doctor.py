@@ -27,8 +27,8 @@ from typing import Any
 
 import httpx
 
-from .._wire import PREFILL_KV_TRANSFER_PARAMS
-from . import add_pair_arguments, open_pair
+from ..wire import PREFILL_KV_TRANSFER_PARAMS
+from ._common import add_pair_arguments, open_pair
 
 _EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
 _ANSWER_TOKENS = 12

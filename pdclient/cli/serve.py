@@ -24,7 +24,7 @@ from typing import Any
 from .. import PDConfigError
 from ..serve import SETTINGS, ServeConfig, Setting
 from ..serve._config import CONFIG_FILE_ENV
-from . import CLIError
+from ._common import CLIError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from .._endpoints import DECODE_ENV, PREFILL_ENV, resolve_urls
 from .._errors import PDConfigError
+from ..pools import DECODE_ENV, PREFILL_ENV, resolve_urls
 
 if TYPE_CHECKING:
     from .._client import AsyncPDChatClient, PDChatClient

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from .._errors import PDConfigError, PDSetupError
-from .._wire import PREFILL_KV_TRANSFER_PARAMS
+from ..wire import PREFILL_KV_TRANSFER_PARAMS
 from . import _prepare
 from ._ports import PortClaim, claim_ports
 from ._server import SERVED_MODEL_NAME, ServerStartError, VLLMServer, check_port_free, stop_all, wait_all_ready

@@ -47,18 +47,16 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from .. import AsyncPDTransport, CallView, LegView, PDObserver, __version__
-from .._call import leg_url, new_request_id, request_with_content  # the per-call costs, cut once (see each)
-from .._discovery import DiscoverySettings
-from .._endpoints import AllEndpointsOpen, Endpoint, redact_url
-from .._fleet import Fleet
-from .._health import HealthProber
-from .._routing import TENANT_EXTENSION
-from .._streams import ends_event_stream  # where a decode body ends
+from ..fleet import DiscoverySettings, Fleet, HealthProber
+from ..handoff import leg_url, new_request_id, request_with_content  # the per-call costs, cut once (see each)
 from ..metrics import BuildInfo, PrometheusObserver, WithoutCreated
-from ._config import CONFIG_ENV, ServeConfig
+from ..pools import AllEndpointsOpen, Endpoint
+from ..routing import TENANT_EXTENSION
+from ..transport import ends_event_stream  # where a decode body ends
+from ..wire import redact_url
+from ._config import CONFIG_ENV, MULTIPROC_ENV, ServeConfig
 from ._legs import AiohttpTransport
 from ._logging import CallLog
-from ._run import MULTIPROC_ENV
 from ._telemetry import Tracing, tracing
 
 logger = logging.getLogger("pdclient.serve")

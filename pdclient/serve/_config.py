@@ -24,12 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from .. import PDConfigError, PDOptions
+from ..pools import DECODE_ENV, PREFILL_ENV
+from ..routing import POLICIES, PREFILL_ONLY
 
 # Constants with no public name: the environment variables PDOptions reads, the policy names.
-from .._conversations import REMOTE_PREFILL_MODES
-from .._endpoints import DECODE_ENV, PREFILL_ENV
-from .._routing import POLICIES, PREFILL_ONLY
-from .._signing import SECRET_ENV
+from ..wire import REMOTE_PREFILL_MODES, SECRET_ENV
 
 ENV_PREFIX = "PDCLIENT_SERVE_"
 """Every setting is also ``$PDCLIENT_SERVE_<NAME>`` (``--log-format`` is
@@ -554,3 +553,6 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise PDConfigError(f"config file {file}: expected one table/object of settings")
     return data
+
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"

@@ -25,7 +25,7 @@ origin: aiohttp's own ``trust_env`` reads them, and ``~/.netrc``, in a worker th
 every request (two thread hops per leg, measured ~10 % of the proxy's CPU per call).
 
 Credentials in a server's URL (``http://user:password@host/v1``) go as Basic auth, as the
-clients' legs send them (``_leg_client``): they replace any ``Authorization`` the request
+clients' legs send them (``transport._leg_client``): they replace any ``Authorization`` the request
 had, and aiohttp gets the URL without them (it refuses a URL with credentials beside an
 ``Authorization`` header, and would show them in its errors).
 """
@@ -42,7 +42,7 @@ import httpx
 from aiohttp.helpers import get_env_proxy_for_url
 from yarl import URL
 
-from .._leg_client import _with_url_auth  # the clients' rule, so both send the same
+from ..transport._leg_client import _with_url_auth  # the clients' rule, so both send the same
 
 _SENDING = "http11.send_request_headers.started"
 # Hop-by-hop, or computed by aiohttp for the body it sends.

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from .. import CallView, LegView, PDObserver
-from .._call import CALL_RECORD
-from .._endpoints import redact_url
+from ..handoff import CALL_RECORD
+from ..wire import redact_url
 
 if TYPE_CHECKING:
     from .. import PDTrace

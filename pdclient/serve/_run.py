@@ -10,13 +10,12 @@ import tempfile
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from ._config import CONFIG_ENV, ServeConfig
+from ._config import CONFIG_ENV, MULTIPROC_ENV, ServeConfig
 from ._logging import logging_config
 
 if TYPE_CHECKING:
     from ._protocol import ServerConfig
 
-MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 STARTUP_FAILURE = 3
 """The exit status when the server could not start (uvicorn's)."""
 

@@ -6,7 +6,7 @@ name. Three independent parts, each described where it lives:
 
 - reuse (``_reuse.py``): on vLLM 0.20 - 0.26, honor ``kv_transfer_params["prompt_token_ids"]``
   on the chat path as vLLM 0.27+ does natively; on 0.27+ do nothing.
-- guard (``_guard.py``, ``_signing.py``): with ``PDCLIENT_REUSE_SECRET`` set, 403 for any
+- guard (``_guard.py``, ``wire/_signing.py``): with ``PDCLIENT_REUSE_SECRET`` set, 403 for any
   request that carries ``kv_transfer_params`` without a valid ``X-PDClient-Signature``
   (spec v2: an HMAC of the whole request, with expiry and nonce).
 - drift check (``_verify.py``): with ``PDCLIENT_REUSE_VERIFY_RATE`` > 0, re-render a sample of

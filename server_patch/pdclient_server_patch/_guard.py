@@ -7,7 +7,7 @@ Why: any client that can reach a vLLM server may send ``kv_transfer_params``: fo
   template and system prompt), or point the KV connector at an arbitrary
   ``remote_host``. vLLM does not check who sent them. With ``PDCLIENT_REUSE_SECRET`` set,
   a POST whose body is not validly signed (``X-PDClient-Signature``, spec v2 in
-  ``_signing.py``: an HMAC of method, path, expiry, nonce and the exact body) must not
+  ``wire/_signing.py``: an HMAC of method, path, expiry, nonce and the exact body) must not
   carry ``kv_transfer_params`` anywhere vLLM reads them, or it gets HTTP 403 before vLLM
   parses, renders or schedules anything - in particular before vLLM 0.32's rejection
   cleanup, which would hand unverified params to the KV connector.

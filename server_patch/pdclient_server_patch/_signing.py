@@ -1,6 +1,6 @@
 """Request signatures for the ``kv_transfer_params`` channel: the one spec both sides implement.
 
-Dependency-free on purpose: ``pdclient/_signing.py`` is this module's twin on the client
+Dependency-free on purpose: ``pdclient/wire/_signing.py`` is this module's twin on the client
 side, and any other router can reimplement the spec from this docstring alone.
 
 Spec (version 2; version 1, a signature inside ``kv_transfer_params``, is gone: it was

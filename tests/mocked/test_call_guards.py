@@ -25,7 +25,7 @@ import pytest
 import respx
 
 from pdclient import AsyncPDTransport, Outcome, PDOptions, PDTrace, PDTransport, RetrySettings
-from pdclient._routing import TENANT_EXTENSION
+from pdclient.routing import TENANT_EXTENSION
 from tests.fake_vllm import DECODE, DECODE2, PREFILL, FakeVLLM, VLLMAnswers, chat_json, ids_of_conversation
 from tests.twins import Twin, status_error
 

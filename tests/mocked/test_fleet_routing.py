@@ -68,16 +68,16 @@ async def test_cache_aware_decisions_through_the_client(mode: str) -> None:
 
 
 def count_plan_text(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    import pdclient._call
+    import pdclient.handoff._call
 
     calls: list[int] = []
-    real = pdclient._call.plan_text
+    real = pdclient.handoff._call.plan_text
 
     def counted(plan: Any) -> str | None:
         calls.append(1)
         return real(plan)
 
-    monkeypatch.setattr(pdclient._call, "plan_text", counted)
+    monkeypatch.setattr(pdclient.handoff._call, "plan_text", counted)
     return calls
 
 
@@ -158,8 +158,8 @@ async def test_a_discovered_member_gets_its_name_on_every_leg_and_the_release(mo
 
 
 def test_https_members_present_the_name_as_sni() -> None:
-    from pdclient._discovery import request_overrides
-    from pdclient._endpoints import BreakerSettings, Endpoint
+    from pdclient.fleet import request_overrides
+    from pdclient.pools import BreakerSettings, Endpoint
 
     endpoint = Endpoint("https://10.9.0.1:8443/v1", BreakerSettings(), time.monotonic, host_name="vllm.test")
     assert request_overrides(endpoint) == ({"host": "vllm.test:8443"}, {"sni_hostname": "vllm.test"})

@@ -16,8 +16,7 @@ import pytest
 import respx
 
 from pdclient import Outcome, PDTrace
-from pdclient._endpoints import BreakerSettings
-from pdclient._retry import RetrySettings
+from pdclient.pools import BreakerSettings, RetrySettings
 from tests.fake_vllm import DECODE, NIXL_PARAMS, FakeVLLM, chat_json, ids_for, prefill_json
 from tests.twins import Twin, status_error
 

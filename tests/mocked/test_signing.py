@@ -12,7 +12,7 @@ import httpx
 import pytest
 import respx
 
-from pdclient._signing import DEFAULT_TTL, SIGNATURE_HEADER, signature
+from pdclient.wire import DEFAULT_TTL, SIGNATURE_HEADER, signature
 from tests.fake_vllm import NIXL_PARAMS, FakeVLLM
 from tests.twins import Twin
 

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from pdclient._endpoints import DECODE_ENV, PREFILL_ENV
 from pdclient.local import PDServers, _prepare, pair_from_env_or_local
+from pdclient.pools import DECODE_ENV, PREFILL_ENV
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -3,7 +3,7 @@
 The first turn of a conversation (a long, unique system message) goes through a P/D
 handoff; its follow-up (the answer sent back and a short question) goes decode-only to
 the decode server, whose prefix cache answers most of it; the prefill server gets the
-follow-up's prompt as a plain one-token call off the caller's path (``_warm``), so a
+follow-up's prompt as a plain one-token call off the caller's path (``fleet._warm``), so a
 later P/D turn prefills only what is new there. The answers are compared with the decode
 server's own, never with what the model knows.
 """

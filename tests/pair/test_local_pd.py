@@ -15,10 +15,10 @@ import httpx
 import pytest
 
 from pdclient import PDSetupError
-from pdclient._wire import PREFILL_KV_TRANSFER_PARAMS
 from pdclient.local import LocalPD, PDServers
 from pdclient.local._pair import assign_cpus
 from pdclient.local._server import VLLMServer, free_port
+from pdclient.wire import PREFILL_KV_TRANSFER_PARAMS
 
 from .helpers import metric
 

@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 
 from pdclient import AsyncPDChatClient, PDChatClient, PDTrace, RouteRequest
-from pdclient import _migrate as migrate
 from pdclient.local import PDServers
+from pdclient.migration import _core as migrate
 
 from .extra_decode import ExtraDecode
 from .helpers import WITH_LOGPROBS, Top, same_greedy_answer, tops

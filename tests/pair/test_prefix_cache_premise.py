@@ -9,7 +9,7 @@ ids that were generated. Sent through a second handoff instead, the prefill serv
 only the previous prompt, and the decode server pulls only the blocks it lacks.
 
 Written against the wire contract (plain HTTP), so it checks the servers, not pdclient:
-``pdclient/_conversations.py`` counts cached tokens the way these tests measure them.
+``pdclient/conversations/_memory.py`` counts cached tokens the way these tests measure them.
 """
 
 from __future__ import annotations

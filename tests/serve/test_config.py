@@ -222,7 +222,7 @@ def test_cli_reports_config_errors_in_one_line(capsys: pytest.CaptureFixture[str
 
 
 def test_fleet_flags_reach_the_options_and_the_workers() -> None:
-    from pdclient._health import HealthSettings
+    from pdclient.fleet import HealthSettings
 
     config = parse(
         "--prefill", P, "--decode", D1, D2, "--prefill-routing", "cache_aware", "--decode-routing", "load_aware",

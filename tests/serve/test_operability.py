@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 import pdclient
-from pdclient._health import HealthSettings
+from pdclient.fleet import HealthSettings
 from pdclient.serve import create_app
 from tests.stubserver import Fault, StubServer, closed_port_url
 

@@ -11,9 +11,9 @@ import httpx
 import pytest
 
 from pdclient import CallView, PDObserver, PDOptions, PDTrace
-from pdclient._routing import TENANT_EXTENSION
 from pdclient.cli import build_parser
 from pdclient.cli.serve import config_from_args
+from pdclient.routing import TENANT_EXTENSION
 from pdclient.serve import ServeConfig, create_app
 from tests.stubserver import StubServer
 

@@ -1,7 +1,7 @@
 """Live: a real vLLM 0.32 server (CPU) with the plugin installed, guard and drift check on.
 
 The server runs with ``--enable-scale-out`` (for ``/inference/v1/generate``); requests are
-signed by pdclient's own signer (``pdclient/_signing.py``, loaded from its file).
+signed by pdclient's own signer (``pdclient/wire/_signing.py``, loaded from its file).
 
 One server per session (about a minute to start here). Skipped on the unpacked old
 versions, whose servers cannot run on this machine (their CPU torch builds do not install).

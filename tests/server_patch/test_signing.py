@@ -1,4 +1,4 @@
-"""The signing spec v2 (pure; pdclient/_signing.py is its twin and is checked against it here)."""
+"""The signing spec v2 (pure; pdclient/wire/_signing.py is its twin and is checked against it here)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from pdclient_server_patch._signing import SignatureError, mac, signature, verify
 
-CLIENT_SIGNING = Path(__file__).parents[2] / "pdclient" / "_signing.py"
+CLIENT_SIGNING = Path(__file__).parents[2] / "pdclient" / "wire" / "_signing.py"
 PATH = "/v1/chat/completions"
 VECTOR_BODY = b'{"kv_transfer_params":{"do_remote_prefill":true,"prompt_token_ids":[1,2,3]}}'
 VECTOR_NONCE = "000102030405060708090a0b0c0d0e0f"

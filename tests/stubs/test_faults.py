@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from pdclient import AsyncPDChatClient, PDTrace
-from pdclient._retry import RetrySettings
+from pdclient.pools import RetrySettings
 from tests.stubserver import Fault, Received, StubServer, closed_port_url
 from tests.twins import Twin
 

@@ -17,9 +17,8 @@ import openai
 import pytest
 
 from pdclient import BreakerSettings, DiscoverySettings, HealthSettings, PDTrace, ScrapeSettings
-from pdclient._background import BackgroundTask, BackgroundThread
-from pdclient._prefix_index import CacheAware
-from pdclient._routing import RoundRobin
+from pdclient.fleet import BackgroundTask, BackgroundThread
+from pdclient.routing import CacheAware, RoundRobin
 from tests.stubs._fleet import Zone, hold, start_on
 from tests.stubserver import PrefixCacheModel, StubServer
 from tests.twins import Twin
@@ -222,7 +221,9 @@ async def test_discovery_several_addresses_behind_one_name(mode: str) -> None:
         # Streams on a member that leaves DNS finish on it; the prefill index forgets it.
         policy = fleet.prefill.policy
         assert isinstance(policy, CacheAware)
-        leaving_url = next(e.url for e in fleet.prefill.endpoints if policy.index.size(e.url))
+        leaving_url = next(
+            e.url for e in fleet.prefill.endpoints if len(policy.index._lru.get(e.url, ())) * policy.index.chunk_chars
+        )
         staying = url[3] if leaving_url == url[2] else url[2]
         for stub in stubs:
             stub.step_seconds = 0.1
@@ -239,7 +240,9 @@ async def test_discovery_several_addresses_behind_one_name(mode: str) -> None:
             text = "".join(c.choices[0].delta.content or "" for c in got if c.choices)
             assert text == "Hello from the decode stub", "both finished, the removed member's too"
         assert leaving.in_flight == 0
-        assert policy.index.size(leaving_url) == 0, "the prefill index forgot the removed member"
+        assert len(policy.index._lru.get(leaving_url, ())) * policy.index.chunk_chars == 0, (
+            "the prefill index forgot the removed member"
+        )
         assert {e.url for e in fleet.decode.endpoints} == {url[4], staying}
     finally:
         await twin.close()

@@ -1,6 +1,6 @@
 """Issue 12's cores and drivers against real loopback stubs, without the clients.
 
-Calls here go the way the Call makes them: ``route()`` on a pool, ``request_overrides``
+Calls here go the way the Call makes them: ``route_decision()`` on a pool, ``request_overrides``
 for a discovered member, one httpx request, ``acquire``/``release`` around it. The same
 features through PDChatClient / AsyncPDChatClient: ``test_fleet_clients.py``.
 """
@@ -16,12 +16,21 @@ from contextlib import ExitStack
 import httpx
 import pytest
 
-from pdclient._background import BackgroundTask, BackgroundThread, Core, Resolver
-from pdclient._discovery import DiscoverySettings, DnsDiscovery, request_overrides
-from pdclient._endpoints import BreakerSettings, Endpoint, EndpointPool, route
-from pdclient._health import HealthProber, HealthSettings
-from pdclient._load import LoadAware, LoadScraper, ScrapeSettings
-from pdclient._routing import LeastOutstanding, RouteRequest, RoutingPolicy
+from pdclient.fleet import (
+    BackgroundTask,
+    BackgroundThread,
+    Core,
+    DiscoverySettings,
+    DnsDiscovery,
+    HealthProber,
+    HealthSettings,
+    LoadScraper,
+    Resolver,
+    ScrapeSettings,
+    request_overrides,
+)
+from pdclient.pools import BreakerSettings, Endpoint, EndpointPool, route_decision
+from pdclient.routing import LeastOutstanding, LoadAware, RouteRequest, RoutingPolicy
 from tests.stubs._fleet import Dripping, Zone, await_until, hold, start_on, wait_until
 from tests.stubserver import StubServer
 
@@ -54,7 +63,7 @@ def make_pool(urls: list[str], failures: int = 3) -> EndpointPool:
 
 
 def call(http: httpx.Client, pool: EndpointPool, policy: RoutingPolicy) -> tuple[Endpoint, httpx.Response]:
-    endpoint = route(pool, policy, RouteRequest("decode"))
+    endpoint = route_decision(pool, policy, RouteRequest("decode")).endpoint
     headers, extensions = request_overrides(endpoint)
     endpoint.acquire()
     try:
@@ -138,7 +147,7 @@ def health_run(driver_factory: Callable[[list[Core]], BackgroundThread]) -> None
             first = pool.endpoints[0]
             a.healthy = False
             wait_until(lambda: first.state == "open")
-            assert all(pool.pick(RouteRequest("decode")) is pool.endpoints[1] for _ in range(5))
+            assert all(pool.decide(RouteRequest("decode")).endpoint is pool.endpoints[1] for _ in range(5))
             time.sleep(0.3)
             assert first.state == "open", "probes keep it open"
             a.healthy = True

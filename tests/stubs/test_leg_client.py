@@ -1,4 +1,4 @@
-"""How the legs go out (pdclient/_leg_client.py, ``Call._leg_request``), on real sockets: no
+"""How the legs go out (pdclient/transport/_leg_client.py, ``Call._leg_request``), on real sockets: no
 cookie jar of their own, credentials from the URL, a streamed body with its framing."""
 
 from __future__ import annotations

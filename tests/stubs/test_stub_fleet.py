@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
-from pdclient._load import ServerLoad, parse_metrics
+from pdclient.fleet import ServerLoad, parse_metrics
 from tests.stubserver import MODEL, PrefixCacheModel, StubServer, render
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable
 import httpx
 import pytest
 
-from pdclient._background import (
+from pdclient.fleet import (
     MAX_ANSWER_BYTES,
     BackgroundTask,
     BackgroundThread,
@@ -20,11 +20,11 @@ from pdclient._background import (
     LookedUp,
     Lookup,
     Outcome,
+    PrefillWarmer,
     fetch,
     host_header,
     system_resolver,
 )
-from pdclient._warm import PrefillWarmer
 
 
 class Recorder:

@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import pytest
 
-from pdclient._background import Fetch, LookedUp, Lookup
-from pdclient._discovery import DiscoverySettings, DnsDiscovery, is_address, members_of, request_overrides
-from pdclient._endpoints import BreakerSettings, Endpoint, EndpointPool
 from pdclient._errors import PDConfigError
-from pdclient._health import HealthProber
-from pdclient._load import LoadScraper
-from pdclient._routing import LeastOutstanding, RouteRequest
+from pdclient.fleet import (
+    DiscoverySettings,
+    DnsDiscovery,
+    Fetch,
+    HealthProber,
+    LoadScraper,
+    LookedUp,
+    Lookup,
+    is_address,
+    members_of,
+    request_overrides,
+)
+from pdclient.pools import BreakerSettings, Endpoint, EndpointPool
+from pdclient.routing import LeastOutstanding, RouteRequest
 
 NAME = "http://vllm-decode.ns.svc:8000/v1"
 
@@ -39,11 +47,21 @@ def test_request_overrides_present_the_name() -> None:
 def make(*urls: str) -> tuple[EndpointPool, DnsDiscovery, list[tuple[list[str], list[str]]]]:
     pool = EndpointPool("decode", urls or (NAME,), LeastOutstanding(), BreakerSettings(), lambda: 0.0)
     changes: list[tuple[list[str], list[str]]] = []
-    discovery = DnsDiscovery(
-        pool,
-        DiscoverySettings(interval=10.0),
-        on_change=lambda a, r: changes.append(([e.url for e in a], [e.url for e in r])),
-    )
+
+    # The membership changes DnsDiscovery makes, as the pool sees them.
+    def on_change(a, r):
+        changes.append(([e.url for e in a], [e.url for e in r]))
+
+    set_members = pool.set_members
+
+    def recording(members):
+        added, removed = set_members(members)
+        if added or removed:
+            on_change(added, removed)
+        return added, removed
+
+    pool.set_members = recording
+    discovery = DnsDiscovery(pool, DiscoverySettings(interval=10.0))
     return pool, discovery, changes
 
 
@@ -79,7 +97,7 @@ def test_a_name_becomes_its_addresses_and_follows_them() -> None:
     assert pool.endpoints[0] is kept, "a member that stays keeps its state"
     assert changes[-1] == (["http://127.0.0.4:8000/v1"], ["http://127.0.0.2:8000/v1"])
     gone.release(ok=True)  # the call ends normally on the removed member
-    assert gone.in_flight == 0 and all(pool.pick(RouteRequest("decode")) is not gone for _ in range(4))
+    assert gone.in_flight == 0 and all(pool.decide(RouteRequest("decode")).endpoint is not gone for _ in range(4))
 
     resolve(discovery, 20.0, ("127.0.0.4", "127.0.0.3"))
     assert len(changes) == 2, "the same set in another order is no change"

@@ -22,13 +22,21 @@ from pdclient import (
     RouteDecision,
     ScrapeSettings,
 )
-from pdclient._background import Background, BackgroundTask, BackgroundThread, Fetch, Fetched, Job, Outcome
-from pdclient._discovery import DnsDiscovery
-from pdclient._endpoints import BreakerSettings, Endpoint, EndpointPool
-from pdclient._fleet import Fleet
-from pdclient._health import HealthProber
-from pdclient._load import LoadScraper
-from pdclient._routing import POLICIES, Affinity, LeastOutstanding, RoundRobin, RouteRequest, make_policy
+from pdclient.fleet import (
+    Background,
+    BackgroundTask,
+    BackgroundThread,
+    DnsDiscovery,
+    Fetch,
+    Fetched,
+    Fleet,
+    HealthProber,
+    Job,
+    LoadScraper,
+    Outcome,
+)
+from pdclient.pools import BreakerSettings, Endpoint, EndpointPool
+from pdclient.routing import POLICIES, Affinity, LeastOutstanding, RoundRobin, RouteRequest, make_policy
 
 P, D = "http://p:8100/v1", "http://d:8200/v1"
 
@@ -62,7 +70,7 @@ def test_routing_is_both_legs_unless_overridden() -> None:
     [
         ({"routing": "cache_aware"}, "routing='cache_aware'"),
         ({"routing": "affinity", "decode_routing": "cache_aware"}, "decode_routing='cache_aware'"),
-        ({"routing": CacheAware()}, "routing=<pdclient._prefix_index.CacheAware"),
+        ({"routing": CacheAware()}, "routing=<pdclient.routing._cache_aware.CacheAware"),
     ],
 )
 def test_cache_aware_routes_prefill_only(kwargs: dict[str, object], field: str) -> None:

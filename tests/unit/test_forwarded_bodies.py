@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pdclient._wire import (
+from pdclient.wire import (
     Kind,
     Refusal,
     UploadScan,

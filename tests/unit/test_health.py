@@ -6,11 +6,10 @@ import logging
 
 import pytest
 
-from pdclient._background import Fetch, Fetched, LookedUp
-from pdclient._endpoints import BreakerSettings, EndpointPool
 from pdclient._errors import PDConfigError
-from pdclient._health import HealthProber, HealthSettings, ProbeState, step, verdict
-from pdclient._routing import LeastOutstanding, RouteRequest
+from pdclient.fleet import Fetch, Fetched, HealthProber, HealthSettings, LookedUp, ProbeState, step, verdict
+from pdclient.pools import BreakerSettings, EndpointPool
+from pdclient.routing import LeastOutstanding, RouteRequest
 
 SETTINGS = HealthSettings(failures=3, successes=2)
 UP, DOWN, UNCLEAR = Fetched(200), Fetched(503, "engine dead"), Fetched(404)
@@ -105,7 +104,7 @@ def test_a_dead_server_is_kept_out_until_it_passes_probes_again(caplog: pytest.L
     for _ in range(8):  # longer than the 5 s cool-down: every failed probe restarts it
         probe(prober, clock, GONE)
         assert a.state == "open"
-    assert pool.pick(RouteRequest("prefill")).url == "http://b:8000/v1"
+    assert pool.decide(RouteRequest("prefill")).endpoint.url == "http://b:8000/v1"
     probe(prober, clock, UP)
     assert a.state == "open", "one success is not enough"
     probe(prober, clock, UP)

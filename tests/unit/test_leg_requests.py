@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from pdclient._call import request_with_content
+from pdclient.handoff import request_with_content
 
 URL = httpx.URL("http://decode:8200/v1/chat/completions")
 HEADERS = [(b"host", b"decode:8200"), (b"content-type", b"application/json"), (b"x-user", "Zoë".encode())]

@@ -9,12 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from pdclient._background import Fetch, Fetched
-from pdclient._endpoints import BreakerSettings, EndpointPool
 from pdclient._errors import PDConfigError
-from pdclient._latency import PeakEWMA
-from pdclient._load import (
-    LoadAware,
+from pdclient.fleet import (
+    Fetch,
+    Fetched,
     LoadSample,
     LoadScraper,
     ScrapeSettings,
@@ -22,7 +20,8 @@ from pdclient._load import (
     parse_metrics,
     server_url,
 )
-from pdclient._routing import LeastOutstanding, RouteRequest
+from pdclient.pools import BreakerSettings, EndpointPool, PeakEWMA
+from pdclient.routing import LeastOutstanding, LoadAware, RouteRequest
 
 # The shape of vLLM 0.32's answer (vllm/v1/metrics/loggers.py; a real one is in
 # data/vllm_0_32_metrics.txt): HELP and TYPE lines, labels model_name and engine,
@@ -402,7 +401,7 @@ def test_latency_needs_two_estimates_to_compare() -> None:
 
 
 def test_a_whole_answer_feeds_its_endpoints_latency_per_piece() -> None:
-    from pdclient._call import Leg
+    from pdclient.handoff import Leg
 
     pool = make_pool(1)
 

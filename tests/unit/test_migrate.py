@@ -1,4 +1,4 @@
-"""The decode-migration tracker on bytes (pdclient/_migrate.py): events in, the caller's bytes out."""
+"""The decode-migration tracker on bytes (pdclient/migration/_core.py): events in, the caller's bytes out."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from pdclient._migrate import Assembler, CannotAssemble, Tracker
+from pdclient.migration import Assembler, CannotAssemble, Tracker
 
 
 def event(choice: dict[str, Any] | None = None, **top: Any) -> bytes:

@@ -10,11 +10,19 @@ from collections import Counter
 
 import pytest
 
-from pdclient._endpoints import BreakerSettings, Endpoint, EndpointPool, route_decision
 from pdclient._errors import PDConfigError
-from pdclient._load import LoadAware, LoadSample
-from pdclient._prefix_index import DEFAULT_MAX_CHARS, CacheAware, PrefixIndex, prompt_text
-from pdclient._routing import Affinity, RouteDecision, RouteRequest
+from pdclient.fleet import LoadSample
+from pdclient.pools import BreakerSettings, Endpoint, EndpointPool, route_decision
+from pdclient.routing import (
+    DEFAULT_MAX_CHARS,
+    Affinity,
+    CacheAware,
+    LoadAware,
+    PrefixIndex,
+    RouteDecision,
+    RouteRequest,
+    prompt_text,
+)
 
 RNG = random.Random(12)
 
@@ -53,7 +61,7 @@ def test_match_counts_whole_chunks_from_the_start() -> None:
     index = PrefixIndex(chunk_chars=10, max_chars=1000)
     sent = text(95)
     index.insert(index.hashes(sent), "a")
-    assert index.size("a") == 90, "9 whole chunks; the partial tail is not indexed"
+    assert len(index._lru.get("a", ())) * index.chunk_chars == 90, "9 whole chunks; the partial tail is not indexed"
     longer = sent + text(50)
     assert index.match(index.hashes(longer), ["a", "b"]) == {"a": 90, "b": 0}
     diverging = sent[:35] + "X" + sent[36:]
@@ -68,20 +76,20 @@ def test_bound_per_key_and_eviction_takes_leaves_before_their_prefixes() -> None
     index.insert(index.hashes(first), "a")
     second = shared + text(40)
     index.insert(index.hashes(second), "a")  # 12 chunks wanted: 2 evicted, from first's leaf end
-    assert index.size("a") == 100
+    assert len(index._lru.get("a", ())) * index.chunk_chars == 100
     assert index.match(index.hashes(second), ["a"]) == {"a": 80}
     assert index.match(index.hashes(first), ["a"]) == {"a": 60}, "first lost its last two chunks, not its root"
     for _ in range(5):
         index.insert(index.hashes(shared + text(40)), "a")
     assert index.match(index.hashes(shared), ["a"]) == {"a": 40}, "the shared prefix, touched by all, stays"
-    assert index.size("b") == 0
+    assert len(index._lru.get("b", ())) * index.chunk_chars == 0
 
 
 def test_forget() -> None:
     index = PrefixIndex(chunk_chars=10)
     index.insert(index.hashes(text(100)), "a")
     index.forget("a")
-    assert index.size("a") == 0
+    assert len(index._lru.get("a", ())) * index.chunk_chars == 0
 
 
 def test_default_bound_and_its_memory() -> None:
@@ -100,7 +108,7 @@ def test_default_bound_and_its_memory() -> None:
         churned = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()
-    assert index.size("a") == DEFAULT_MAX_CHARS
+    assert len(index._lru.get("a", ())) * index.chunk_chars == DEFAULT_MAX_CHARS
     assert filled < 6_000_000, f"{filled / 1e6:.1f} MB for one full endpoint"
     assert churned < 10 * 2**20, f"{churned / 2**20:.1f} MiB for one full endpoint after churn"
 
@@ -120,7 +128,7 @@ def test_routing_keeps_no_prompt_after_its_call() -> None:
         used = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()
-    assert policy.index.size(URLS[0]) == DEFAULT_MAX_CHARS
+    assert len(policy.index._lru.get(URLS[0], ())) * policy.index.chunk_chars == DEFAULT_MAX_CHARS
     assert used < 1024 * 1024, f"{used / 2**20:.1f} MiB kept after the calls, for 1024 chunk entries"
 
 
@@ -153,7 +161,7 @@ def test_threads_share_an_index() -> None:
     for t in threads:
         t.join()
     assert not errors
-    assert all(index.size(f"k{i}") <= 8 * 50 for i in range(3))
+    assert all(len(index._lru.get(f"k{i}", ())) * index.chunk_chars <= 8 * 50 for i in range(3))
 
 
 def test_bad_index_settings() -> None:

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 
 from pdclient import PDConfigError, PDOptions, PDTrace
-from pdclient._endpoints import AllEndpointsOpen, EndpointPool, redact_url
 from pdclient._trace import Migration
 from pdclient.metrics import endpoint_states
+from pdclient.pools import AllEndpointsOpen, EndpointPool
+from pdclient.wire import redact_url
 
 SECRET = "s3cret"
 URL = f"http://user:{SECRET}@decode:8200/v1"
@@ -65,7 +66,7 @@ def test_an_open_pool_names_its_endpoints_without_credentials() -> None:
 
 
 def test_endpoint_states_show_no_credentials() -> None:
-    from pdclient._fleet import Fleet
+    from pdclient.fleet import Fleet
 
     fleet = Fleet(PDOptions(prefill_base_url=URL, decode_base_url=URL), asynchronous=True)
     assert {s.url for s in endpoint_states(fleet)} == {"http://***@decode:8200/v1"}

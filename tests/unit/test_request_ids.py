@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from pdclient._call import new_request_id
+from pdclient.handoff import new_request_id
 
 
 def test_ids_are_unique_and_share_this_processs_prefix() -> None:

@@ -10,10 +10,18 @@ import httpx
 import pytest
 
 from pdclient import PDOptions
-from pdclient._endpoints import AllEndpointsOpen, BreakerSettings, Endpoint, EndpointPool, route
 from pdclient._errors import PDConfigError
-from pdclient._retry import counts_against_server, is_transient_status, retry_after_seconds
-from pdclient._routing import Affinity, LeastOutstanding, PowerOfTwoChoices, RoundRobin, RouteRequest, make_policy
+from pdclient.pools import (
+    AllEndpointsOpen,
+    BreakerSettings,
+    Endpoint,
+    EndpointPool,
+    counts_against_server,
+    is_transient_status,
+    retry_after_seconds,
+    route_decision,
+)
+from pdclient.routing import Affinity, LeastOutstanding, PowerOfTwoChoices, RoundRobin, RouteRequest, make_policy
 
 URLS = ("http://a/v1", "http://b/v1", "http://c/v1")
 
@@ -34,7 +42,7 @@ def pool(policy: object = None, failures: int = 2, cooldown: float = 10.0) -> tu
 
 def test_round_robin_takes_turns() -> None:
     p, _ = pool(RoundRobin())
-    assert [p.pick(RouteRequest("decode")).url for _ in range(4)] == [*URLS, URLS[0]]
+    assert [p.decide(RouteRequest("decode")).endpoint.url for _ in range(4)] == [*URLS, URLS[0]]
 
 
 def test_least_outstanding_takes_the_idlest() -> None:
@@ -42,9 +50,9 @@ def test_least_outstanding_takes_the_idlest() -> None:
     a, b, _c = p.endpoints
     a.acquire()
     b.acquire()
-    assert p.pick(RouteRequest("decode")).url == URLS[2]
+    assert p.decide(RouteRequest("decode")).endpoint.url == URLS[2]
     a.release(ok=True)
-    assert p.pick(RouteRequest("decode")).url == URLS[0]
+    assert p.decide(RouteRequest("decode")).endpoint.url == URLS[0]
 
 
 def test_power_of_two_never_takes_the_busiest_of_its_two() -> None:
@@ -52,32 +60,32 @@ def test_power_of_two_never_takes_the_busiest_of_its_two() -> None:
     busy = p.endpoints[0]
     for _ in range(5):
         busy.acquire()
-    picks = Counter(p.pick(RouteRequest("decode")).url for _ in range(300))
+    picks = Counter(p.decide(RouteRequest("decode")).endpoint.url for _ in range(300))
     assert URLS[0] not in picks and set(picks) == {URLS[1], URLS[2]}
 
 
 def test_affinity_is_stable_and_spreads_keys() -> None:
     p, _ = pool(Affinity())
-    chosen = {f"k{i}": p.pick(RouteRequest("decode", f"k{i}")).url for i in range(60)}
-    assert all(p.pick(RouteRequest("decode", k)).url == url for k, url in chosen.items())
+    chosen = {f"k{i}": p.decide(RouteRequest("decode", f"k{i}")).endpoint.url for i in range(60)}
+    assert all(p.decide(RouteRequest("decode", k)).endpoint.url == url for k, url in chosen.items())
     assert set(chosen.values()) == set(URLS)
 
 
 def test_affinity_moves_only_the_keys_of_a_down_endpoint() -> None:
     p, _ = pool(Affinity(), failures=1)
-    before = {f"k{i}": p.pick(RouteRequest("decode", f"k{i}")).url for i in range(60)}
+    before = {f"k{i}": p.decide(RouteRequest("decode", f"k{i}")).endpoint.url for i in range(60)}
     down = p.endpoints[0]
     down.acquire()
     down.release(ok=False)
-    after = {k: p.pick(RouteRequest("decode", k)).url for k in before}
+    after = {k: p.decide(RouteRequest("decode", k)).endpoint.url for k in before}
     assert all(after[k] == url for k, url in before.items() if url != down.url)
     assert down.url not in after.values()
 
 
 def test_pick_avoids_endpoints_already_tried_when_it_can() -> None:
     p, _ = pool(LeastOutstanding())
-    assert p.pick(RouteRequest("decode"), avoid=p.endpoints[:2]).url == URLS[2]
-    assert p.pick(RouteRequest("decode"), avoid=p.endpoints).url == URLS[0], "all tried: any admitted one"
+    assert p.decide(RouteRequest("decode"), avoid=p.endpoints[:2]).endpoint.url == URLS[2]
+    assert p.decide(RouteRequest("decode"), avoid=p.endpoints).endpoint.url == URLS[0], "all tried: any admitted one"
 
 
 def test_breaker_opens_after_consecutive_failures_and_half_opens_for_one_probe() -> None:
@@ -116,7 +124,7 @@ def test_all_open_names_every_endpoint() -> None:
         endpoint.acquire()
         endpoint.release(ok=False)
     with pytest.raises(AllEndpointsOpen, match=r"every decode endpoint .* http://a/v1 \(open\), http://b/v1 \(open\)"):
-        p.pick(RouteRequest("decode"))
+        p.decide(RouteRequest("decode"))
 
 
 def test_unknown_policy_is_a_config_error() -> None:
@@ -196,7 +204,7 @@ def test_route_gives_the_policy_a_request_and_tells_it_the_choice() -> None:
     p, _ = pool()
     policy = Recording()
     request = RouteRequest("prefill", affinity_key="k", prompt_text="<|user|>hi")
-    assert route(p, policy, request, avoid=p.endpoints[2:]).url == URLS[1]
+    assert route_decision(p, policy, request, avoid=p.endpoints[2:]).endpoint.url == URLS[1]
     assert policy.seen == [(list(URLS[:2]), request)]
     assert policy.routed == [(URLS[1], request)]
 
@@ -228,7 +236,7 @@ def test_set_members_keeps_survivors_and_leaves_removed_ones_to_their_calls() ->
     added, removed = p.set_members([(URLS[0], None), ("http://10.0.0.4/v1", "svc"), (URLS[2], None)])
     assert [e.url for e in removed] == [URLS[1]] and [e.url for e in added] == ["http://10.0.0.4/v1"]
     assert p.endpoints[0] is a and p.endpoints[2] is c and p.endpoints[1].host_name == "svc"
-    assert all(p.pick(RouteRequest("decode")).url != URLS[1] for _ in range(5))
+    assert all(p.decide(RouteRequest("decode")).endpoint.url != URLS[1] for _ in range(5))
     b.release(ok=True)  # the call that held it ends normally
     assert b.in_flight == 0
     assert p.urls == URLS, "what the caller configured does not change"

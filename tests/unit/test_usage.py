@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from pdclient._usage import UsageMerge, merge_usage, merge_usage_json, merge_usage_sse, prefill_usage
+from pdclient.wire import UsageMerge, merge_usage, merge_usage_json, merge_usage_sse, prefill_usage
 
 # The prefill leg of a P/D follow-up: 1280 of its 1493 ids were in its prefix cache.
 PREFILL_RESPONSE: dict[str, Any] = {

@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 import pytest
 
-from pdclient._wire import (
+from pdclient.wire import (
     PREFILL_KV_TRANSFER_PARAMS,
     Kind,
     Plan,

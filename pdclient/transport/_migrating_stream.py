@@ -1,15 +1,15 @@
-"""The decode body of an armed call (``_migrate``): tracked, and moved when it breaks.
+"""The decode body of an armed call (``migration._core``): tracked, and moved when it breaks.
 
-``MigratingDecodeStream`` replaces ``_streams.DecodeStream`` for a call that may move. It
-passes the caller whole SSE events (``_migrate.Tracker``); when the decode stream breaks
+``MigratingDecodeStream`` replaces ``transport._streams.DecodeStream`` for a call that may move. It
+passes the caller whole SSE events (``migration._core.Tracker``); when the decode stream breaks
 (a reset, a server gone, a read timeout between chunks) it asks the call whether it may
 move, opens a continuation on another decode endpoint (through a prefill endpoint first
-for a long prompt, ``_migrate.continuation_route``) and splices its events into the same
-body. A stream that may not move raises the openai error of ``_streams`` with the reason.
+for a long prompt, ``migration._core.continuation_route``) and splices its events into the same
+body. A stream that may not move raises the openai error of ``transport._streams`` with the reason.
 A stream cut once its answer had ended does not move: it is ended as vLLM ends one.
 
 A non-streamed call that may move streams its decode leg all the same; the events go into
-an ``_migrate.Assembler`` instead of to the caller, who gets the JSON body at the end.
+an ``migration._core.Assembler`` instead of to the caller, who gets the JSON body at the end.
 
 Observers see each continuation as another decode leg attempt (and its prefill, if any,
 as another prefill attempt); the sync and async twins differ only by ``await``.
@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING
 import anyio
 import httpx
 
-from ._call import Call, Leg
-from ._endpoints import AllEndpointsOpen
-from ._migrate import Assembler, CallMigration, CannotAssemble, CannotMove, Continuation, Route
-from ._routing import RouteRequest
+from ..handoff import Call, Leg
+from ..migration import Assembler, CallMigration, CannotAssemble, CannotMove, Continuation, Route
+from ..pools import AllEndpointsOpen
+from ..routing import RouteRequest
 from ._streams import _STREAM_ERRORS, AsyncDecodeStream, DecodeStream, _until_error, _until_error_async
 
 if TYPE_CHECKING:

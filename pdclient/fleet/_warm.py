@@ -13,7 +13,7 @@ The cost is the prefill server's compute for those prompts, the same as ``"alway
 spends; ``ConversationSettings.warm_prefill=False`` turns it off (then ``"auto"`` saves
 that compute and pays for it on the next P/D turn).
 
-``PrefillWarmer`` is a sans-I/O core of ``_background``: the fleet's background driver
+``PrefillWarmer`` is a sans-I/O core of ``fleet._background``: the fleet's background driver
 (a thread, or a task for an async client) posts what is queued at once, each warm-up a
 job of its own within ``WARM_UP_TIMEOUT``.
 """
@@ -26,8 +26,8 @@ from collections import deque
 
 import orjson
 
+from ..wire import prefill_usage
 from ._background import Fetch, Fetched, Job, Outcome
-from ._usage import prefill_usage
 
 logger = logging.getLogger("pdclient")
 

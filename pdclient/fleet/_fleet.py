@@ -6,27 +6,30 @@ elsewhere shares its fleet, so endpoint health, load and in-flight counts are on
 per fleet, as openai copies share their connection pool.
 
 The fleet also owns the background work of its pools (load scrapes, health probes, DNS
-discovery; ``_background.Background``): none when those features are off, else one
+discovery; ``fleet._background.Background``): none when those features are off, else one
 driver started on the first call and stopped by ``close()`` / ``aclose()``. Prefill
-warm-ups (``_warm``) get a driver of their own, made when the first one is queued.
+warm-ups (``fleet._warm``) get a driver of their own, made when the first one is queued.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
+from typing import TYPE_CHECKING
 
 import httpx
 
+from ..conversations import ConversationMemory
+from ..pools import EndpointPool
+from ..routing import RoutingPolicy, make_policy
 from ._background import Background, Core, Fetch, system_resolver
-from ._conversations import ConversationMemory
 from ._discovery import DiscoverySettings, DnsDiscovery, is_address
-from ._endpoints import EndpointPool
 from ._health import HealthProber, HealthSettings
 from ._load import LoadScraper
-from ._options import PDOptions
-from ._routing import RoutingPolicy, make_policy
 from ._warm import PrefillWarmer
+
+if TYPE_CHECKING:
+    from .._options import PDOptions
 
 _FLEET_FIELDS = (
     "prefill_base_url",
@@ -55,7 +58,7 @@ class Fleet:
         if self.background is not None:  # a client dropped unclosed does not leave its driver running
             weakref.finalize(self, self.background.close, wait=False).atexit = False
         self.warmer = PrefillWarmer()
-        """Prefill warm-ups waiting to be posted (``remote_prefill="auto"``, ``_warm``)."""
+        """Prefill warm-ups waiting to be posted (``remote_prefill="auto"``, ``fleet._warm``)."""
         self._warming: Background | None = None
         self._asynchronous = asynchronous
         self._closed = False
@@ -77,7 +80,7 @@ class Fleet:
             self.background.start()
 
     def warm(self, post: Fetch) -> None:
-        """Queue a prefill warm-up and have it posted now, off the caller's path (``_warm``)."""
+        """Queue a prefill warm-up and have it posted now, off the caller's path (``fleet._warm``)."""
         with self._lock:
             if self._closed:
                 return

@@ -6,7 +6,7 @@ decode leg; every other request goes to a decode endpoint as it is. The decode r
 streamed or not, is handed back to the SDK as it arrives, so ``Stream``,
 ``with_raw_response`` and ``with_streaming_response`` work.
 
-Every decision is the ``Call``'s (``_call``); the transports only send legs, read
+Every decision is the ``Call``'s (``handoff._call``); the transports only send legs, read
 bodies and drive the retries, and the two differ only by ``await``.
 """
 
@@ -18,16 +18,16 @@ import anyio
 import httpx
 from typing_extensions import Self
 
-from . import _retry as retry
-from ._call import Call, CallContext, HandoffInstead
-from ._endpoints import AllEndpointsOpen, URLArg
-from ._errors import PDConfigError
-from ._fleet import Fleet
+from .._errors import PDConfigError
+from .._observe import Observers, TraceCallback
+from .._options import PDOptions
+from ..fleet import Fleet
+from ..handoff import Call, CallContext, HandoffInstead
+from ..pools import AllEndpointsOpen, URLArg
+from ..pools import _retry as retry
+from ..wire import Refusal
 from ._leg_client import AsyncLegClient, LegClient
-from ._migrate_stream import async_decode_stream, decode_stream
-from ._observe import Observers, TraceCallback
-from ._options import PDOptions
-from ._wire import Refusal
+from ._migrating_stream import async_decode_stream, decode_stream
 
 
 def _resolve(prefill_base_url: URLArg, decode_base_url: URLArg, options: PDOptions | None) -> PDOptions:

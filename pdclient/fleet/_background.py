@@ -20,7 +20,7 @@ otherwise never time out. Two drivers host that loop:
 - ``BackgroundTask``: async clients. One asyncio task, started on first use from the
   running loop.
 
-``Background`` is one fleet's work (``_fleet.Fleet.background``): its cores and the
+``Background`` is one fleet's work (``fleet._fleet.Fleet.background``): its cores and the
 driver that runs them, chosen on first use: a task when an async client's first call
 comes from a running asyncio loop, else a thread (sync clients, and async ones under
 trio). Nothing here starts by itself: a ``Background`` exists only when a feature that
@@ -44,7 +44,7 @@ from typing import Generic, Protocol, TypeVar
 import anyio.to_thread
 import httpx
 
-from ._errors import PDConfigError
+from .._errors import PDConfigError
 
 logger = logging.getLogger("pdclient")
 

@@ -28,7 +28,7 @@ by probe is never slower than recovery by a request, and gives a probe 2 s (a vL
 ``/health`` is a constant answer from the API server; slower than that, it is in
 trouble). The 2 s bound the whole probe, its answer's last byte included, and probes run
 concurrently: a server that hangs or drips its answer fails at its own deadline and
-delays no other member's probe (``_background``).
+delays no other member's probe (``fleet._background``).
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from .._errors import PDConfigError
+from ..pools import Endpoint
 from ._background import EveryMember, Fetch, Fetched, Job, Outcome, check_number
-from ._endpoints import Endpoint
-from ._errors import PDConfigError
 from ._load import server_url
 
 logger = logging.getLogger("pdclient")

@@ -51,14 +51,12 @@ import threading
 from collections import OrderedDict, deque
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import orjson
 
-from ._errors import PDConfigError
-
-RemotePrefillMode = Literal["always", "never", "auto"]
-REMOTE_PREFILL_MODES: tuple[str, ...] = ("always", "never", "auto")
+from .._errors import PDConfigError
+from ..wire import REMOTE_PREFILL_MODES
 
 # Request fields besides the messages that change the rendered prompt (or may, depending on
 # the server's flags): a call whose value differs from the previous turn's starts afresh.
@@ -106,7 +104,7 @@ class ConversationSettings:
     """Template tokens per message (role markers, separators) added to every estimate."""
     warm_prefill: bool = True
     """A decode-only call by ``auto`` also sends its prompt to the prefill server, off the
-    caller's path, so a later P/D turn prefills only what is new (``_warm``)."""
+    caller's path, so a later P/D turn prefills only what is new (``fleet._warm``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.warm_prefill, bool):
@@ -548,10 +546,6 @@ class ConversationMemory:
             self._turns.move_to_end(key_digest)
             while len(self._turns) > self.settings.max_conversations:
                 self._turns.popitem(last=False)
-
-    def forget(self, key: str) -> None:
-        with self._lock:
-            self._turns.pop(_key_digest(key), None)
 
     def estimate(self, key: str, body: Mapping[str, Any], admitted: Collection[str]) -> Estimate:
         """The call's estimated total and uncached tokens on the decode endpoint holding it.

@@ -13,14 +13,12 @@ and the numbers behind it. Observers read it as ``leg.decision``; the trace carr
 from __future__ import annotations
 
 import hashlib
-import itertools
-import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from ._endpoints import Endpoint
+    from ..pools import Endpoint
 
 
 TENANT_EXTENSION = "pdclient.tenant"
@@ -39,7 +37,7 @@ class RouteRequest:
     """The conversation's key (its opening messages, or the caller's session key)."""
     prompt_text: str | None = None
     """The chat messages' text, role-tagged, in order; computed only for a policy whose
-    ``wants_prompt_text`` is true (``_prefix_index.prompt_text`` renders it)."""
+    ``wants_prompt_text`` is true (``routing._cache_aware.prompt_text`` renders it)."""
     tenant: str | None = None
     """Who is calling, as an opaque digest (``pdclient serve`` sets one per API key or per
     the header its operator names; None in process). State a policy keeps per prompt or
@@ -110,112 +108,3 @@ def decide(policy: RoutingPolicy, endpoints: Sequence[Endpoint], request: RouteR
 def rendezvous(endpoints: Sequence[Endpoint], key: str) -> Endpoint:
     """The endpoint that ranks first for ``key`` (rendezvous hashing): a key moves only when its endpoint goes."""
     return max(endpoints, key=lambda e: hashlib.blake2b(f"{key}|{e.url}".encode(), digest_size=8).digest())
-
-
-class RoundRobin:
-    name = "round_robin"
-
-    def __init__(self) -> None:
-        self._turn = itertools.count()
-
-    def choose(self, endpoints: Sequence[Endpoint], request: RouteRequest) -> Endpoint:
-        # next() on itertools.count is atomic under the GIL: safe across threads and tasks.
-        return endpoints[next(self._turn) % len(endpoints)]
-
-
-class LeastOutstanding:
-    """The endpoint with the fewest requests in flight from this client (ties: first listed)."""
-
-    name = "least_outstanding"
-
-    def choose(self, endpoints: Sequence[Endpoint], request: RouteRequest) -> Endpoint:
-        return min(endpoints, key=lambda e: e.in_flight)
-
-
-class PowerOfTwoChoices:
-    """Two endpoints at random, the less busy one: near least-outstanding, no herding."""
-
-    name = "power_of_two"
-
-    def __init__(self, rng: random.Random | None = None) -> None:
-        self._rng = rng or random.Random()
-
-    def choose(self, endpoints: Sequence[Endpoint], request: RouteRequest) -> Endpoint:
-        if len(endpoints) == 1:
-            return endpoints[0]
-        first, second = self._rng.sample(list(endpoints), 2)
-        return first if first.in_flight <= second.in_flight else second
-
-
-class Affinity:
-    """The same conversation (or session key) goes to the same endpoint, so its prefix cache is reused.
-
-    Rendezvous hashing: each key ranks the endpoints by hash; the best admitted one wins,
-    so a key moves only when its endpoint is down. Requests without a key use ``fallback``.
-    """
-
-    name = "affinity"
-
-    def __init__(self, fallback: RoutingPolicy | None = None) -> None:
-        self._fallback = fallback or LeastOutstanding()
-
-    def choose(self, endpoints: Sequence[Endpoint], request: RouteRequest) -> Endpoint:
-        return self.decide(endpoints, request).endpoint
-
-    def decide(self, endpoints: Sequence[Endpoint], request: RouteRequest) -> RouteDecision:
-        if request.affinity_key is None:
-            return RouteDecision(self.name, self._fallback.choose(endpoints, request), "no_key")
-        return RouteDecision(self.name, rendezvous(endpoints, request.affinity_key), "key")
-
-
-def _load_aware(load_signals: bool) -> RoutingPolicy:
-    from ._load import LoadAware  # _load imports this module
-
-    return LoadAware()
-
-
-def _cache_aware(load_signals: bool) -> RoutingPolicy:
-    from ._load import LoadAware
-    from ._prefix_index import CacheAware
-
-    return CacheAware(load=LoadAware() if load_signals else None)
-
-
-POLICIES: dict[str, Callable[[bool], RoutingPolicy]] = {
-    "round_robin": lambda load_signals: RoundRobin(),
-    "least_outstanding": lambda load_signals: LeastOutstanding(),
-    "power_of_two": lambda load_signals: PowerOfTwoChoices(),
-    "affinity": lambda load_signals: Affinity(),
-    "load_aware": _load_aware,
-    "cache_aware": _cache_aware,
-}
-"""The policies ``routing=`` names; each factory takes whether the pool's /metrics are scraped."""
-
-LOAD_POLICIES = frozenset({"load_aware"})
-"""Named policies that read the servers' load: they turn load signals on for their pool."""
-PREFILL_ONLY = frozenset({"cache_aware"})
-"""Named policies that route the prefill leg only (they follow the prefill servers' prefix caches)."""
-
-
-def legs_of(value: str | RoutingPolicy) -> tuple[str, ...]:
-    """The legs a policy (by name or object) can route."""
-    if isinstance(value, str):
-        return ("prefill",) if value in PREFILL_ONLY else ("prefill", "decode")
-    legs = getattr(value, "legs", ("prefill", "decode"))
-    return tuple(legs)
-
-
-def wants_load_signals(value: str | RoutingPolicy) -> bool:
-    """Whether a policy (by name or object) reads ``Endpoint.load``, so its pool must be scraped."""
-    if isinstance(value, str):
-        return value in LOAD_POLICIES
-    return bool(getattr(value, "wants_load_signals", False))
-
-
-def make_policy(value: str | RoutingPolicy, *, load_signals: bool = False) -> RoutingPolicy:
-    """A fresh policy object for one pool (policies may keep state, e.g. round robin's turn).
-
-    ``load_signals``: the pool's servers are scraped, so a policy that can use their load
-    (cache-aware's balance rule) is given it.
-    """
-    return POLICIES[value](load_signals) if isinstance(value, str) else value

@@ -31,8 +31,8 @@ from urllib.parse import unquote_to_bytes
 import msgspec
 import orjson
 
-from ._errors import PDConfigError
-from ._options import CALL_OPTIONS_KEY, CallOptions, parse_call_options
+from .._errors import PDConfigError
+from ._call_options import CALL_OPTIONS_KEY, CallOptions, parse_call_options
 
 # What the prefill leg asks of the KV connector: keep the blocks for a remote decode.
 PREFILL_KV_TRANSFER_PARAMS: Mapping[str, Any] = {
@@ -385,7 +385,7 @@ def prefill_body(plan: Plan) -> bytes:
 
 
 def warm_up_body(plan: Plan) -> bytes:
-    """A prefill warm-up (``_warm``): the caller's call as a one-token call, and nothing more.
+    """A prefill warm-up (``fleet._warm``): the caller's call as a one-token call, and nothing more.
 
     No ``kv_transfer_params``: the server caches the prompt's blocks as for any call and
     holds nothing for a decode that will not come.
@@ -398,7 +398,7 @@ def prefill_body_for_ids(plan: Plan, ids: bytes) -> bytes:
 
     Chat: the ids ride in ``kv_transfer_params.prompt_token_ids`` next to
     ``do_remote_decode`` (vLLM 0.27+ honours them on this leg too); completions: the
-    ``prompt`` is the ids. Used by a migrated decode (pdclient/_migrate.py).
+    ``prompt`` is the ids. Used by a migrated decode (pdclient/migration/_core.py).
     """
     fields = _one_token(plan.fields)
     fields["return_token_ids"] = _TRUE

@@ -28,7 +28,7 @@ import anyio
 import httpx
 import tenacity
 
-from ._errors import PDConfigError
+from .._errors import PDConfigError
 
 T = TypeVar("T")
 

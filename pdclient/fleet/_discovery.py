@@ -28,15 +28,14 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
+from .._errors import PDConfigError
+from ..pools import Endpoint, EndpointPool
 from ._background import Job, LookedUp, Lookup, Outcome, Resolver, check_number, host_header
-from ._endpoints import Endpoint, EndpointPool
-from ._errors import PDConfigError
 
 logger = logging.getLogger("pdclient")
 
@@ -86,22 +85,15 @@ def request_overrides(endpoint: Endpoint) -> tuple[dict[str, str], dict[str, Any
 
 
 class DnsDiscovery:
-    """Sans-I/O core: looks up the pool's named base URLs and makes their addresses its members.
-
-    ``on_change(added, removed)`` is told every membership change (e.g. to drop what a
-    cache-aware index knows of removed members).
-    """
+    """Sans-I/O core: looks up the pool's named base URLs and makes their addresses its members."""
 
     def __init__(
         self,
         pool: EndpointPool,
         settings: DiscoverySettings | None = None,
-        *,
-        on_change: Callable[[list[Endpoint], list[Endpoint]], None] | None = None,
     ) -> None:
         self.settings = settings or DiscoverySettings()
         self._pool = pool
-        self._on_change = on_change
         self._names = {base: httpx.URL(base) for base in pool.urls if not is_address(httpx.URL(base).host)}
         self._addresses: dict[str, tuple[str, ...] | None] = dict.fromkeys(pool.urls)
         self._failing: set[str] = set()
@@ -161,5 +153,3 @@ class DnsDiscovery:
                 [e.url for e in added],
                 [e.url for e in removed],
             )
-            if self._on_change is not None:
-                self._on_change(added, removed)

@@ -43,13 +43,13 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from ._endpoints import Endpoint
-from ._errors import PDConfigError
-from ._load import LoadAware
-from ._routing import RouteDecision, RouteRequest, rendezvous
+from .._errors import PDConfigError
+from ._load_aware import LoadAware
+from ._policy import RouteDecision, RouteRequest, rendezvous
 
 if TYPE_CHECKING:
-    from ._wire import Plan
+    from ..pools import Endpoint
+    from ..wire import Plan
 
 DEFAULT_CHUNK_CHARS = 128
 DEFAULT_MAX_CHARS = 4 * 1024 * 1024
@@ -154,11 +154,6 @@ class PrefixIndex:
         """Drop everything known of ``key`` (an endpoint that left the pool)."""
         with self._lock:
             self._lru.pop(key, None)
-
-    def size(self, key: str) -> int:
-        """Characters indexed for ``key``."""
-        with self._lock:
-            return len(self._lru.get(key, ())) * self.chunk_chars
 
 
 class CacheAware:

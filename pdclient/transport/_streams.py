@@ -2,7 +2,7 @@
 
 The stream tells the call when its first byte arrives, turns a cut mid-way into the
 openai error callers already handle, and ends the call when the caller closes it. A
-disaggregated call's ``usage`` is merged on the way (``_usage.UsageMerge``: whole SSE
+disaggregated call's ``usage`` is merged on the way (``wire._usage.UsageMerge``: whole SSE
 events; a JSON body once whole). The sync and async twins differ only by ``await``.
 """
 
@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import httpx
 
-from ._call import Call
+from ..handoff import Call
 
 _SSE_DONE = b"data: [DONE]"
 _SSE_TAIL = 32  # [DONE] is the stream's last event: look for it at a chunk's end only

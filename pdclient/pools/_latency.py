@@ -1,6 +1,6 @@
 """Latency signals: how long each endpoint took to answer this process's calls.
 
-A server's request counts (``_load``) say how busy it is, not how fast it works through
+A server's request counts (``fleet._load``) say how busy it is, not how fast it works through
 that load: a server on slower hardware, or one whose slots another tenant's long requests
 hold, answers the same count more slowly. Each endpoint keeps a peak-sensitive moving
 average of how long its answers took (``PeakEWMA``), as Finagle's ``PeakEwma`` and tower's

@@ -2,13 +2,12 @@
 
 A pool holds one leg's endpoints (prefill or decode). Choosing a member is two steps:
 the circuit breakers drop the members that failed recently, then a routing policy
-(``_routing``) picks among the rest.
+(``routing._policy``) picks among the rest.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -17,28 +16,19 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from ._errors import PDConfigError, PDError
+from .._errors import PDConfigError, PDError
+from ..routing import LeastOutstanding, RouteDecision, RouteRequest, decide
+from ..wire import normalise_url, redact_url
 from ._latency import PeakEWMA
-from ._routing import LeastOutstanding, RouteDecision, RouteRequest, decide
 
 if TYPE_CHECKING:
-    from ._load import LoadSample
-    from ._routing import RoutingPolicy
+    from ..fleet import LoadSample
+    from ..routing import RoutingPolicy
 
 PREFILL_ENV = "PDCLIENT_PREFILL_BASE_URL"
 DECODE_ENV = "PDCLIENT_DECODE_BASE_URL"
 
 URLArg = str | httpx.URL | Sequence[str | httpx.URL] | None
-
-# The userinfo of every URL in a text: from "://" to the last "@" before the host's end.
-_USERINFO = re.compile(r"(?<=://)[^/?#\s]*@")
-REDACTED = "***@"
-
-
-def redact_url(text: str) -> str:
-    """A URL, or a text holding URLs, with each URL's credentials (``user:password@``)
-    replaced by ``***@``: what may be shown (logs, traces, errors, ``/ready``, metrics)."""
-    return _USERINFO.sub(REDACTED, text) if "@" in text else text
 
 
 def resolve_urls(value: URLArg, *, argument: str, env: str) -> tuple[str, ...]:
@@ -57,18 +47,6 @@ def resolve_urls(value: URLArg, *, argument: str, env: str) -> tuple[str, ...]:
     if len(set(urls)) != len(urls):
         raise PDConfigError(f"{source} lists the same URL twice: {[redact_url(u) for u in urls]}")
     return urls
-
-
-def normalise_url(item: object, source: str) -> str:
-    if not isinstance(item, str | httpx.URL):
-        raise PDConfigError(f"{source}: expected a URL string, got {type(item).__name__}")
-    try:
-        url = httpx.URL(str(item).strip())
-    except httpx.InvalidURL as exc:
-        raise PDConfigError(f"{source}: invalid URL {redact_url(str(item))!r}: {redact_url(str(exc))}") from None
-    if url.scheme not in ("http", "https") or not url.host:
-        raise PDConfigError(f"{source}: {redact_url(str(item))!r} is not an http(s) URL with a host")
-    return str(url).rstrip("/")
 
 
 class AllEndpointsOpen(PDError):
@@ -100,9 +78,9 @@ class Endpoint:
         """When ``url`` holds one address of a DNS name (discovery): the name, for the Host header and TLS SNI."""
         self.in_flight = 0
         self.load: LoadSample | None = None
-        """The server's own load as its last /metrics scrape said (``_load.LoadScraper`` writes it)."""
+        """The server's own load as its last /metrics scrape said (``fleet._load.LoadScraper`` writes it)."""
         self.latency = PeakEWMA(clock=clock)
-        """How fast it answered this process's calls (``Leg.answered`` feeds it; see ``_latency``)."""
+        """How fast it answered this process's calls (``Leg.answered`` feeds it; see ``pools._latency``)."""
         self._breaker = breaker
         self._clock = clock
         self._failures = 0
@@ -197,19 +175,16 @@ class EndpointPool:
             )
             added = [e for e in endpoints if e.url not in current]
             removed = [e for e in self.endpoints if e.url not in wanted]
-            self.endpoints = endpoints  # one assignment: pick() sees the old or the new tuple
+            self.endpoints = endpoints  # one assignment: decide() sees the old or the new tuple
         on_removed = getattr(self.policy, "on_removed", None)
         if on_removed is not None:
             for endpoint in removed:
                 on_removed(endpoint)
         return added, removed
 
-    def pick(self, request: RouteRequest, avoid: Sequence[Endpoint] = ()) -> Endpoint:
-        """An admitted endpoint chosen by the pool's policy, preferring ones not in ``avoid`` (tried by this call)."""
-        return route(self, self.policy, request, avoid)
-
     def decide(self, request: RouteRequest, avoid: Sequence[Endpoint] = ()) -> RouteDecision:
-        """``pick``, with the policy's reason."""
+        """An admitted endpoint chosen by the pool's policy (preferring ones not in ``avoid``, tried
+        by this call), with the policy's reason."""
         return route_decision(self, self.policy, request, avoid)
 
     def candidates(self, avoid: Sequence[Endpoint] = ()) -> list[Endpoint]:
@@ -230,15 +205,11 @@ class EndpointPool:
         return None
 
 
-def route(pool: EndpointPool, policy: RoutingPolicy, request: RouteRequest, avoid: Sequence[Endpoint] = ()) -> Endpoint:
-    """Choose among the pool's candidates with ``policy``, then tell the policy (its optional ``on_routed``)."""
-    return route_decision(pool, policy, request, avoid).endpoint
-
-
 def route_decision(
     pool: EndpointPool, policy: RoutingPolicy, request: RouteRequest, avoid: Sequence[Endpoint] = ()
 ) -> RouteDecision:
-    """``route``, with the policy's reason."""
+    """Choose among the pool's candidates with ``policy``, then tell the policy (its optional
+    ``on_routed``); the choice with its reason."""
     decision = decide(policy, pool.candidates(avoid), request)
     on_routed = getattr(policy, "on_routed", None)
     if on_routed is not None:

@@ -1,7 +1,7 @@
 """Token-exact decode migration (issue 15): a decode stream cut mid-answer continues elsewhere.
 
 The decisions and the bytes, no I/O (the streams that send the continuation are in
-``_migrate_stream``). One ``CallMigration`` per P/D call, made when its decode body is built:
+``transport._migrating_stream``). One ``CallMigration`` per P/D call, made when its decode body is built:
 
 - **arming** (``arm``): a call can move only if its prompt ids are known, the pool has
   another decode endpoint, ``max_decode_migrations`` > 0, and nothing in the request makes
@@ -49,13 +49,13 @@ import httpx
 import msgspec
 import orjson
 
-from . import _wire as wire
-from ._endpoints import AllEndpointsOpen, Endpoint
-from ._routing import RouteRequest
-from ._trace import Migration
+from .._trace import Migration
+from ..pools import AllEndpointsOpen, Endpoint
+from ..routing import RouteRequest
+from ..wire import _bodies as wire
 
 if TYPE_CHECKING:
-    from ._call import Call, Leg
+    from ..handoff import Call, Leg
 
 REMOTE_PREFILL_MIN_TOKENS = 1024
 """A continuation whose prompt (the call's prompt plus the answer so far) has at least this

@@ -35,22 +35,18 @@ import httpx
 import openai
 import orjson
 
-from . import _migrate as migrate
-from . import _retry as retry
-from . import _usage as usage
-from . import _wire as wire
-from ._background import Fetch
-from ._conversations import SHAPE_FIELDS, AnswerCollector, Decision, Estimate, Match, Reason, decide
-from ._discovery import request_overrides
-from ._endpoints import AllEndpointsOpen, Endpoint, EndpointPool, redact_url
-from ._fleet import Fleet
-from ._observe import Observers
-from ._options import CALL_OPTIONS_KEY, PREFILL_FAILURE_POLICIES, PDOptions, call_override_refusal
-from ._prefix_index import plan_text
-from ._routing import TENANT_EXTENSION, RouteDecision, RouteRequest
-from ._signing import SIGNATURE_HEADER, signature
-from ._trace import HEADER_PREFIX, Outcome, PDTrace
-from ._warm import WARM_UP_TIMEOUT
+from .._observe import Observers
+from .._options import PDOptions, call_override_refusal
+from .._trace import HEADER_PREFIX, Outcome, PDTrace
+from ..conversations import SHAPE_FIELDS, AnswerCollector, Decision, Estimate, Match, Reason, decide
+from ..fleet import WARM_UP_TIMEOUT, Fetch, Fleet, request_overrides
+from ..migration import _core as migrate
+from ..pools import AllEndpointsOpen, Endpoint, EndpointPool
+from ..pools import _retry as retry
+from ..routing import TENANT_EXTENSION, RouteDecision, RouteRequest, plan_text
+from ..wire import CALL_OPTIONS_KEY, PREFILL_FAILURE_POLICIES, SIGNATURE_HEADER, redact_url, signature
+from ..wire import _bodies as wire
+from ..wire import _usage as usage
 
 logger = logging.getLogger("pdclient")
 
@@ -273,13 +269,13 @@ class Call:
         self._decode_body: bytes | None = None
         self._prompt_text: str | None = None
         self.migration: migrate.CallMigration | None = None
-        """Whether and how the decode stream may move to another endpoint (issue 15, ``_migrate``)."""
+        """Whether and how the decode stream may move to another endpoint (issue 15, ``migration._core``)."""
         self.decision: Decision | None = None
         """Whether the call gets a remote prefill, and why (``remote_prefill``; issue 11)."""
         self.warm_up_url: str | None = None
-        """The prefill endpoint this decode-only call's prompt was queued to (``_warm``)."""
+        """The prefill endpoint this decode-only call's prompt was queued to (``fleet._warm``)."""
         self.usage_merge: usage.UsageMerge | None = None
-        """The caller's usage made of both legs' (``_usage``): set with the decode's response."""
+        """The caller's usage made of both legs' (``wire._usage``): set with the decode's response."""
         self.collector: AnswerCollector | None = None
         """The answer the caller receives, kept to remember the turn (chat, ``remote_prefill`` not ``always``)."""
         self._conversation: dict[str, Any] | None = None
@@ -398,7 +394,7 @@ class Call:
 
     def _warm_prefill(self) -> None:
         """Queue this decode-only call's prompt for the prefill endpoint its conversation's
-        P/D turns are routed to, so that a later one prefills only what is new (``_warm``)."""
+        P/D turns are routed to, so that a later one prefills only what is new (``fleet._warm``)."""
         assert self.plan is not None
         try:
             endpoint = self.context.fleet.prefill.decide(self._route("prefill")).endpoint

@@ -1,0 +1,14 @@
+"""One call: ``Call`` (plan, phase, legs, outcome, trace) and ``Leg``."""
+
+from ._call import CALL_RECORD, Call, CallContext, HandoffInstead, Leg, leg_url, new_request_id, request_with_content
+
+__all__ = [
+    "CALL_RECORD",
+    "Call",
+    "CallContext",
+    "HandoffInstead",
+    "Leg",
+    "leg_url",
+    "new_request_id",
+    "request_with_content",
+]

@@ -1,0 +1,14 @@
+"""Decode migration without I/O: whether a call may move, the SSE tracker, the continuation's
+bodies and route."""
+
+from ._core import Assembler, CallMigration, CannotAssemble, CannotMove, Continuation, Route, Tracker
+
+__all__ = [
+    "Assembler",
+    "CallMigration",
+    "CannotAssemble",
+    "CannotMove",
+    "Continuation",
+    "Route",
+    "Tracker",
+]

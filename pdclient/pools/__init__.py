@@ -1,0 +1,33 @@
+"""The endpoints of each leg: ``EndpointPool``, ``Endpoint`` (breaker, in-flight count, latency
+estimate), URL handling, and the retry decisions per leg."""
+
+from ._endpoints import (
+    DECODE_ENV,
+    PREFILL_ENV,
+    AllEndpointsOpen,
+    BreakerSettings,
+    Endpoint,
+    EndpointPool,
+    URLArg,
+    resolve_urls,
+    route_decision,
+)
+from ._latency import PeakEWMA
+from ._retry import RetrySettings, counts_against_server, is_transient_status, retry_after_seconds
+
+__all__ = [
+    "AllEndpointsOpen",
+    "BreakerSettings",
+    "DECODE_ENV",
+    "Endpoint",
+    "EndpointPool",
+    "PREFILL_ENV",
+    "PeakEWMA",
+    "RetrySettings",
+    "URLArg",
+    "counts_against_server",
+    "is_transient_status",
+    "resolve_urls",
+    "retry_after_seconds",
+    "route_decision",
+]

@@ -1,0 +1,31 @@
+"""Which endpoint takes a leg: the ``RoutingPolicy`` protocol and its records, one module per
+policy, and the registry of the names ``routing=`` takes."""
+
+from ._cache_aware import DEFAULT_MAX_CHARS, CacheAware, PrefixIndex, plan_text, prompt_text
+from ._load_aware import LoadAware
+from ._policy import TENANT_EXTENSION, RouteDecision, RouteRequest, RoutingPolicy, decide
+from ._registry import POLICIES, PREFILL_ONLY, legs_of, make_policy, wants_load_signals
+from ._simple import Affinity, LeastOutstanding, PowerOfTwoChoices, RoundRobin
+
+__all__ = [
+    "Affinity",
+    "CacheAware",
+    "DEFAULT_MAX_CHARS",
+    "LeastOutstanding",
+    "LoadAware",
+    "POLICIES",
+    "PREFILL_ONLY",
+    "PowerOfTwoChoices",
+    "PrefixIndex",
+    "RoundRobin",
+    "RouteDecision",
+    "RouteRequest",
+    "RoutingPolicy",
+    "TENANT_EXTENSION",
+    "decide",
+    "legs_of",
+    "make_policy",
+    "plan_text",
+    "prompt_text",
+    "wants_load_signals",
+]

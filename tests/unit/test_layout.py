@@ -1,0 +1,126 @@
+"""The package's layout: no runtime import cycle among pdclient's modules, a small top level.
+
+The import graph is read from the source with ``ast``: every import a module runs,
+function-local ones included (they run on the first call and can close a cycle then);
+imports under ``if TYPE_CHECKING:`` are left out (they never run). ``from P import n``
+is an edge to ``P`` and, when ``n`` is a submodule, to ``P.n`` (``from . import _x`` in a
+module of ``P`` is an edge to ``P._x`` only: ``P`` is already importing). The layers
+themselves are the import-linter contract in pyproject.toml (``make lint``).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pdclient
+
+PACKAGE = Path(pdclient.__file__).parent
+MAX_TOP_LEVEL_MODULES = 12
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def runtime_imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement that can run: anywhere, except in a TYPE_CHECKING block."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            yield node
+        elif isinstance(node, ast.If) and _is_type_checking(node.test):
+            yield from runtime_imports(ast.Module(body=node.orelse, type_ignores=[]))
+        else:
+            yield from runtime_imports(node)
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {name: set() for name in files}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in runtime_imports(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    target = ".".join([*base, node.module] if node.module else base)
+                else:
+                    target = node.module or ""
+                submodules = [f"{target}.{alias.name}" for alias in node.names]
+                only_submodules = all(s in files for s in submodules)
+                ancestor = name == target or name.startswith(target + ".")
+                targets = submodules if only_submodules and ancestor else [target, *submodules]
+            graph[name].update(t for t in targets if t in files and t != name)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for succ in sorted(graph[node]):
+            if succ not in index:
+                visit(succ)
+                low[node] = min(low[node], low[succ])
+            elif succ in on_stack:
+                low[node] = min(low[node], index[succ])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_runtime_import_cycle() -> None:
+    graph = import_graph()
+    assert len(graph) > 20, "the graph should hold every module"
+    assert cycles(graph) == []
+
+
+def test_the_graph_sees_function_local_imports_and_skips_type_checking_ones() -> None:
+    graph = import_graph()
+    assert "pdclient.serve._app" in graph["pdclient.serve._run"], "run() imports the app inside the function"
+    assert not any(m.startswith("pdclient.handoff") for m in graph["pdclient.migration._core"]), "TYPE_CHECKING only"
+
+
+def test_the_top_level_holds_the_public_types_and_entry_points() -> None:
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL_MODULES, top
+
+
+if __name__ == "__main__":  # python tests/unit/test_layout.py: the cycles, with their edges
+    graph = import_graph()
+    for component in cycles(graph):
+        print(" <-> ".join(component))
+        for module in component:
+            print("   ", module, "->", ", ".join(sorted(graph[module] & set(component))))
