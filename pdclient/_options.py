@@ -153,8 +153,8 @@ class PDOptions:
     """Whether a chat or completions call gets a remote prefill: ``"auto"`` (the default): a
     chat call that extends a conversation the client remembers goes decode-only to the
     decode endpoint that answered its previous turn when few of its tokens are not in that
-    server's prefix cache, every other call is a P/D handoff (``conversations``; issue 11);
-    ``"always"`` (every call is a P/D handoff, its behaviour before issue 11: no memory, no
+    server's prefix cache, every other call is a P/D handoff (``conversations``);
+    ``"always"`` (every call is a P/D handoff, pdclient's first behaviour: no memory, no
     warm-ups) or ``"never"`` (every call goes decode-only, as the caller sent it)."""
     conversations: ConversationSettings = field(default_factory=ConversationSettings)
     """How ``"auto"`` decides (``threshold_tokens``, ``max_uncached_ratio``) and how the

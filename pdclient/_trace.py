@@ -39,7 +39,7 @@ class Outcome(str, enum.Enum):
 
 
 class Migration(BaseModel):
-    """One move of a call's decode stream to another decode endpoint after it broke (issue 15)."""
+    """One move of a call's decode stream to another decode endpoint after it broke."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -105,8 +105,9 @@ class PDTrace(BaseModel):
     None for calls that are never split (refused before planning, pass-through)."""
     remote_prefill_reason: str | None = None
     """Why, machine-readable: ``mode_always``, ``mode_never``, ``no_estimate`` (not a chat
-    call), ``uncached_at_or_above_threshold``, ``uncached_ratio_at_or_above``,
-    ``mostly_cached`` (``conversations._memory.Reason``)."""
+    call), ``uncached_at_or_above_threshold``, ``uncached_ratio_at_or_above``, ``adds_media``
+    (the turn adds an image, audio, a file: only the server's encoder knows its tokens),
+    ``mostly_cached`` (``conversations.Reason``)."""
     conversation: str | None = None
     """How an ``auto`` chat call related to the conversation remembered under its key:
     ``extends_answer``, ``extends_prompt``, ``unknown``, ``edited``, ``reshaped``,

@@ -1,6 +1,6 @@
 """Conversations: what a decode server already holds of a call's prompt, and whether to skip the prefill.
 
-Pure (no I/O, no clock) and thread-safe; the transport feeds it and asks it (issue 11).
+Pure (no I/O, no clock) and thread-safe; the transport feeds it and asks it.
 
 A chat call that continues a conversation resends the previous turn's messages, the answer
 the decode server streamed, and a short new message. The decode server that answered the
@@ -9,7 +9,7 @@ only the new tokens, where a second P/D handoff would prefill the answer and the
 message again on the prefill server (which never saw the answer) and move the KV.
 
 What the decode server holds, measured on vLLM 0.32 (two CPU servers, NIXL, SmolLM2;
-benchmarks/CONVERSATIONS.md has the figures):
+docs/conversations.md has the figures):
 
 - whole blocks only: ``block_size`` tokens (128 on CPU, 16 by default on GPU);
 - after a decode-only turn, the prompt and the answer's tokens but the last one (the
@@ -199,7 +199,7 @@ class Decision:
 def decide(mode: str, estimate: Estimate | None, settings: ConversationSettings) -> Decision:
     """Whether a call gets a remote prefill.
 
-    ``always``: every call (pdclient's behaviour before issue 11). ``never``: none, every
+    ``always``: every call (pdclient's behaviour before conversations were remembered). ``never``: none, every
     call decode-only. ``auto``: decode-only when the uncached tokens are fewer than
     ``threshold_tokens`` and less than ``max_uncached_ratio`` of the prompt, as Dynamo's
     conditional disaggregation does (both conditions); llm-d's prefix-based decider and

@@ -4,7 +4,7 @@
 of it. The prefill server then never sees that turn: the next turn that does go through
 P/D (a long tool output, a pasted document) would have it prefill every skipped turn
 again, and be slower than with ``"always"`` (measured: 1.5-1.7 times the TTFT on the real
-pair, benchmarks/CONVERSATIONS.md). So each decode-only call by decision also queues its
+pair, docs/conversations.md). So each decode-only call by decision also queues its
 prompt, as a plain one-token call (no ``kv_transfer_params``: nothing is held for a
 decode), for the prefill endpoint the conversation's P/D turns are routed to; its prefix
 cache keeps up as it does under ``"always"``, and the caller waits for none of it.

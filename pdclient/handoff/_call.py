@@ -269,9 +269,9 @@ class Call:
         self._decode_body: bytes | None = None
         self._prompt_text: str | None = None
         self.migration: migrate.CallMigration | None = None
-        """Whether and how the decode stream may move to another endpoint (issue 15, ``migration._core``)."""
+        """Whether and how the decode stream may move to another endpoint (``migration._core``)."""
         self.decision: Decision | None = None
-        """Whether the call gets a remote prefill, and why (``remote_prefill``; issue 11)."""
+        """Whether the call gets a remote prefill, and why (``remote_prefill``)."""
         self.warm_up_url: str | None = None
         """The prefill endpoint this decode-only call's prompt was queued to (``fleet._warm``)."""
         self.usage_merge: usage.UsageMerge | None = None

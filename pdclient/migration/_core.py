@@ -1,4 +1,4 @@
-"""Token-exact decode migration (issue 15): a decode stream cut mid-answer continues elsewhere.
+"""Token-exact decode migration: a decode stream cut mid-answer continues elsewhere.
 
 The decisions and the bytes, no I/O (the streams that send the continuation are in
 ``transport._migrating_stream``). One ``CallMigration`` per P/D call, made when its decode body is built:

@@ -51,7 +51,7 @@ class LoadAware:
     avoided competes again by its counts alone. This is the cost of Finagle's and tower's
     ``PeakEwma`` balancers, latency x (outstanding + 1), relative to the pool (measured,
     bench_fleet.py (a): p99 0.85x least-outstanding's on a slow server that the counts
-    alone cannot tell, 1.00x; see the README).
+    alone cannot tell, 1.00x; see docs/fleet.md).
 
     Defaults: a server's load is its outstanding requests, queued or running, as the
     SGLang / vllm-router ``cache_aware`` balancer counts a worker's load; the two weights
