@@ -5,7 +5,8 @@ transports only move bytes (send a leg, read a body, retry, sleep) and differ by
 ``await``. Observers see the call and its legs through ``CallView`` / ``LegView``.
 
     PLANNING --refused--> ENDED                   (400, no server called)
-        |  '--no decode endpoint admitted--> ENDED (503 and no prefill; or on to the fallback URL)
+        |  |--no decode endpoint admitted--> ENDED (503 and no prefill; or on to the fallback URL)
+        |  '--remote_prefill says decode-only--> DECODE
         v
     PREFILL --fails, policy "fail"--> ENDED       (the prefill's error, or 502/503)
         |  (ok, or failed with policy "decode" / a fallback URL)
@@ -14,6 +15,8 @@ transports only move bytes (send a leg, read a body, retry, sleep) and differ by
         |  '--decode-only, its conversation's endpoint out of reach--> PREFILL (a handoff after all)
         v
     STREAMING --body closed--> ENDED              (whole, abandoned by the caller, or broken)
+        |  '--finished answer cut--> ENDED        (ended as the server ended it, never moved)
+        '--broke mid-answer, may move--> DECODE   (a continuation on another endpoint, same body)
 
 Pass-through requests go straight to DECODE with their body as sent, once checked for a
 ``kv_transfer_params`` (a multipart upload is checked as it streams, never read whole).
