@@ -13,9 +13,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
+from .wire import TRACE_HEADER_PREFIX as HEADER_PREFIX
 from .wire import redact_url
-
-HEADER_PREFIX = "x-pd-"
 
 
 class Outcome(str, enum.Enum):

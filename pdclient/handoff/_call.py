@@ -40,14 +40,22 @@ import orjson
 
 from .._observe import Observers
 from .._options import PDOptions, call_override_refusal
-from .._trace import HEADER_PREFIX, Outcome, PDTrace
+from .._trace import Outcome, PDTrace
 from ..conversations import SHAPE_FIELDS, AnswerCollector, Decision, Estimate, Match, Reason, decide
 from ..fleet import WARM_UP_TIMEOUT, Fetch, Fleet, request_overrides
 from ..migration import _core as migrate
 from ..pools import AllEndpointsOpen, Endpoint, EndpointPool
 from ..pools import _retry as retry
 from ..routing import TENANT_EXTENSION, RouteDecision, RouteRequest, plan_text
-from ..wire import CALL_OPTIONS_KEY, PREFILL_FAILURE_POLICIES, SIGNATURE_HEADER, redact_url, signature
+from ..wire import (
+    CALL_OPTIONS_KEY,
+    HOP_BY_HOP,
+    PREFILL_FAILURE_POLICIES,
+    RAW_TRACE_HEADER_PREFIX,
+    SIGNATURE_HEADER,
+    redact_url,
+    signature,
+)
 from ..wire import _bodies as wire
 from ..wire import _usage as usage
 
@@ -59,14 +67,13 @@ program that logs each call itself (``pdclient serve``) filters these out."""
 
 # Hop-by-hop or derived headers that must not be copied onto a leg's new request (the
 # request id is set anew, as the call's).
-_DROPPED_REQUEST_HEADERS = frozenset({b"host", b"content-length", b"transfer-encoding", b"connection", b"x-request-id"})
+_DROPPED_REQUEST_HEADERS = HOP_BY_HOP | {b"host", b"content-length", b"x-request-id"}
 # How the caller framed its body: kept when its body stream goes on unread (a leg without
 # them would declare no body, and h11 refuses to send one).
 _BODY_FRAMING = frozenset({b"content-length", b"transfer-encoding"})
 _CONTENT_LENGTH = frozenset({b"content-length"})
 _READ_BODY_FRAMING = frozenset({b"content-length", b"content-encoding", b"transfer-encoding"})
 _METHODS_WITH_BODY = frozenset({"POST", "PUT", "PATCH"})  # httpx declares even an empty one
-_RAW_HEADER_PREFIX = HEADER_PREFIX.encode("ascii")
 # The one-token decode that frees an abandoned handoff's KV: bounded, so a caller that
 # is going away (Ctrl-C, a cancelled task) waits at most this long for it.
 RELEASE_TIMEOUT = 10.0
@@ -925,7 +932,9 @@ def _without_trace_headers(headers: httpx.Headers, dropped: Collection[bytes] = 
     # As raw bytes: a value beyond ASCII passes as it came (as str, httpx would encode it as
     # ASCII), and one pass over the list (httpx's Headers.update and pop scan it per name).
     return [
-        (k, v) for k, v in headers.raw if not (name := k.lower()).startswith(_RAW_HEADER_PREFIX) and name not in dropped
+        (k, v)
+        for k, v in headers.raw
+        if not (name := k.lower()).startswith(RAW_TRACE_HEADER_PREFIX) and name not in dropped
     ]
 
 

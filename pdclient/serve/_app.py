@@ -53,7 +53,7 @@ from ..metrics import BuildInfo, PrometheusObserver, WithoutCreated
 from ..pools import AllEndpointsOpen, Endpoint
 from ..routing import TENANT_EXTENSION
 from ..transport import ends_event_stream  # where a decode body ends
-from ..wire import redact_url
+from ..wire import FAILED_LEG_HEADER, HOP_BY_HOP, RAW_TRACE_HEADER_PREFIX, redact_url
 from ._config import CONFIG_ENV, MULTIPROC_ENV, ServeConfig
 from ._legs import AiohttpTransport
 from ._logging import CallLog
@@ -67,18 +67,11 @@ _API_PREFIX_BYTES = API_PREFIX.encode("ascii") + b"/"
 _PATH_SAFE = "/:@!$&'()*+,;="
 
 # Not copied from the caller to the servers: hop-by-hop, recomputed, or the caller's key.
-_DROPPED_REQUEST_HEADERS = frozenset(
-    {b"host", b"content-length", b"transfer-encoding", b"connection", b"keep-alive", b"te", b"upgrade", b"trailer",
-     b"proxy-authorization", b"proxy-connection", b"authorization", b"x-request-id"}
-)  # fmt: skip
+_DROPPED_REQUEST_HEADERS = HOP_BY_HOP | {b"host", b"content-length", b"authorization", b"x-request-id"}
 # Not copied from the servers to the caller: hop-by-hop, or set by our own HTTP server.
-_DROPPED_RESPONSE_HEADERS = frozenset(
-    {b"transfer-encoding", b"connection", b"keep-alive", b"te", b"upgrade", b"trailer", b"proxy-connection", b"server",
-     b"date"}
-)  # fmt: skip
+_DROPPED_RESPONSE_HEADERS = HOP_BY_HOP | {b"server", b"date"}
 _PROXIED_METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS")
-_TRACE_HEADER_PREFIX = b"x-pd-"
-_FAILED_LEG_HEADER = b"x-pd-failed-leg"
+_FAILED_LEG_HEADER = FAILED_LEG_HEADER.encode("ascii")
 LEG_ERRORS = "pdclient.serve.leg_errors"
 """The upstream request's extension where ``LegErrors`` keeps each leg's last failure."""
 
@@ -131,7 +124,7 @@ def upstream_path(raw_path: bytes) -> str | None:
 def _is_own_error(response: httpx.Response) -> bool:
     """Whether ``response`` is pdclient's error for a failed leg, not a server's answer: its
     message holds the failure's text, which may name the server."""
-    if response.status_code < 500 or response.headers.get("x-pd-failed-leg") not in ("prefill", "decode"):
+    if response.status_code < 500 or response.headers.get(FAILED_LEG_HEADER) not in ("prefill", "decode"):
         return False
     if not isinstance(response.stream, httpx.ByteStream):  # a server's answer, streamed: passed on as it comes
         return False
@@ -357,7 +350,11 @@ class Proxy:
             name = raw_name.lower()
             if name in _DROPPED_RESPONSE_HEADERS or name == b"x-request-id":
                 continue
-            if name.startswith(_TRACE_HEADER_PREFIX) and name != _FAILED_LEG_HEADER and not self.config.trace_headers:
+            if (
+                name.startswith(RAW_TRACE_HEADER_PREFIX)
+                and name != _FAILED_LEG_HEADER
+                and not self.config.trace_headers
+            ):
                 continue
             headers.append((name, value))
         headers.append((b"x-request-id", request_id.encode("latin-1")))
@@ -482,7 +479,7 @@ class _ProxiedResponse(Response):
 
     def _own_error(self, response: httpx.Response) -> tuple[str, str]:
         """The failed leg of an ``_is_own_error`` response, and how it failed."""
-        leg = response.headers["x-pd-failed-leg"]
+        leg = response.headers[FAILED_LEG_HEADER]
         if response.status_code == 503:  # pdclient's answer when no endpoint is admitted
             kind = failure_kind(AllEndpointsOpen())
         else:
@@ -663,7 +660,7 @@ def startup_summary(proxy: Proxy) -> str:
 
 
 # The headers a browser page may read from an answer, beyond the CORS-safelisted ones.
-_EXPOSED_HEADERS = ("x-request-id", "x-pd-failed-leg")
+_EXPOSED_HEADERS = ("x-request-id", FAILED_LEG_HEADER)
 
 
 class ProxyApp(Starlette):

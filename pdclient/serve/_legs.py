@@ -43,10 +43,11 @@ from aiohttp.helpers import get_env_proxy_for_url
 from yarl import URL
 
 from ..transport._leg_client import _with_url_auth  # the clients' rule, so both send the same
+from ..wire import HOP_BY_HOP
 
 _SENDING = "http11.send_request_headers.started"
-# Hop-by-hop, or computed by aiohttp for the body it sends.
-_DROPPED = (b"transfer-encoding", b"connection", b"keep-alive")
+# Hop-by-hop (aiohttp frames the body it sends itself).
+_DROPPED = HOP_BY_HOP
 
 Trace = Callable[[str, dict[str, Any]], Awaitable[None]]
 

@@ -31,10 +31,15 @@ from ._call_options import (
     normalise_url,
     redact_url,
 )
+from ._headers import FAILED_LEG_HEADER, HOP_BY_HOP, RAW_TRACE_HEADER_PREFIX, TRACE_HEADER_PREFIX
 from ._signing import DEFAULT_TTL, SECRET_ENV, SIGNATURE_HEADER, signature
 from ._usage import UsageMerge, merge_usage, merge_usage_json, merge_usage_sse, prefill_usage
 
 __all__ = [
+    "FAILED_LEG_HEADER",
+    "HOP_BY_HOP",
+    "RAW_TRACE_HEADER_PREFIX",
+    "TRACE_HEADER_PREFIX",
     "CALL_OPTIONS_KEY",
     "CallOptions",
     "DEFAULT_TTL",
