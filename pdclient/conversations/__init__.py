@@ -11,6 +11,7 @@ from ._memory import (
     Estimate,
     Match,
     Reason,
+    adds_media,
     decide,
     rendered_chars,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "Match",
     "Reason",
     "SHAPE_FIELDS",
+    "adds_media",
     "decide",
     "rendered_chars",
 ]

@@ -56,7 +56,7 @@ from typing import Any
 import orjson
 
 from .._errors import PDConfigError
-from ..wire import REMOTE_PREFILL_MODES
+from ..wire import REMOTE_PREFILL_MODES, has_media
 
 # Request fields besides the messages that change the rendered prompt (or may, depending on
 # the server's flags): a call whose value differs from the previous turn's starts afresh.
@@ -77,7 +77,10 @@ _SHAPE_FIELDS = (
 SHAPE_FIELDS = _SHAPE_FIELDS
 """The request fields besides ``messages`` that ``ConversationMemory`` reads of a call."""
 _ANSWER_KEYS = frozenset({"role", "content", "tool_calls"})
-_TEXT_PART_TYPES = frozenset({"text", "input_text", "output_text"})
+# A one-part content of these types is the same message as its text as a plain string
+# (how an answer comes back and how the caller may send it again); a narrower question
+# than whether a part is text at all (``wire.is_text_part``).
+_STRING_EQUIVALENT_PART_TYPES = frozenset({"text", "input_text", "output_text"})
 _DIGEST_SIZE = 16
 
 
@@ -255,35 +258,17 @@ def _text_of(content: object) -> str | None:
         return content
     if isinstance(content, list) and len(content) == 1 and isinstance(content[0], dict):
         part = content[0]
-        if part.get("type") in _TEXT_PART_TYPES and isinstance(part.get("text"), str):
+        if part.get("type") in _STRING_EQUIVALENT_PART_TYPES and isinstance(part.get("text"), str):
             return str(part["text"])
     return None
 
 
-_PLAIN_PART_TYPES = _TEXT_PART_TYPES | {"refusal"}
-"""Content part types a chat template renders as text; any other part is media."""
-
-
-def _is_media(part: object) -> bool:
-    """Whether a content part is something the server encodes itself (an image, audio, video,
-    a file, ...). Unsure is media: a handoff costs little more than a decode-only call, while
-    an image on the decode server costs its whole encoding there."""
-    if isinstance(part, str):
-        return False
-    if not isinstance(part, dict):
-        return True
-    if "type" in part:
-        return part["type"] not in _PLAIN_PART_TYPES
-    return set(part) != {"text"}  # vLLM reads a part without a type by its keys
-
-
 def adds_media(messages: Sequence[object]) -> bool:
-    """Whether any of ``messages`` has a content part other than text."""
-    for message in messages:
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, list) and any(_is_media(part) for part in content):
-            return True
-    return False
+    """Whether any of ``messages`` has a content part other than text (``wire.is_text_part``):
+    something the server encodes itself, an image, audio, video, a file. Unsure is media: a
+    handoff costs little more than a decode-only call, while an image on the decode server
+    costs its whole encoding there."""
+    return has_media(list(messages))
 
 
 def _answer_digest(content: str | None, tool_calls: Sequence[Mapping[str, Any]]) -> bytes:

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from .._errors import PDConfigError
+from ..wire import is_text_part
 from ._load_aware import LoadAware
 from ._policy import RouteDecision, RouteRequest, rendezvous
 
@@ -74,7 +75,7 @@ def prompt_text(body: Mapping[str, Any]) -> str | None:
                 parts.append(content)
             elif isinstance(content, list):
                 for part in content:
-                    if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                    if is_text_part(part) and isinstance(part, dict) and isinstance(part.get("text"), str):
                         parts.append(part["text"])
                     else:
                         digest = hashlib.blake2b(json.dumps(part, sort_keys=True, default=str).encode(), digest_size=8)

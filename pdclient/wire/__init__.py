@@ -32,10 +32,14 @@ from ._call_options import (
     redact_url,
 )
 from ._headers import FAILED_LEG_HEADER, HOP_BY_HOP, RAW_TRACE_HEADER_PREFIX, TRACE_HEADER_PREFIX
+from ._parts import TEXT_PART_TYPES, has_media, is_text_part
 from ._signing import DEFAULT_TTL, SECRET_ENV, SIGNATURE_HEADER, signature
 from ._usage import UsageMerge, merge_usage, merge_usage_json, merge_usage_sse, prefill_usage
 
 __all__ = [
+    "TEXT_PART_TYPES",
+    "has_media",
+    "is_text_part",
     "FAILED_LEG_HEADER",
     "HOP_BY_HOP",
     "RAW_TRACE_HEADER_PREFIX",

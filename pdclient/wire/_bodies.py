@@ -33,6 +33,7 @@ import orjson
 
 from .._errors import PDConfigError
 from ._call_options import CALL_OPTIONS_KEY, CallOptions, parse_call_options
+from ._parts import has_media
 
 # What the prefill leg asks of the KV connector: keep the blocks for a remote decode.
 PREFILL_KV_TRANSFER_PARAMS: Mapping[str, Any] = {
@@ -45,10 +46,6 @@ PREFILL_KV_TRANSFER_PARAMS: Mapping[str, Any] = {
 }
 _PREFILL_KV_RAW = msgspec.Raw(orjson.dumps(PREFILL_KV_TRANSFER_PARAMS))
 _TRUE, _FALSE, _ONE = msgspec.Raw(b"true"), msgspec.Raw(b"false"), msgspec.Raw(b"1")
-
-# Content part types vLLM renders as plain text; any other part is media that the
-# decode server must render itself (its placeholder tokens depend on the processor).
-_TEXT_PART_TYPES = frozenset({"text", "input_text", "output_text", "refusal", "thinking", "reasoning"})
 
 Fields = dict[str, msgspec.Raw]
 _fields_decoder = msgspec.json.Decoder(Fields)
@@ -284,7 +281,7 @@ def plan_call(kind: Kind, content: bytes, tenant: str | None = None) -> Plan:
             )
     if echo:
         ids_skipped: str | None = "echo"
-    elif kind is Kind.CHAT and _has_media(messages):
+    elif kind is Kind.CHAT and has_media(messages):
         ids_skipped = "media"
     elif not options.forward_ids:
         ids_skipped = "forward_ids off"
@@ -308,18 +305,6 @@ def _is_token_list(value: object) -> bool:
 
 def _is_single_item_batch(value: object) -> bool:
     return isinstance(value, list) and len(value) == 1 and (isinstance(value[0], str) or _is_token_list(value[0]))
-
-
-def _has_media(messages: object) -> bool:
-    if not isinstance(messages, list):
-        return False
-    for message in messages:
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, list):
-            for part in content:
-                if isinstance(part, dict) and part.get("type") not in _TEXT_PART_TYPES:
-                    return True
-    return False
 
 
 def affinity_key(
