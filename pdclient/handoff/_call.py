@@ -30,7 +30,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Collection, Iterator
+from collections.abc import AsyncIterator, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -167,10 +167,12 @@ class Leg:
         self.status: int | None = None
         self._open = False
 
-    def pick(self, route: RouteRequest) -> str:
-        """An admitted endpoint this call has not tried yet if any; raises ``AllEndpointsOpen``."""
+    def pick(self, route: RouteRequest, exclude: Sequence[Endpoint] = ()) -> str:
+        """An admitted endpoint this call has not tried yet if any, never one in ``exclude``
+        (those a moved stream broke on); raises ``AllEndpointsOpen``. The one way a leg takes
+        a routed endpoint: the policy's ``on_routed``, the trace and the metrics all see it."""
         assert self.pool is not None
-        self.decision = self.pool.decide(route, avoid=self.tried)
+        self.decision = self.pool.decide(route, avoid=self.tried, exclude=exclude)
         endpoint = self.decision.endpoint
         endpoint.acquire()
         self.endpoint = endpoint

@@ -50,12 +50,12 @@ import msgspec
 import orjson
 
 from .._trace import Migration
-from ..pools import AllEndpointsOpen, Endpoint
+from ..pools import Endpoint
 from ..routing import RouteRequest
 from ..wire import _bodies as wire
 
 if TYPE_CHECKING:
-    from ..handoff import Call, Leg
+    from ..handoff import Call
 
 REMOTE_PREFILL_MIN_TOKENS = 1024
 """A continuation whose prompt (the call's prompt plus the answer so far) has at least this
@@ -321,8 +321,11 @@ class CallMigration:
             return "no other decode endpoint is admitted"
         return None
 
+    def _broken_endpoints(self, call: Call) -> list[Endpoint]:
+        return [*self._broken, *([call.decode.endpoint] if call.decode.endpoint is not None else [])]
+
     def _others(self, call: Call) -> list[Endpoint]:
-        broken = [*self._broken, call.decode.endpoint]
+        broken = self._broken_endpoints(call)
         return [e for e in call.context.fleet.decode.endpoints if e.admits() and e not in broken]
 
     def begin(self, call: Call, cause: str) -> Continuation:
@@ -396,7 +399,7 @@ class CallMigration:
         assert continuation is not None
         leg = call.decode
         route = RouteRequest(leg="decode", affinity_key=self.plan.affinity_key, tenant=self.plan.tenant)
-        _pick_from(leg, self._others(call), route)
+        leg.pick(route, exclude=self._broken_endpoints(call))
         body = continuation.decode_body()
         request = call._leg_request(leg.url, body, call._sign(leg.url, body))
         request.headers["x-request-id"] = continuation.request_id
@@ -456,19 +459,6 @@ def _record(continuation: Continuation, pause_ms: float | None) -> Migration:
         route=continuation.route.value,
         cause=cause,
     )
-
-
-def _pick_from(leg: Leg, candidates: list[Endpoint], route: RouteRequest) -> None:
-    """``Leg.pick`` among ``candidates`` only (the endpoints that have not broken this call)."""
-    assert leg.pool is not None
-    if not candidates:
-        raise AllEndpointsOpen("no other decode endpoint is admitted")
-    fresh = [e for e in candidates if e not in leg.tried]
-    endpoint = leg.pool.policy.choose(fresh or candidates, route)
-    endpoint.acquire()
-    leg.endpoint = endpoint
-    leg.tried.append(endpoint)
-    leg.url = endpoint.url
 
 
 # -- the SSE body --------------------------------------------------------------------------

@@ -182,16 +182,21 @@ class EndpointPool:
                 on_removed(endpoint)
         return added, removed
 
-    def decide(self, request: RouteRequest, avoid: Sequence[Endpoint] = ()) -> RouteDecision:
+    def decide(
+        self, request: RouteRequest, avoid: Sequence[Endpoint] = (), exclude: Sequence[Endpoint] = ()
+    ) -> RouteDecision:
         """An admitted endpoint chosen by the pool's policy (preferring ones not in ``avoid``, tried
-        by this call), with the policy's reason."""
-        return route_decision(self, self.policy, request, avoid)
+        by this call; never one in ``exclude``), with the policy's reason."""
+        return route_decision(self, self.policy, request, avoid, exclude)
 
-    def candidates(self, avoid: Sequence[Endpoint] = ()) -> list[Endpoint]:
-        """The admitted endpoints not in ``avoid`` (all admitted ones if that leaves none)."""
+    def candidates(self, avoid: Sequence[Endpoint] = (), exclude: Sequence[Endpoint] = ()) -> list[Endpoint]:
+        """The admitted endpoints not in ``avoid`` (all admitted ones if that leaves none), never
+        one in ``exclude``; raises ``AllEndpointsOpen`` when none is left."""
         members = self.endpoints  # read once: discovery may swap the tuple meanwhile
-        admitted = [e for e in members if e.admits()]
+        admitted = [e for e in members if e.admits() and e not in exclude]
         if not admitted:
+            if exclude:
+                raise AllEndpointsOpen(f"no other {self.leg} endpoint is admitted")
             states = ", ".join(f"{redact_url(e.url)} ({e.state})" for e in members)
             raise AllEndpointsOpen(f"every {self.leg} endpoint has its circuit breaker open: {states}")
         fresh = [e for e in admitted if e not in avoid]
@@ -206,11 +211,15 @@ class EndpointPool:
 
 
 def route_decision(
-    pool: EndpointPool, policy: RoutingPolicy, request: RouteRequest, avoid: Sequence[Endpoint] = ()
+    pool: EndpointPool,
+    policy: RoutingPolicy,
+    request: RouteRequest,
+    avoid: Sequence[Endpoint] = (),
+    exclude: Sequence[Endpoint] = (),
 ) -> RouteDecision:
     """Choose among the pool's candidates with ``policy``, then tell the policy (its optional
     ``on_routed``); the choice with its reason."""
-    decision = decide(policy, pool.candidates(avoid), request)
+    decision = decide(policy, pool.candidates(avoid, exclude), request)
     on_routed = getattr(policy, "on_routed", None)
     if on_routed is not None:
         on_routed(decision.endpoint, request)

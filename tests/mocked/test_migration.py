@@ -569,3 +569,44 @@ async def test_otel_shows_the_move(mode: str, pool: FakeVLLM) -> None:
     assert event.name == "pdclient.migration" and attributes["pdclient.after_tokens"] == 3
     assert (attributes["pdclient.from_url"], attributes["pdclient.to_url"]) == (DECODE, DECODE2)
     provider.shutdown()
+
+
+class Recording:
+    """A routing policy that picks in list order and remembers what it was told was routed."""
+
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.routed: list[str] = []
+
+    def choose(self, endpoints: Any, request: Any) -> Any:
+        return endpoints[0]
+
+    def on_routed(self, endpoint: Any, request: Any) -> None:
+        self.routed.append(endpoint.url)
+
+
+class Decisions(PDObserver):
+    def __init__(self) -> None:
+        self.decode_routes: list[str | None] = []
+
+    def on_leg_start(self, call: CallView, leg: LegView) -> None:
+        if leg.name == "decode":
+            self.decode_routes.append(str(leg.decision) if leg.decision is not None else None)
+
+
+async def test_a_continuation_takes_its_endpoint_through_the_policy_as_a_first_pick_does(
+    mode: str, pool: FakeVLLM
+) -> None:
+    """The continuation's endpoint is routed as any leg's is: the policy's on_routed hears of it,
+    observers see its decision, and the trace's decode_route is the endpoint that answered."""
+    pool.cuts = [3]
+    policy, decisions, legs = Recording(), Decisions(), Legs()
+    t = Twin(mode, decode_base_url=[DECODE, DECODE2], decode_routing=policy, observers=[legs, decisions])
+    received = await chunks(t, max_tokens=20)
+    assert text_of(received) == ANSWER
+    assert pool.decode_urls == [DECODE, DECODE2]
+    assert policy.routed == [DECODE, DECODE2]
+    assert len(decisions.decode_routes) == 2 and all(r is not None for r in decisions.decode_routes)
+    (trace,) = legs.traces
+    assert trace.decode_url == DECODE2 and trace.decode_route == "recording"
