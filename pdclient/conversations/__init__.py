@@ -12,7 +12,7 @@ from ._memory import (
     Match,
     Reason,
     adds_media,
-    decide,
+    decide_remote_prefill,
     rendered_chars,
 )
 
@@ -27,6 +27,6 @@ __all__ = [
     "Reason",
     "SHAPE_FIELDS",
     "adds_media",
-    "decide",
+    "decide_remote_prefill",
     "rendered_chars",
 ]

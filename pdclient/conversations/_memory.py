@@ -178,7 +178,7 @@ class Estimate:
 
 
 class Reason(str, enum.Enum):
-    """Why ``decide`` chose as it did (machine-readable, for traces and metrics)."""
+    """Why ``decide_remote_prefill`` chose as it did (machine-readable, for traces and metrics)."""
 
     MODE_ALWAYS = "mode_always"
     MODE_NEVER = "mode_never"
@@ -199,7 +199,7 @@ class Decision:
     estimate: Estimate | None = None
 
 
-def decide(mode: str, estimate: Estimate | None, settings: ConversationSettings) -> Decision:
+def decide_remote_prefill(mode: str, estimate: Estimate | None, settings: ConversationSettings) -> Decision:
     """Whether a call gets a remote prefill.
 
     ``always``: every call (pdclient's behaviour before conversations were remembered). ``never``: none, every

@@ -106,7 +106,7 @@ class LookedUp:
     error: str | None = None
 
 
-Outcome = Fetched | LookedUp
+JobResult = Fetched | LookedUp
 Resolver = Callable[[str, int], Sequence[str]]
 """``resolver(host, port)`` -> the host's addresses; tests pass their own (several 127.0.0.x)."""
 
@@ -114,7 +114,7 @@ Resolver = Callable[[str, int], Sequence[str]]
 class Core(Protocol):
     def due(self, now: float) -> list[Job]: ...
     def next_due(self) -> float: ...
-    def apply(self, job: Job, outcome: Outcome, now: float) -> None: ...
+    def apply(self, job: Job, outcome: JobResult, now: float) -> None: ...
 
 
 M = TypeVar("M")
@@ -241,14 +241,14 @@ class _Driver:
                 logger.exception("pdclient background: %r failed to plan its work", core)
         return jobs
 
-    def _apply(self, core: Core, job: Job, outcome: Outcome) -> None:
+    def _apply(self, core: Core, job: Job, outcome: JobResult) -> None:
         try:
             core.apply(job, outcome, self._clock())
         except Exception:
             logger.exception("pdclient background: %r failed to apply %r", core, outcome)
 
     @staticmethod
-    def _failed(action: Fetch | Lookup, exc: BaseException) -> Outcome:
+    def _failed(action: Fetch | Lookup, exc: BaseException) -> JobResult:
         logger.debug("pdclient background: %r raised", action, exc_info=exc)
         error = f"{type(exc).__name__}: {exc}"
         return LookedUp(error=error) if isinstance(action, Lookup) else Fetched(None, error=error)
@@ -279,7 +279,7 @@ class _Driver:
         self._apply(core, job, await self._perform(http, job.action))
         wake.set()  # its member may be due again: the loop plans its sleep anew
 
-    async def _perform(self, http: httpx.AsyncClient, action: Fetch | Lookup) -> Outcome:
+    async def _perform(self, http: httpx.AsyncClient, action: Fetch | Lookup) -> JobResult:
         try:
             if isinstance(action, Lookup):
                 return await lookup_async(self._resolver, action)

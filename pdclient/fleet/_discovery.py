@@ -35,7 +35,7 @@ import httpx
 
 from .._errors import PDConfigError
 from ..pools import Endpoint, EndpointPool
-from ._background import Job, LookedUp, Lookup, Outcome, Resolver, check_number, host_header
+from ._background import Job, JobResult, LookedUp, Lookup, Resolver, check_number, host_header
 
 logger = logging.getLogger("pdclient")
 
@@ -125,7 +125,7 @@ class DnsDiscovery:
     def next_due(self) -> float:
         return float("inf") if self._out or not self._names else self._next
 
-    def apply(self, job: Job, outcome: Outcome, now: float) -> None:
+    def apply(self, job: Job, outcome: JobResult, now: float) -> None:
         base = job.key
         assert isinstance(base, str)
         self._out.discard(base)

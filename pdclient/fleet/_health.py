@@ -41,7 +41,7 @@ from typing import Literal
 
 from .._errors import PDConfigError
 from ..pools import Endpoint
-from ._background import EveryMember, Fetch, Fetched, Job, Outcome, check_number
+from ._background import EveryMember, Fetch, Fetched, Job, JobResult, check_number
 from ._load import server_url
 
 logger = logging.getLogger("pdclient")
@@ -83,7 +83,7 @@ class ProbeState:
     """Consecutive good probes while the breaker was not closed."""
 
 
-def verdict(outcome: Outcome) -> bool | None:
+def verdict(outcome: JobResult) -> bool | None:
     """True: healthy; False: not (no answer, 5xx); None: the answer says nothing (3xx, 4xx)."""
     if not isinstance(outcome, Fetched) or outcome.status is None:
         return False
@@ -137,7 +137,7 @@ class HealthProber:
     def next_due(self) -> float:
         return self._schedule.next_due()
 
-    def apply(self, job: Job, outcome: Outcome, now: float) -> None:
+    def apply(self, job: Job, outcome: JobResult, now: float) -> None:
         endpoint = job.key
         assert isinstance(endpoint, Endpoint)
         self._schedule.done(endpoint)

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from .._errors import PDConfigError
 from ..pools import Endpoint
-from ._background import EveryMember, Fetch, Fetched, Job, Outcome, check_number
+from ._background import EveryMember, Fetch, Fetched, Job, JobResult, check_number
 
 logger = logging.getLogger("pdclient")
 
@@ -190,7 +190,7 @@ class LoadScraper:
     def next_due(self) -> float:
         return self._schedule.next_due()
 
-    def apply(self, job: Job, outcome: Outcome, now: float) -> None:
+    def apply(self, job: Job, outcome: JobResult, now: float) -> None:
         endpoint = job.key
         assert isinstance(endpoint, Endpoint)
         self._schedule.done(endpoint)

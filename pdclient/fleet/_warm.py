@@ -27,7 +27,7 @@ from collections import deque
 import orjson
 
 from ..wire import prefill_usage
-from ._background import Fetch, Fetched, Job, Outcome
+from ._background import Fetch, Fetched, Job, JobResult
 
 logger = logging.getLogger("pdclient")
 
@@ -78,7 +78,7 @@ class PrefillWarmer:
     def next_due(self) -> float:
         return 0.0 if self._queue else float("inf")
 
-    def apply(self, job: Job, outcome: Outcome, now: float) -> None:
+    def apply(self, job: Job, outcome: JobResult, now: float) -> None:
         if isinstance(outcome, Fetched) and outcome.ok:
             prompt, cached = _usage(outcome.text)
             with self._lock:

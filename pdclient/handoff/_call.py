@@ -41,7 +41,7 @@ import orjson
 from .._observe import Observers
 from .._options import PDOptions, call_override_refusal
 from .._trace import Outcome, PDTrace
-from ..conversations import SHAPE_FIELDS, AnswerCollector, Decision, Estimate, Match, Reason, decide
+from ..conversations import SHAPE_FIELDS, AnswerCollector, Decision, Estimate, Match, Reason, decide_remote_prefill
 from ..fleet import WARM_UP_TIMEOUT, Fetch, Fleet, request_overrides
 from ..migration import _core as migrate
 from ..pools import AllEndpointsOpen, Endpoint, EndpointPool
@@ -382,7 +382,7 @@ class Call:
         ``always``: yes. ``never``: no, the caller's body goes to a routed decode endpoint.
         ``auto``: a chat call is estimated against the conversation its affinity key names
         (``ConversationMemory``, one per fleet) and goes decode-only, to the decode endpoint
-        that answered the previous turn, when ``decide`` says its prefix is cached there;
+        that answered the previous turn, when ``decide_remote_prefill`` says its prefix is cached there;
         a completions call (nothing remembered) gets its prefill.
         """
         assert self.plan is not None
@@ -394,7 +394,7 @@ class Call:
             fleet = self.context.fleet
             admitted = [e.url for e in fleet.decode.endpoints if e.admits()]
             estimate = fleet.memory.estimate(plan.affinity_key, self.conversation_body(), admitted)
-        self.decision = decide(mode, estimate, options.conversations)
+        self.decision = decide_remote_prefill(mode, estimate, options.conversations)
         if mode != "always" and chat:
             self.collector = AnswerCollector(stream=plan.stream)
         if self.decision.remote_prefill:
@@ -589,7 +589,7 @@ class Call:
         if estimate is not None:
             total = estimate.total_tokens
             estimate = Estimate(total, total, None, Match.ENDPOINT_UNAVAILABLE)
-        self.decision = decide("auto", estimate, self.context.options.conversations)
+        self.decision = decide_remote_prefill("auto", estimate, self.context.options.conversations)
         if not self.decision.remote_prefill:  # a prompt estimated at no tokens at all
             self.decision = Decision(True, Reason.UNCACHED_RATIO_AT_OR_ABOVE, None, estimate)
         self.outcome = Outcome.DISAGGREGATED

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from .._errors import PDConfigError, PDError
-from ..routing import LeastOutstanding, RouteDecision, RouteRequest, decide
+from ..routing import LeastOutstanding, RouteDecision, RouteRequest, policy_decision
 from ..wire import normalise_url, redact_url
 from ._latency import PeakEWMA
 
@@ -219,7 +219,7 @@ def route_decision(
 ) -> RouteDecision:
     """Choose among the pool's candidates with ``policy``, then tell the policy (its optional
     ``on_routed``); the choice with its reason."""
-    decision = decide(policy, pool.candidates(avoid, exclude), request)
+    decision = policy_decision(policy, pool.candidates(avoid, exclude), request)
     on_routed = getattr(policy, "on_routed", None)
     if on_routed is not None:
         on_routed(decision.endpoint, request)

@@ -3,7 +3,7 @@ policy, and the registry of the names ``routing=`` takes."""
 
 from ._cache_aware import DEFAULT_MAX_CHARS, CacheAware, PrefixIndex, plan_text, prompt_text
 from ._load_aware import LoadAware
-from ._policy import TENANT_EXTENSION, RouteDecision, RouteRequest, RoutingPolicy, decide
+from ._policy import TENANT_EXTENSION, RouteDecision, RouteRequest, RoutingPolicy, policy_decision
 from ._registry import POLICIES, PREFILL_ONLY, legs_of, make_policy, wants_load_signals
 from ._simple import Affinity, LeastOutstanding, PowerOfTwoChoices, RoundRobin
 
@@ -22,7 +22,7 @@ __all__ = [
     "RouteRequest",
     "RoutingPolicy",
     "TENANT_EXTENSION",
-    "decide",
+    "policy_decision",
     "legs_of",
     "make_policy",
     "plan_text",

@@ -96,7 +96,7 @@ def policy_name(policy: object) -> str:
     return name if isinstance(name, str) else type(policy).__name__
 
 
-def decide(policy: RoutingPolicy, endpoints: Sequence[Endpoint], request: RouteRequest) -> RouteDecision:
+def policy_decision(policy: RoutingPolicy, endpoints: Sequence[Endpoint], request: RouteRequest) -> RouteDecision:
     """The policy's choice among ``endpoints`` with its reason (``decide`` if it has one, else ``choose``)."""
     explained = getattr(policy, "decide", None)
     if explained is not None:

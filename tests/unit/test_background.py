@@ -17,9 +17,9 @@ from pdclient.fleet import (
     Fetch,
     Fetched,
     Job,
+    JobResult,
     LookedUp,
     Lookup,
-    Outcome,
     PrefillWarmer,
     fetch,
     host_header,
@@ -34,7 +34,7 @@ class Recorder:
         self.jobs = jobs
         self.interval = interval
         self.next = 0.0
-        self.outcomes: list[tuple[object, Outcome]] = []
+        self.outcomes: list[tuple[object, JobResult]] = []
         self.applied = threading.Event()
 
     def due(self, now: float) -> list[Job]:
@@ -46,7 +46,7 @@ class Recorder:
     def next_due(self) -> float:
         return self.next
 
-    def apply(self, job: Job, outcome: Outcome, now: float) -> None:
+    def apply(self, job: Job, outcome: JobResult, now: float) -> None:
         self.outcomes.append((job.key, outcome))
         self.applied.set()
 
@@ -77,7 +77,7 @@ JOBS = [
 ]
 
 
-def check(outcomes: dict[object, Outcome]) -> None:
+def check(outcomes: dict[object, JobResult]) -> None:
     assert outcomes["ok"] == Fetched(200, "10.0.0.1:8000 sni=None")
     assert outcomes["down"] == Fetched(503, "10.0.0.1:8000 sni=None") and not outcomes["down"].ok
     failed = outcomes["boom"]

@@ -19,7 +19,7 @@ from pdclient.conversations import (
     Estimate,
     Match,
     Reason,
-    decide,
+    decide_remote_prefill,
     rendered_chars,
 )
 from pdclient.wire import Kind, affinity_key
@@ -450,7 +450,7 @@ def estimate_of(total: int, uncached: int, endpoint: str | None = D1) -> Estimat
     ],
 )
 def test_decide(mode: str, estimate: Estimate | None, remote: bool, reason: Reason) -> None:
-    decision = decide(mode, estimate, SETTINGS)
+    decision = decide_remote_prefill(mode, estimate, SETTINGS)
     assert (decision.remote_prefill, decision.reason) == (remote, reason)
     assert decision.decode_endpoint == (estimate.endpoint if estimate else None)
     assert decision.reason.value == reason.value and isinstance(decision.reason.value, str)
@@ -458,22 +458,22 @@ def test_decide(mode: str, estimate: Estimate | None, remote: bool, reason: Reas
 
 def test_decide_with_the_ratio_condition_off_sends_short_new_prompts_decode_only() -> None:
     settings = ConversationSettings(max_uncached_ratio=1.0)
-    assert decide("auto", estimate_of(30, 30, None), settings) == Decision(
+    assert decide_remote_prefill("auto", estimate_of(30, 30, None), settings) == Decision(
         True, Reason.UNCACHED_RATIO_AT_OR_ABOVE, None, estimate_of(30, 30, None)
     )
-    assert not decide("auto", estimate_of(30, 29, None), settings).remote_prefill
+    assert not decide_remote_prefill("auto", estimate_of(30, 29, None), settings).remote_prefill
 
 
 def test_decide_refuses_an_unknown_mode() -> None:
     with pytest.raises(ValueError, match="remote_prefill must be one of"):
-        decide("sometimes", None, SETTINGS)
+        decide_remote_prefill("sometimes", None, SETTINGS)
 
 
 def test_the_defaults_decide_the_measured_follow_up_decode_only() -> None:
     mem = memory()
     first_turn(mem)
     turn2 = body(SYSTEM, USER, {"role": "assistant", "content": STORY}, FOLLOW_UP)
-    decision = decide("auto", mem.estimate(key_of(turn2), turn2, ADMITTED), mem.settings)
+    decision = decide_remote_prefill("auto", mem.estimate(key_of(turn2), turn2, ADMITTED), mem.settings)
     assert (decision.remote_prefill, decision.reason, decision.decode_endpoint) == (False, Reason.MOSTLY_CACHED, D1)
 
 
@@ -496,7 +496,7 @@ def test_a_follow_up_that_adds_media_is_a_handoff(part: object) -> None:
     question = {"role": "user", "content": [{"type": "text", "text": "What is this?"}, part]}
     turn2 = body(SYSTEM, USER, {"role": "assistant", "content": STORY}, question)
     estimate = mem.estimate(key_of(turn2), turn2, ADMITTED)
-    decision = decide("auto", estimate, mem.settings)
+    decision = decide_remote_prefill("auto", estimate, mem.settings)
     assert (decision.remote_prefill, decision.reason.value, decision.decode_endpoint) == (True, "adds_media", D1)
     assert estimate.match is Match.EXTENDS_ANSWER and estimate.adds_media
     assert estimate.uncached_tokens < 256, "by its JSON alone it would have gone decode-only"
@@ -517,7 +517,7 @@ def test_media_already_in_the_conversation_and_text_parts_add_none() -> None:
     turn2 = body(SYSTEM, image, {"role": "assistant", "content": STORY}, {"role": "user", "content": texts})
     estimate = mem.estimate(key_of(turn2), turn2, ADMITTED)
     assert not estimate.adds_media, "the image is in the cached prefix; only text is new"
-    assert decide("auto", estimate, mem.settings).reason is Reason.MOSTLY_CACHED
+    assert decide_remote_prefill("auto", estimate, mem.settings).reason is Reason.MOSTLY_CACHED
 
 
 def test_media_counts_whatever_the_previous_prompt_length() -> None:
@@ -527,7 +527,7 @@ def test_media_counts_whatever_the_previous_prompt_length() -> None:
     turn2 = body(SYSTEM, USER, {"role": "user", "content": [MEDIA_PARTS[2]]})
     estimate = mem.estimate(key_of(turn2), turn2, ADMITTED)
     assert estimate.match is Match.EXTENDS_PROMPT and estimate.adds_media
-    assert decide("auto", estimate, mem.settings).reason is Reason.ADDS_MEDIA
+    assert decide_remote_prefill("auto", estimate, mem.settings).reason is Reason.ADDS_MEDIA
 
 
 @pytest.mark.parametrize(

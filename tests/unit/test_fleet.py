@@ -32,8 +32,8 @@ from pdclient.fleet import (
     Fleet,
     HealthProber,
     Job,
+    JobResult,
     LoadScraper,
-    Outcome,
 )
 from pdclient.pools import BreakerSettings, Endpoint, EndpointPool
 from pdclient.routing import POLICIES, Affinity, LeastOutstanding, RoundRobin, RouteRequest, make_policy
@@ -278,7 +278,7 @@ class Ticks:
     def next_due(self) -> float:
         return self._next
 
-    def apply(self, job: Job, outcome: Outcome, now: float) -> None:
+    def apply(self, job: Job, outcome: JobResult, now: float) -> None:
         assert isinstance(outcome, Fetched)
         self.applied += 1
 
