@@ -22,7 +22,6 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING
 
-import anyio
 import httpx
 
 from ..handoff import Call, Leg
@@ -216,11 +215,7 @@ class MigratingDecodeStream(_Body, httpx.SyncByteStream):
             continuation.route, continuation.note = Route.DECODE, f"no prefill endpoint: {exc}"
             return
         try:
-            response = self._transport._legs.send(request)
-            try:
-                response.read()
-            finally:
-                response.close()
+            response = self._transport._read(request)
         except Exception as exc:
             call.prefill.end(None, exc)
             continuation.route, continuation.note = Route.DECODE, f"its prefill failed: {_cause(exc)}"
@@ -252,19 +247,7 @@ class MigratingDecodeStream(_Body, httpx.SyncByteStream):
         return response
 
     def _release(self, continuation: Continuation) -> None:
-        pending = _release_leg(self._call, self._migration, continuation)
-        if pending is None:
-            return
-        leg, request = pending
-        try:
-            response = self._transport._legs.send(request)
-            try:
-                response.read()
-            finally:
-                response.close()
-            leg.end(response.status_code, None)
-        except Exception as exc:
-            leg.end(None, exc)
+        self._transport._send_release(_release_leg(self._call, self._migration, continuation))
 
     def close(self) -> None:
         if self._closed:
@@ -344,11 +327,7 @@ class AsyncMigratingDecodeStream(_Body, httpx.AsyncByteStream):
             continuation.route, continuation.note = Route.DECODE, f"no prefill endpoint: {exc}"
             return
         try:
-            response = await self._transport._legs.send(request)
-            try:
-                await response.aread()
-            finally:
-                await response.aclose()
+            response = await self._transport._read(request)
         except Exception as exc:
             call.prefill.end(None, exc)
             continuation.route, continuation.note = Route.DECODE, f"its prefill failed: {_cause(exc)}"
@@ -380,20 +359,7 @@ class AsyncMigratingDecodeStream(_Body, httpx.AsyncByteStream):
         return response
 
     async def _release(self, continuation: Continuation) -> None:
-        pending = _release_leg(self._call, self._migration, continuation)
-        if pending is None:
-            return
-        leg, request = pending
-        with anyio.CancelScope(shield=True):
-            try:
-                response = await self._transport._legs.send(request)
-                try:
-                    await response.aread()
-                finally:
-                    await response.aclose()
-                leg.end(response.status_code, None)
-            except Exception as exc:
-                leg.end(None, exc)
+        await self._transport._send_release(_release_leg(self._call, self._migration, continuation))
 
     async def aclose(self) -> None:
         if self._closed:
