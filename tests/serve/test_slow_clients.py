@@ -183,11 +183,13 @@ def test_the_limits_have_safe_defaults_and_reach_uvicorn() -> None:
     config = ServeConfig.from_mapping({"prefill": ["http://p:1/v1"], "decode": ["http://d:1/v1"]})
     assert (config.header_timeout, config.body_timeout, config.keep_alive_timeout) == (10.0, 120.0, 5.0)
     assert (config.max_header_size, config.max_client_connections) == (65536, 1024)
-    server = server_config(config, object())
+    server = server_config(config, object(), log_config=None)  # no logging set up for the whole test session
     assert server.http is HttpToolsConnection and server.timeout_keep_alive == 5.0
     assert server.limit_concurrency == 1024 and server.h11_max_incomplete_event_size == 65536
     assert (server.header_timeout, server.body_timeout, server.max_header_size) == (10.0, 120.0, 65536)
-    unlimited = server_config(ServeConfig.from_mapping({**config.to_mapping(), "max_client_connections": 0}), None)
+    unlimited = server_config(
+        ServeConfig.from_mapping({**config.to_mapping(), "max_client_connections": 0}), None, log_config=None
+    )
     assert unlimited.limit_concurrency is None
 
 
