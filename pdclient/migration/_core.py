@@ -52,6 +52,7 @@ import orjson
 from .._trace import Migration
 from ..pools import Endpoint
 from ..routing import RouteRequest
+from ..wire import SSEEvent, SSEFramer, event_data
 from ..wire import _bodies as wire
 
 if TYPE_CHECKING:
@@ -70,7 +71,6 @@ _INCLUDE_USAGE = msgspec.Raw(b'{"include_usage":true}')
 _TOKEN_IDS = b',"token_ids":'
 _PROMPT_TOKEN_IDS = b',"prompt_token_ids":'
 _PROMPT_KEY = b'"prompt_token_ids":'
-_DONE = b"[DONE]"
 # Request fields whose vLLM implementation makes a continuation differ from the answer
 # the server would have given, or whose value is compared below.
 _GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
@@ -468,7 +468,7 @@ class Tracker:
     """An armed call's SSE body, event by event: the ids the caller has, and the bytes it gets."""
 
     __slots__ = (
-        "_buf",
+        "_framer",
         "_held",
         "_held_ids",
         "_splice",
@@ -506,33 +506,22 @@ class Tracker:
         """``[DONE]`` went to the caller."""
         self.header: tuple[Any, Any, Any] | None = None
         """The original stream's ``id``, ``created`` and ``model``."""
-        self._buf = b""
+        self._framer = SSEFramer()
         self._held: list[bytes] = []
         self._held_ids: list[int] = []
         self._splice: _Splice | None = None
 
     def feed(self, data: bytes) -> bytes:
         """The body bytes just read; returns what goes to the caller now (whole events)."""
-        buf = self._buf + data if self._buf else data
-        out: list[bytes] = []
-        start = 0
-        while (end := buf.find(b"\n\n", start)) >= 0:
-            end += 2
-            piece = self._event(buf[start:end])
-            if piece:
-                out.append(piece)
-            start = end
-        self._buf = buf[start:]
-        if len(self._buf) > MAX_EVENT_BYTES:
+        out = [piece for event in self._framer.feed(data) if (piece := self._event(event))]
+        if self._framer.pending > MAX_EVENT_BYTES:
             self._stop("the decode's body is not a stream of SSE events")
-            out.append(self._flush() + self._buf)
-            self._buf = b""
+            out.append(self._flush() + self._framer.rest())
         return b"".join(out)
 
     def end(self) -> bytes:
         """The body ended without ``[DONE]``: what is left, as it is."""
-        rest, self._buf = self._flush() + self._buf, b""
-        return rest
+        return self._flush() + self._framer.rest()
 
     @property
     def answered(self) -> bool:
@@ -541,7 +530,7 @@ class Tracker:
 
     def cut(self) -> None:
         """The stream broke: drop what was not passed on (held chunks, a partial event)."""
-        self._buf = b""
+        self._framer.rest()
         self._held.clear()
         self._held_ids.clear()
 
@@ -562,11 +551,11 @@ class Tracker:
         self._held.clear()
         return held
 
-    def _event(self, event: bytes) -> bytes:
-        if not event.startswith(b"data:"):
+    def _event(self, sse: SSEEvent) -> bytes:
+        event, payload = sse.raw, sse.data
+        if payload is None:
             return event  # a comment, or a field vLLM does not send: as it is
-        payload = event[5:].strip()
-        if payload == _DONE:
+        if sse.done:
             self.done = True
             return self._flush() + event
         original = event
@@ -576,7 +565,7 @@ class Tracker:
             cut = _cut(event, _PROMPT_TOKEN_IDS)
             if cut:
                 event = cut
-                payload = event[5:].strip()
+                payload = event_data(cut) or b""
         try:
             obj = orjson.loads(payload)
         except orjson.JSONDecodeError:
@@ -846,13 +835,23 @@ class Assembler:
     ``token_ids`` / ``prompt_token_ids`` only when the caller asked for them.
     """
 
-    __slots__ = ("_buf", "_choices", "_header", "_metrics", "_prompt_ids", "_usage", "chat", "fingerprint", "keep_ids")
+    __slots__ = (
+        "_choices",
+        "_framer",
+        "_header",
+        "_metrics",
+        "_prompt_ids",
+        "_usage",
+        "chat",
+        "fingerprint",
+        "keep_ids",
+    )
 
     def __init__(self, *, chat: bool, keep_ids: bool) -> None:
         self.chat = chat
         self.keep_ids = keep_ids
         self.fingerprint: Any = None
-        self._buf = b""
+        self._framer = SSEFramer()
         self._header: tuple[Any, Any, Any] | None = None
         self._choices: dict[int, _Choice] = {}
         self._usage: dict[str, Any] | None = None
@@ -861,18 +860,13 @@ class Assembler:
 
     def feed(self, data: bytes) -> None:
         """Whole SSE events (a partial one waits for its end); raises ``CannotAssemble``."""
-        buf = self._buf + data if self._buf else data
-        start = 0
-        while (end := buf.find(b"\n\n", start)) >= 0:
-            self._event(buf[start:end])
-            start = end + 2
-        self._buf = buf[start:]
+        for event in self._framer.feed(data):
+            self._event(event.data)
 
     def body(self, usage: dict[str, int] | None = None) -> bytes:
         """The JSON body; ``usage`` stands in when no usage event came (a stream cut after its end)."""
-        if self._buf.strip():
-            self._event(self._buf.strip())
-        self._buf = b""
+        if rest := self._framer.rest().strip():
+            self._event(event_data(rest))
         if self._header is None:
             raise CannotAssemble("the decode's stream ended before its first event")
         if not self._choices:
@@ -918,12 +912,9 @@ class Assembler:
             "routed_experts": None,
         }
 
-    def _event(self, event: bytes) -> None:
-        if not event.startswith(b"data:"):
-            return  # a comment (a keep-alive), or a field vLLM does not send
-        payload = event[5:].strip()
-        if payload == _DONE:
-            return
+    def _event(self, payload: bytes | None) -> None:
+        if payload is None or payload.strip() == b"[DONE]":
+            return  # a comment (a keep-alive), a field vLLM does not send, the stream's end
         try:
             obj = orjson.loads(payload)
         except orjson.JSONDecodeError:

@@ -52,8 +52,7 @@ from ..handoff import leg_url, new_request_id, request_with_content  # the per-c
 from ..metrics import BuildInfo, PrometheusObserver, WithoutCreated
 from ..pools import AllEndpointsOpen, Endpoint
 from ..routing import TENANT_EXTENSION
-from ..transport import ends_event_stream  # where a decode body ends
-from ..wire import FAILED_LEG_HEADER, HOP_BY_HOP, RAW_TRACE_HEADER_PREFIX, redact_url
+from ..wire import FAILED_LEG_HEADER, HOP_BY_HOP, RAW_TRACE_HEADER_PREFIX, ends_event_stream, redact_url
 from ._config import CONFIG_ENV, MULTIPROC_ENV, ServeConfig
 from ._legs import AiohttpTransport
 from ._logging import CallLog

@@ -2,12 +2,10 @@
 (plain and migrating), the sync and async twins."""
 
 from ._leg_client import LEG_LIMITS
-from ._streams import ends_event_stream
 from ._transport import AsyncPDTransport, PDTransport
 
 __all__ = [
     "AsyncPDTransport",
     "LEG_LIMITS",
     "PDTransport",
-    "ends_event_stream",
 ]

@@ -13,9 +13,8 @@ from collections.abc import AsyncIterator, Iterator
 import httpx
 
 from ..handoff import Call
+from ..wire import ends_event_stream, stream_tail
 
-_SSE_DONE = b"data: [DONE]"
-_SSE_TAIL = 32  # [DONE] is the stream's last event: look for it at a chunk's end only
 _STREAM_ERRORS = (httpx.TransportError, httpx.DecodingError)
 
 
@@ -38,7 +37,7 @@ class DecodeStream(httpx.SyncByteStream):
                     self._call.first_byte()
                 received += len(chunk)
                 reads += 1
-                tail = _tail(tail, chunk)
+                tail = stream_tail(tail, chunk)
                 if ends_event_stream(tail):
                     # openai stops reading at [DONE] and closes; the body's end is right behind
                     # it, so read it now and the connection goes back to the pool for reuse.
@@ -84,7 +83,7 @@ class AsyncDecodeStream(httpx.AsyncByteStream):
                     self._call.first_byte()
                 received += len(chunk)
                 reads += 1
-                tail = _tail(tail, chunk)
+                tail = stream_tail(tail, chunk)
                 if ends_event_stream(tail):
                     async for rest in _until_error_async(chunks):
                         chunk += rest
@@ -121,16 +120,3 @@ async def _until_error_async(chunks: AsyncIterator[bytes]) -> AsyncIterator[byte
             yield chunk
     except _STREAM_ERRORS:
         return
-
-
-def _tail(previous: bytes, chunk: bytes) -> bytes:
-    """The body's last bytes after ``chunk``: a network read may end inside ``data: [DONE]``."""
-    return (previous + chunk[-_SSE_TAIL:])[-_SSE_TAIL:]
-
-
-def ends_event_stream(chunk: bytes) -> bool:
-    """Whether a chunk of a decode body ends its SSE stream (holds ``data: [DONE]``).
-
-    Internal to pdclient (the transports here, ``pdclient serve``'s proxy), not public API.
-    """
-    return _SSE_DONE in chunk[-_SSE_TAIL:]

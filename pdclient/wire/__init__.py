@@ -1,5 +1,5 @@
 """The wire contract on bytes, no I/O: the caller's fields and the legs' bodies, the per-call
-options, the usage merge, the request signature."""
+options, the SSE framer, the usage merge, the request signature."""
 
 from ._bodies import (
     PREFILL_KV_TRANSFER_PARAMS,
@@ -34,6 +34,7 @@ from ._call_options import (
 from ._headers import FAILED_LEG_HEADER, HOP_BY_HOP, RAW_TRACE_HEADER_PREFIX, TRACE_HEADER_PREFIX
 from ._parts import TEXT_PART_TYPES, has_media, is_text_part
 from ._signing import DEFAULT_TTL, SECRET_ENV, SIGNATURE_HEADER, signature
+from ._sse import SSEEvent, SSEFramer, ends_event_stream, event_data, split_events, stream_tail
 from ._usage import UsageMerge, merge_usage, merge_usage_json, merge_usage_sse, prefill_usage
 
 __all__ = [
@@ -57,6 +58,8 @@ __all__ = [
     "SECRET_ENV",
     "SIGNATURE_HEADER",
     "UploadScan",
+    "SSEEvent",
+    "SSEFramer",
     "UsageMerge",
     "affinity_key",
     "check_content_encoding",
@@ -65,6 +68,8 @@ __all__ = [
     "check_migrations",
     "check_remote_prefill",
     "decode_body",
+    "ends_event_stream",
+    "event_data",
     "kv_params_in_json",
     "merge_usage",
     "merge_usage_json",
@@ -78,5 +83,7 @@ __all__ = [
     "release_body",
     "route_kind",
     "signature",
+    "split_events",
+    "stream_tail",
     "without_call_options",
 ]

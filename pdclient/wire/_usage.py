@@ -31,6 +31,8 @@ from typing import Any
 
 import orjson
 
+from ._sse import SSEEvent, SSEFramer, split_events
+
 _USAGE_KEY = b'"usage"'
 _FLUSH_UNFRAMED = 1 << 16
 """An SSE body with no event end in this many bytes is passed on as it is."""
@@ -105,48 +107,29 @@ def merge_usage_sse(data: bytes, prefill: Mapping[str, Any] | None) -> bytes:
     """
     if prefill is None or _USAGE_KEY not in data:
         return data
+    events, start = split_events(data)
+    merged = _merged(events, prefill)
+    if merged is None:
+        return data
+    return merged + data[start:]
+
+
+def _merged(events: list[SSEEvent], prefill: Mapping[str, Any]) -> bytes | None:
+    """The events' bytes with the final usage event rewritten; None if none was."""
     out: list[bytes] = []
-    start = 0
     changed = False
-    while True:
-        end, separator = _event_end(data, start)
-        if end < 0:
-            out.append(data[start:])
-            break
-        event = data[start:end]
-        rewritten = _rewrite_event(event, prefill) if _USAGE_KEY in event else None
-        if rewritten is not None:
-            changed = True
-            out.append(rewritten)
-        else:
-            out.append(event)
-        out.append(separator)
-        start = end + len(separator)
-    return b"".join(out) if changed else data
+    for event in events:
+        rewritten = _rewrite_event(event, prefill) if _USAGE_KEY in event.raw else None
+        changed = changed or rewritten is not None
+        out.append(event.raw if rewritten is None else rewritten)
+    return b"".join(out) if changed else None
 
 
-def _event_end(data: bytes, start: int) -> tuple[int, bytes]:
-    """Where the event starting at ``start`` ends, and its blank-line separator; -1 if not whole."""
-    best = -1
-    separator = b""
-    for candidate in (b"\n\n", b"\r\n\r\n", b"\r\r"):
-        at = data.find(candidate, start)
-        if at >= 0 and (best < 0 or at < best):
-            best, separator = at, candidate
-    return best, separator
-
-
-def _rewrite_event(event: bytes, prefill: Mapping[str, Any]) -> bytes | None:
-    lines = event.splitlines(keepends=True)
-    data_lines = [i for i, line in enumerate(lines) if line.startswith(b"data:")]
-    if len(data_lines) != 1:
-        return None  # multi-line data never comes from vLLM: leave it alone
-    index = data_lines[0]
-    line = lines[index]
-    body = line[5:].rstrip(b"\r\n")
-    ending = line[5 + len(body) :]
+def _rewrite_event(event: SSEEvent, prefill: Mapping[str, Any]) -> bytes | None:
+    if event.data is None:
+        return None
     try:
-        payload = orjson.loads(body)
+        payload = orjson.loads(event.data)
     except orjson.JSONDecodeError:
         return None
     if not isinstance(payload, dict) or payload.get("choices") != [] or not isinstance(payload.get("usage"), dict):
@@ -154,6 +137,13 @@ def _rewrite_event(event: bytes, prefill: Mapping[str, Any]) -> bytes | None:
     merged = merge_usage(prefill, payload["usage"])
     if merged == payload["usage"]:
         return None
+    lines = event.raw.splitlines(keepends=True)
+    data_lines = [i for i, line in enumerate(lines) if line.startswith(b"data:")]
+    if len(data_lines) != 1:
+        return None  # multi-line data never comes from vLLM: leave it alone
+    index = data_lines[0]
+    line = lines[index]
+    ending = line[len(line.rstrip(b"\r\n")) :]
     payload["usage"] = merged
     lines[index] = b"data: " + orjson.dumps(payload) + ending
     return b"".join(lines)
@@ -167,31 +157,34 @@ class UsageMerge:
     held until whole (nothing reads half a JSON body), then rewritten once.
     """
 
-    __slots__ = ("_buffer", "_prefill", "stream")
+    __slots__ = ("_buffer", "_framer", "_prefill", "stream")
 
     def __init__(self, prefill: Mapping[str, Any], *, stream: bool) -> None:
         self._prefill = prefill
         self.stream = stream
         self._buffer = b""
+        self._framer = SSEFramer()
 
     def feed(self, data: bytes) -> bytes:
         """The body bytes just read; returns what goes to the caller now."""
-        buffer = self._buffer + data if self._buffer else data
         if not self.stream:
-            self._buffer = buffer
+            self._buffer += data
             return b""
-        cut = buffer.rfind(b"\n\n") + 2
-        if cut < 2:
-            if len(buffer) < _FLUSH_UNFRAMED:
-                self._buffer = buffer
-                return b""
-            cut = len(buffer)
-        self._buffer = buffer[cut:]
-        return merge_usage_sse(buffer[:cut], self._prefill)
+        events = self._framer.feed(data)
+        out = self._merged(events)
+        if self._framer.pending >= _FLUSH_UNFRAMED:
+            out += self._framer.rest()
+        return out
+
+    def _merged(self, events: list[SSEEvent]) -> bytes:
+        if len(events) == 1 and _USAGE_KEY not in events[0].raw:
+            return events[0].raw  # most network reads of a stream: one event, no usage
+        merged = _merged(events, self._prefill)
+        return b"".join(event.raw for event in events) if merged is None else merged
 
     def end(self) -> bytes:
         """The rest, once the body is whole."""
-        rest, self._buffer = self._buffer, b""
         if self.stream:
-            return merge_usage_sse(rest, self._prefill)
+            return merge_usage_sse(self._framer.rest(), self._prefill)
+        rest, self._buffer = self._buffer, b""
         return merge_usage_json(rest, self._prefill)

@@ -1,0 +1,125 @@
+"""Server-sent events on bytes: the one place pdclient splits a body into events.
+
+The rules are the WHATWG event-stream's: a line ends with CRLF, LF or CR, and an event
+ends at a blank line, so ``\\n\\n``, ``\\r\\n\\r\\n`` and ``\\r\\r`` (or any two line ends in a
+row) close one. An event's ``data`` is its ``data:`` lines' values (one leading space cut),
+joined by ``\\n``; comments (``:``) and other fields are kept in the bytes and ignored.
+``SSEFramer`` works across network reads: a partial event waits for its end. Each
+``SSEEvent`` keeps the exact bytes the server sent (its blank line included), so a body
+passed on event by event is byte for byte the body that came in.
+"""
+
+from __future__ import annotations
+
+import re
+
+DONE = b"[DONE]"
+"""The data of the last event of an OpenAI-style stream."""
+
+_DONE_EVENT = b"data: " + DONE
+_DONE_TAIL = 32
+# Two line ends in a row; a CR followed by LF is one line end, never two.
+_BLANK_LINE = re.compile(rb"(?:\r\n|\r(?!\n)|\n)(?:\r\n|\r|\n)")
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+
+
+_UNREAD = b"\0unread"
+
+
+class SSEEvent:
+    """One whole event: its bytes as sent, and its ``data`` (None when it has no data line,
+    read on first use: a consumer that only passes the bytes on pays nothing for it)."""
+
+    __slots__ = ("_data", "raw")
+
+    def __init__(self, raw: bytes) -> None:
+        self.raw = raw
+        self._data: bytes | None = _UNREAD
+
+    @property
+    def data(self) -> bytes | None:
+        if self._data is _UNREAD:
+            self._data = event_data(self.raw)
+        return self._data
+
+    @property
+    def done(self) -> bool:
+        """The stream's ``data: [DONE]``."""
+        return self.data is not None and self.data.strip() == DONE
+
+    def __repr__(self) -> str:
+        return f"SSEEvent({self.raw!r})"
+
+
+def event_data(raw: bytes) -> bytes | None:
+    """The ``data`` of one event's bytes (its blank line may be included); None without a data line."""
+    if raw.startswith(b"data:") and b"\r" not in raw:
+        # vLLM's events: one data line, LF-ended, the whole value on it.
+        end = raw.find(b"\n")
+        if end < 0 or not raw[end:].strip(b"\n"):
+            value = raw[5:end] if end >= 0 else raw[5:]
+            return value[1:] if value[:1] == b" " else value
+    data: list[bytes] = []
+    for line in _LINE_END.split(raw):
+        if line == b"data" or line.startswith(b"data:"):
+            value = line[5:]
+            data.append(value[1:] if value.startswith(b" ") else value)
+    return b"\n".join(data) if data else None
+
+
+def split_events(data: bytes, start: int = 0) -> tuple[list[SSEEvent], int]:
+    """The whole events in ``data`` from ``start``, and where the first partial one begins."""
+    events: list[SSEEvent] = []
+    if b"\r" not in data:
+        while (end := data.find(b"\n\n", start)) >= 0:
+            events.append(SSEEvent(data[start : end + 2]))
+            start = end + 2
+        return events, start
+    while (match := _BLANK_LINE.search(data, start)) is not None:
+        events.append(SSEEvent(data[start : match.end()]))
+        start = match.end()
+    return events, start
+
+
+class SSEFramer:
+    """An event stream as it arrives: ``feed`` the bytes read, get the events they completed."""
+
+    __slots__ = ("_after_cr", "_buffer")
+
+    def __init__(self) -> None:
+        self._buffer = b""
+        self._after_cr = False
+
+    def feed(self, data: bytes) -> list[SSEEvent]:
+        buffer = self._buffer + data if self._buffer else data
+        lf: list[SSEEvent] = []
+        if self._after_cr and buffer.startswith(b"\n"):
+            # The last event ended a read with a CR; this LF completes that CRLF. It goes on
+            # at once, as an event with no data, so nothing waits for it.
+            lf, buffer = [SSEEvent(b"\n")], buffer[1:]
+        events, start = split_events(buffer)
+        self._after_cr = bool(events) and start == len(buffer) and buffer.endswith(b"\r")
+        self._buffer = buffer[start:]
+        return lf + events if lf else events
+
+    @property
+    def pending(self) -> int:
+        """Bytes of an event not yet ended."""
+        return len(self._buffer)
+
+    def rest(self) -> bytes:
+        """The bytes of an event not yet ended, which the framer then forgets (the body ended)."""
+        rest, self._buffer = self._buffer, b""
+        self._after_cr = False
+        return rest
+
+
+def ends_event_stream(chunk: bytes) -> bool:
+    """Whether a body's last bytes hold ``data: [DONE]``, the stream's last event: a cheap
+    look at a chunk's end, for a body passed on without being framed."""
+    return _DONE_EVENT in chunk[-_DONE_TAIL:]
+
+
+def stream_tail(previous: bytes, chunk: bytes) -> bytes:
+    """The body's last bytes after ``chunk`` (a network read may end inside ``data: [DONE]``)."""
+    return (previous + chunk[-_DONE_TAIL:])[-_DONE_TAIL:]

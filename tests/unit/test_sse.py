@@ -1,0 +1,54 @@
+"""The SSE framer: one table of framings, each fed whole and byte by byte."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdclient.wire import SSEFramer, event_data, split_events
+
+# (body, the events' data in order, the bytes left as a partial event)
+CASES = [
+    ("lf", b'data: {"a":1}\n\ndata: [DONE]\n\n', [b'{"a":1}', b"[DONE]"], b""),
+    ("crlf", b'data: {"a":1}\r\n\r\ndata: [DONE]\r\n\r\n', [b'{"a":1}', b"[DONE]"], b""),
+    ("cr", b'data: {"a":1}\r\rdata: [DONE]\r\r', [b'{"a":1}', b"[DONE]"], b""),
+    ("mixed line ends", b"data: a\r\n\ndata: b\n\r\n", [b"a", b"b"], b""),
+    ("comment", b": keep-alive\n\ndata: x\n\n", [None, b"x"], b""),
+    ("comment inside", b": ping\ndata: x\n\n", [b"x"], b""),
+    ("multi-line data", b"data: a\ndata: b\r\ndata:c\n\n", [b"a\nb\nc"], b""),
+    ("other fields", b"event: message\nid: 7\ndata: x\nretry: 10\n\n", [b"x"], b""),
+    ("data without a colon", b"data\n\n", [b""], b""),
+    ("trailing partial", b"data: a\n\ndata: b", [b"a"], b"data: b"),
+    ("one line end is not an event's end", b"data: a\r\n", [], b"data: a\r\n"),
+    ("trailing [DONE] without its blank line", b"data: a\n\ndata: [DONE]\n", [b"a"], b"data: [DONE]\n"),
+    ("data with its space kept past the first", b"data:  two\n\n", [b" two"], b""),
+]
+
+
+@pytest.mark.parametrize(("body", "data", "rest"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_split_events(body: bytes, data: list[bytes | None], rest: bytes) -> None:
+    events, start = split_events(body)
+    assert [e.data for e in events] == data
+    assert body[start:] == rest
+    assert b"".join(e.raw for e in events) + rest == body  # the bytes as sent, none lost or changed
+
+
+@pytest.mark.parametrize(("body", "data", "rest"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_framer_across_reads(body: bytes, data: list[bytes | None], rest: bytes) -> None:
+    """Split at every byte: the same events' data, and the same bytes in the end. A CR that
+    ends a read may be the first half of a CRLF: its LF then starts the next event (empty)."""
+    framer = SSEFramer()
+    events = [e for i in range(len(body)) for e in framer.feed(body[i : i + 1])]
+    assert [e.data for e in events if e.data is not None or e.raw.strip()] == data
+    assert framer.pending == len(rest)
+    assert b"".join(e.raw for e in events) + framer.rest() == body
+    assert framer.pending == 0
+
+
+def test_done() -> None:
+    events, _ = split_events(b"data: x\n\ndata: [DONE]\r\n\r\n")
+    assert [e.done for e in events] == [False, True]
+
+
+def test_event_data_without_its_blank_line() -> None:
+    assert event_data(b"data: x") == b"x"
+    assert event_data(b": comment") is None
