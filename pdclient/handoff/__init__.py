@@ -1,8 +1,17 @@
-"""One call: ``Call`` (plan, phase, legs, outcome, trace) and ``Leg``."""
+"""One call: ``Call`` (plan, phase, legs, outcome, trace), ``Leg``, and a broken stream's move as steps (``move``)."""
 
 from ._call import CALL_RECORD, Call, CallContext, HandoffInstead, Leg, leg_url, new_request_id, request_with_content
+from ._move import STREAM_ERRORS, Move, OpenDecode, ReadRefusal, Release, SendPrefill, Step, move
 
 __all__ = [
+    "STREAM_ERRORS",
+    "Move",
+    "OpenDecode",
+    "ReadRefusal",
+    "Release",
+    "SendPrefill",
+    "Step",
+    "move",
     "CALL_RECORD",
     "Call",
     "CallContext",

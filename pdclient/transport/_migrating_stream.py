@@ -18,22 +18,37 @@ as another prefill attempt); the sync and async twins differ only by ``await``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
-from collections.abc import AsyncIterator, Iterator
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
 
 import httpx
 
-from ..handoff import Call, Leg
-from ..migration import Assembler, CallMigration, CannotAssemble, CannotMove, Continuation, Route
-from ..pools import AllEndpointsOpen
-from ..routing import RouteRequest
-from ._streams import _STREAM_ERRORS, AsyncDecodeStream, DecodeStream, _until_error, _until_error_async
+from ..handoff import STREAM_ERRORS, Call, Leg, OpenDecode, Release, SendPrefill, Step, move
+from ..migration import Assembler, CallMigration, CannotAssemble
+from ._streams import AsyncDecodeStream, DecodeStream, _until_error, _until_error_async
 
-if TYPE_CHECKING:
-    from ._transport import AsyncPDTransport, PDTransport
+_Pending = tuple[Leg, httpx.Request] | None
 
-_ERROR_TEXT = 300
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LegIO:
+    """The transport's leg I/O a moving stream runs its steps with: read a leg's whole
+    response, open a decode leg (with its retries), send a KV release."""
+
+    read: Callable[[httpx.Request], httpx.Response]
+    open_decode: Callable[[Call], httpx.Response]
+    send_release: Callable[[_Pending], None]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AsyncLegIO:
+    """Async twin of ``LegIO``."""
+
+    read: Callable[[httpx.Request], Awaitable[httpx.Response]]
+    open_decode: Callable[[Call], Awaitable[httpx.Response]]
+    send_release: Callable[[_Pending], Awaitable[None]]
 
 
 def _movable(response: httpx.Response, call: Call) -> CallMigration | None:
@@ -51,41 +66,21 @@ def _answers_json(response: httpx.Response, migration: CallMigration) -> None:
         response.headers["content-type"] = "application/json"
 
 
-def decode_stream(response: httpx.Response, call: Call, transport: PDTransport) -> httpx.SyncByteStream:
+def decode_stream(response: httpx.Response, call: Call, legs: LegIO) -> httpx.SyncByteStream:
     """The caller's body: a ``MigratingDecodeStream`` if the call may move, else a plain ``DecodeStream``."""
     migration = _movable(response, call)
     if migration is None:
         return DecodeStream(response, call)
     _answers_json(response, migration)
-    return MigratingDecodeStream(response, call, migration, transport)
+    return MigratingDecodeStream(response, call, migration, legs)
 
 
-def async_decode_stream(response: httpx.Response, call: Call, transport: AsyncPDTransport) -> httpx.AsyncByteStream:
+def async_decode_stream(response: httpx.Response, call: Call, legs: AsyncLegIO) -> httpx.AsyncByteStream:
     migration = _movable(response, call)
     if migration is None:
         return AsyncDecodeStream(response, call)
     _answers_json(response, migration)
-    return AsyncMigratingDecodeStream(response, call, migration, transport)
-
-
-def _cause(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}".rstrip(": ")
-
-
-def _release_leg(call: Call, migration: CallMigration, continuation: Continuation) -> tuple[Leg, httpx.Request] | None:
-    """A one-token decode that frees a continuation prefill's KV when its decode never went out."""
-    content = migration.release_body(continuation)
-    if content is None:
-        return None
-    leg = Leg(call, "release", call.context.fleet.decode)
-    try:
-        plan = migration.plan
-        base = leg.pick(RouteRequest(leg="decode", affinity_key=plan.affinity_key, tenant=plan.tenant))
-    except AllEndpointsOpen:
-        return None
-    request = call._leg_request(base, content, call._sign(base, content))
-    request.headers["x-request-id"] = continuation.request_id
-    return leg, leg.start(request)
+    return AsyncMigratingDecodeStream(response, call, migration, legs)
 
 
 class _Body:
@@ -104,6 +99,11 @@ class _Body:
         self._first = True
         self._closed = False
         self._drained = False
+
+    def _moving(self, error: httpx.TransportError | httpx.DecodingError) -> Any:
+        """The move's steps (``handoff._move.move``), once the broken response is closed."""
+        self._broke(error)
+        return move(self._call, self._migration, error, self._received)
 
     def _pass_on(self, out: bytes) -> bytes:
         """Events the tracker passed on: the caller's now (a stream), or the body's (assembled)."""
@@ -146,10 +146,10 @@ class _Body:
         self._call.decode.end(self._call.decode.status, error)
 
 
-class MigratingDecodeStream(_Body, httpx.SyncByteStream):
-    def __init__(self, response: httpx.Response, call: Call, migration: CallMigration, transport: PDTransport) -> None:
-        super().__init__(response, call, migration)
-        self._transport = transport
+class MigratingDecodeStream(_Body, DecodeStream):
+    def __init__(self, response: httpx.Response, call: Call, migration: CallMigration, legs: LegIO) -> None:
+        _Body.__init__(self, response, call, migration)
+        self._legs = legs
 
     def __iter__(self) -> Iterator[bytes]:
         if self._drained:
@@ -176,7 +176,7 @@ class MigratingDecodeStream(_Body, httpx.SyncByteStream):
                 else:
                     if rest := self._pass_on(tracker.end()):
                         yield rest
-            except _STREAM_ERRORS as exc:
+            except STREAM_ERRORS as exc:
                 response = self._move(exc)
                 if response is not None:
                     self._response = response
@@ -188,83 +188,42 @@ class MigratingDecodeStream(_Body, httpx.SyncByteStream):
             return
 
     def _move(self, error: httpx.TransportError | httpx.DecodingError) -> httpx.Response | None:
-        """Open a continuation of the broken stream (None: its answer had ended), or raise the
-        openai error saying why not."""
-        call, migration, received = self._call, self._migration, self._received
+        """Run the move's steps: a continuation's response, None (its answer had ended), or
+        the openai error saying why it cannot move."""
         with contextlib.suppress(Exception):
             self._response.close()
-        self._broke(error)
-        if self._tracker.answered:
-            return None  # every choice had finished: nothing to continue, and nothing lost
-        reason = migration.why_not(call)
-        if reason is not None:
-            raise call.broken_stream(error, received, reason) from error
-        try:
-            continuation = migration.begin(call, _cause(error))
-            if continuation.route is Route.PREFILL_DECODE:
-                self._prefill(continuation)
-            return self._open(continuation)
-        except (CannotMove, AllEndpointsOpen, *_STREAM_ERRORS) as failed:
-            raise call.broken_stream(error, received, f"the continuation failed: {_cause(failed)}") from error
-
-    def _prefill(self, continuation: Continuation) -> None:
-        call, migration = self._call, self._migration
-        try:
-            request = migration.prefill_request(call, continuation)
-        except AllEndpointsOpen as exc:
-            continuation.route, continuation.note = Route.DECODE, f"no prefill endpoint: {exc}"
-            return
-        try:
-            response = self._transport._read(request)
-        except Exception as exc:
-            call.prefill.end(None, exc)
-            continuation.route, continuation.note = Route.DECODE, f"its prefill failed: {_cause(exc)}"
-            return
-        call.prefill.end(response.status_code, None)
-        migration.read_prefill(continuation, response)
-
-    def _open(self, continuation: Continuation) -> httpx.Response:
-        call, migration = self._call, self._migration
-        migration.pending = continuation
-        call.decode_may_have_reached = False
-        try:
-            response = self._transport._open_decode(call)
-        except BaseException:
-            if not call.decode_may_have_reached:
-                self._release(continuation)
-            raise
-        finally:
-            migration.pending = None
-        call.decode.status = response.status_code
-        if response.status_code != 200 or not response.headers.get("content-type", "").startswith("text/event-stream"):
+        steps = self._moving(error)
+        result: Any = None
+        failure: BaseException | None = None
+        while True:
             try:
-                text = response.read()[:_ERROR_TEXT].decode("utf-8", "replace")
-            finally:
-                response.close()
-            call.decode.end(response.status_code, None)
-            raise CannotMove(f"{call.decode.url} answered HTTP {response.status_code}: {text}")
-        migration.moved(call, continuation)
-        return response
+                step = steps.send(result) if failure is None else steps.throw(failure)
+            except StopIteration as moved:
+                response: httpx.Response | None = moved.value
+                return response
+            result, failure = None, None
+            try:
+                result = self._run(step)
+            except BaseException as exc:
+                failure = exc
 
-    def _release(self, continuation: Continuation) -> None:
-        self._transport._send_release(_release_leg(self._call, self._migration, continuation))
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    def _run(self, step: Step) -> Any:
+        if isinstance(step, SendPrefill):
+            return self._legs.read(step.request)
+        if isinstance(step, OpenDecode):
+            return self._legs.open_decode(self._call)
+        if isinstance(step, Release):
+            return self._legs.send_release((step.leg, step.request))
         try:
-            self._response.close()
+            return step.response.read()
         finally:
-            self._call.decode_closed()
+            step.response.close()
 
 
-class AsyncMigratingDecodeStream(_Body, httpx.AsyncByteStream):
-    def __init__(
-        self, response: httpx.Response, call: Call, migration: CallMigration, transport: AsyncPDTransport
-    ) -> None:
-        super().__init__(response, call, migration)
-        self._transport = transport
+class AsyncMigratingDecodeStream(_Body, AsyncDecodeStream):
+    def __init__(self, response: httpx.Response, call: Call, migration: CallMigration, legs: AsyncLegIO) -> None:
+        _Body.__init__(self, response, call, migration)
+        self._legs = legs
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         if self._drained:
@@ -290,7 +249,7 @@ class AsyncMigratingDecodeStream(_Body, httpx.AsyncByteStream):
                 else:
                     if rest := self._pass_on(tracker.end()):
                         yield rest
-            except _STREAM_ERRORS as exc:
+            except STREAM_ERRORS as exc:
                 response = await self._move(exc)
                 if response is not None:
                     self._response = response
@@ -302,70 +261,31 @@ class AsyncMigratingDecodeStream(_Body, httpx.AsyncByteStream):
             return
 
     async def _move(self, error: httpx.TransportError | httpx.DecodingError) -> httpx.Response | None:
-        call, migration, received = self._call, self._migration, self._received
         with contextlib.suppress(Exception):
             await self._response.aclose()
-        self._broke(error)
-        if self._tracker.answered:
-            return None  # every choice had finished: nothing to continue, and nothing lost
-        reason = migration.why_not(call)
-        if reason is not None:
-            raise call.broken_stream(error, received, reason) from error
-        try:
-            continuation = migration.begin(call, _cause(error))
-            if continuation.route is Route.PREFILL_DECODE:
-                await self._prefill(continuation)
-            return await self._open(continuation)
-        except (CannotMove, AllEndpointsOpen, *_STREAM_ERRORS) as failed:
-            raise call.broken_stream(error, received, f"the continuation failed: {_cause(failed)}") from error
-
-    async def _prefill(self, continuation: Continuation) -> None:
-        call, migration = self._call, self._migration
-        try:
-            request = migration.prefill_request(call, continuation)
-        except AllEndpointsOpen as exc:
-            continuation.route, continuation.note = Route.DECODE, f"no prefill endpoint: {exc}"
-            return
-        try:
-            response = await self._transport._read(request)
-        except Exception as exc:
-            call.prefill.end(None, exc)
-            continuation.route, continuation.note = Route.DECODE, f"its prefill failed: {_cause(exc)}"
-            return
-        call.prefill.end(response.status_code, None)
-        migration.read_prefill(continuation, response)
-
-    async def _open(self, continuation: Continuation) -> httpx.Response:
-        call, migration = self._call, self._migration
-        migration.pending = continuation
-        call.decode_may_have_reached = False
-        try:
-            response = await self._transport._open_decode(call)
-        except BaseException:
-            if not call.decode_may_have_reached:
-                await self._release(continuation)
-            raise
-        finally:
-            migration.pending = None
-        call.decode.status = response.status_code
-        if response.status_code != 200 or not response.headers.get("content-type", "").startswith("text/event-stream"):
+        steps = self._moving(error)
+        result: Any = None
+        failure: BaseException | None = None
+        while True:
             try:
-                text = (await response.aread())[:_ERROR_TEXT].decode("utf-8", "replace")
-            finally:
-                await response.aclose()
-            call.decode.end(response.status_code, None)
-            raise CannotMove(f"{call.decode.url} answered HTTP {response.status_code}: {text}")
-        migration.moved(call, continuation)
-        return response
+                step = steps.send(result) if failure is None else steps.throw(failure)
+            except StopIteration as moved:
+                response: httpx.Response | None = moved.value
+                return response
+            result, failure = None, None
+            try:
+                result = await self._run(step)
+            except BaseException as exc:
+                failure = exc
 
-    async def _release(self, continuation: Continuation) -> None:
-        await self._transport._send_release(_release_leg(self._call, self._migration, continuation))
-
-    async def aclose(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    async def _run(self, step: Step) -> Any:
+        if isinstance(step, SendPrefill):
+            return await self._legs.read(step.request)
+        if isinstance(step, OpenDecode):
+            return await self._legs.open_decode(self._call)
+        if isinstance(step, Release):
+            return await self._legs.send_release((step.leg, step.request))
         try:
-            await self._response.aclose()
+            return await step.response.aread()
         finally:
-            self._call.decode_closed()
+            await step.response.aclose()

@@ -12,10 +12,8 @@ from collections.abc import AsyncIterator, Iterator
 
 import httpx
 
-from ..handoff import Call
+from ..handoff import STREAM_ERRORS, Call
 from ..wire import ends_event_stream, stream_tail
-
-_STREAM_ERRORS = (httpx.TransportError, httpx.DecodingError)
 
 
 class DecodeStream(httpx.SyncByteStream):
@@ -48,7 +46,7 @@ class DecodeStream(httpx.SyncByteStream):
                     self._call.decode_streamed(reads)
                 if out := self._call.to_caller(chunk):
                     yield out
-        except _STREAM_ERRORS as exc:
+        except STREAM_ERRORS as exc:
             raise self._call.broken_stream(exc, received) from exc
         self._drained = True
         if held := self._call.caller_rest():
@@ -91,7 +89,7 @@ class AsyncDecodeStream(httpx.AsyncByteStream):
                     self._call.decode_streamed(reads)
                 if out := self._call.to_caller(chunk):
                     yield out
-        except _STREAM_ERRORS as exc:
+        except STREAM_ERRORS as exc:
             raise self._call.broken_stream(exc, received) from exc
         self._drained = True
         if held := self._call.caller_rest():
@@ -110,7 +108,7 @@ class AsyncDecodeStream(httpx.AsyncByteStream):
 def _until_error(chunks: Iterator[bytes]) -> Iterator[bytes]:
     try:
         yield from chunks
-    except _STREAM_ERRORS:
+    except STREAM_ERRORS:
         return
 
 
@@ -118,5 +116,5 @@ async def _until_error_async(chunks: AsyncIterator[bytes]) -> AsyncIterator[byte
     try:
         async for chunk in chunks:
             yield chunk
-    except _STREAM_ERRORS:
+    except STREAM_ERRORS:
         return

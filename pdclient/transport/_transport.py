@@ -27,7 +27,7 @@ from ..pools import AllEndpointsOpen, URLArg
 from ..pools import _retry as retry
 from ..wire import Refusal
 from ._leg_client import AsyncLegClient, LegClient
-from ._migrating_stream import async_decode_stream, decode_stream
+from ._migrating_stream import AsyncLegIO, LegIO, async_decode_stream, decode_stream
 
 
 def _resolve(prefill_base_url: URLArg, decode_base_url: URLArg, options: PDOptions | None) -> PDOptions:
@@ -152,7 +152,8 @@ class PDTransport(_TransportBase, httpx.BaseTransport):
             self._release(call)
             raise
         try:
-            return call.decode_response(response, decode_stream(response, call, self))
+            legs = LegIO(self._read, self._open_decode, self._send_release)
+            return call.decode_response(response, decode_stream(response, call, legs))
         except BaseException:
             response.close()
             raise
@@ -268,7 +269,8 @@ class AsyncPDTransport(_TransportBase, httpx.AsyncBaseTransport):
             await self._release(call)
             raise
         try:
-            return call.decode_response(response, async_decode_stream(response, call, self))
+            legs = AsyncLegIO(self._read, self._open_decode, self._send_release)
+            return call.decode_response(response, async_decode_stream(response, call, legs))
         except BaseException:
             await response.aclose()
             raise
