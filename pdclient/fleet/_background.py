@@ -230,6 +230,10 @@ class _Driver:
         self._clock = clock
         self._http = http
         self._max_sleep = max_sleep
+        self._init_state()
+
+    def _init_state(self) -> None:
+        """Each driver's own state (its thread or task), set up with the loop's."""
 
     def _due(self) -> list[tuple[Core, Job]]:
         now = self._clock()
@@ -316,17 +320,7 @@ def _on_loop(loop: asyncio.AbstractEventLoop, callback: Callable[[], object]) ->
 class BackgroundThread(_Driver):
     """Runs the cores in one daemon thread, on an event loop of its own (sync clients)."""
 
-    def __init__(
-        self,
-        cores: Sequence[Core],
-        *,
-        resolver: Resolver = system_resolver,
-        clock: Callable[[], float] = time.monotonic,
-        http: Callable[[], httpx.AsyncClient] = httpx.AsyncClient,
-        max_sleep: float = 1.0,
-        name: str = "pdclient-background",
-    ) -> None:
-        super().__init__(cores, resolver=resolver, clock=clock, http=http, max_sleep=max_sleep, name=name)
+    def _init_state(self) -> None:
         self._stop = threading.Event()
         self._wake: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
         """The thread's loop and its wake event, once the loop runs."""
@@ -384,17 +378,7 @@ class BackgroundThread(_Driver):
 class BackgroundTask(_Driver):
     """Runs the cores in one asyncio task with one ``httpx.AsyncClient`` (async clients)."""
 
-    def __init__(
-        self,
-        cores: Sequence[Core],
-        *,
-        resolver: Resolver = system_resolver,
-        clock: Callable[[], float] = time.monotonic,
-        http: Callable[[], httpx.AsyncClient] = httpx.AsyncClient,
-        max_sleep: float = 1.0,
-        name: str = "pdclient-background",
-    ) -> None:
-        super().__init__(cores, resolver=resolver, clock=clock, http=http, max_sleep=max_sleep, name=name)
+    def _init_state(self) -> None:
         self._stop: asyncio.Event | None = None
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None

@@ -41,8 +41,8 @@ from typing import Literal
 
 from .._errors import PDConfigError
 from ..pools import Endpoint
-from ._background import EveryMember, Fetch, Fetched, Job, JobResult, check_number
-from ._load import server_url
+from ._background import Fetched, Job, JobResult, check_number
+from ._load import EndpointPoller
 
 logger = logging.getLogger("pdclient")
 
@@ -110,15 +110,14 @@ def step(
     return replace(state, failures=0, successes=successes), ()
 
 
-class HealthProber:
+class HealthProber(EndpointPoller):
     """Sans-I/O core: probes every member of a pool and applies ``step`` to its breaker."""
 
     def __init__(
         self, members: Callable[[], Sequence[Endpoint]], settings: HealthSettings | None = None, *, leg: str = "pool"
     ) -> None:
-        self.settings = settings or HealthSettings()
-        self._schedule = EveryMember(members, self.settings.interval)
-        self._leg = leg
+        self.settings = settings = settings or HealthSettings()
+        super().__init__(members, interval=settings.interval, path=settings.path, timeout=settings.timeout, leg=leg)
         self._states: weakref.WeakKeyDictionary[Endpoint, ProbeState] = weakref.WeakKeyDictionary()
         self._unclear: weakref.WeakSet[Endpoint] = weakref.WeakSet()
 
@@ -128,19 +127,8 @@ class HealthProber:
     def state(self, endpoint: Endpoint) -> ProbeState:
         return self._states.get(endpoint, ProbeState())
 
-    def due(self, now: float) -> list[Job]:
-        return [
-            Job(e, Fetch(server_url(e.url, self.settings.path), self.settings.timeout, host=e.host_name))
-            for e in self._schedule.due(now)
-        ]
-
-    def next_due(self) -> float:
-        return self._schedule.next_due()
-
     def apply(self, job: Job, outcome: JobResult, now: float) -> None:
-        endpoint = job.key
-        assert isinstance(endpoint, Endpoint)
-        self._schedule.done(endpoint)
+        endpoint = self._answered(job)
         healthy = verdict(outcome)
         if healthy is None and endpoint not in self._unclear:
             self._unclear.add(endpoint)

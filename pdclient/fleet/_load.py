@@ -163,7 +163,36 @@ class ScrapeSettings:
             raise PDConfigError(f"ScrapeSettings.path must start with '/', got {self.path!r}")
 
 
-class LoadScraper:
+class EndpointPoller:
+    """What the cores that GET one path of every pool member each ``interval`` share: the
+    schedule (``EveryMember``), the jobs it makes due, and the member a job was for."""
+
+    def __init__(
+        self, members: Callable[[], Sequence[Endpoint]], *, interval: float, path: str, timeout: float, leg: str
+    ) -> None:
+        self._schedule = EveryMember(members, interval)
+        self._path = path
+        self._timeout = timeout
+        self._leg = leg
+
+    def due(self, now: float) -> list[Job]:
+        return [
+            Job(e, Fetch(server_url(e.url, self._path), self._timeout, host=e.host_name))
+            for e in self._schedule.due(now)
+        ]
+
+    def next_due(self) -> float:
+        return self._schedule.next_due()
+
+    def _answered(self, job: Job) -> Endpoint:
+        """The member ``job`` was for, due again from now on."""
+        endpoint = job.key
+        assert isinstance(endpoint, Endpoint)
+        self._schedule.done(endpoint)
+        return endpoint
+
+
+class LoadScraper(EndpointPoller):
     """Sans-I/O core: scrapes every member of a pool every ``interval`` and leaves ``Endpoint.load``.
 
     ``members`` is called each time, so endpoints that discovery adds are scraped at once
@@ -173,27 +202,15 @@ class LoadScraper:
     def __init__(
         self, members: Callable[[], Sequence[Endpoint]], settings: ScrapeSettings | None = None, *, leg: str = "pool"
     ) -> None:
-        self.settings = settings or ScrapeSettings()
-        self._schedule = EveryMember(members, self.settings.interval)
-        self._leg = leg
+        self.settings = settings = settings or ScrapeSettings()
+        super().__init__(members, interval=settings.interval, path=settings.path, timeout=settings.timeout, leg=leg)
         self._failing: weakref.WeakSet[Endpoint] = weakref.WeakSet()
 
     def __repr__(self) -> str:
         return f"LoadScraper({self._leg}, {self.settings})"
 
-    def due(self, now: float) -> list[Job]:
-        return [
-            Job(e, Fetch(server_url(e.url, self.settings.path), self.settings.timeout, host=e.host_name))
-            for e in self._schedule.due(now)
-        ]
-
-    def next_due(self) -> float:
-        return self._schedule.next_due()
-
     def apply(self, job: Job, outcome: JobResult, now: float) -> None:
-        endpoint = job.key
-        assert isinstance(endpoint, Endpoint)
-        self._schedule.done(endpoint)
+        endpoint = self._answered(job)
         load = None
         if isinstance(outcome, Fetched) and outcome.ok:
             load = parse_metrics(outcome.text, self.settings.model)
