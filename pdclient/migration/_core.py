@@ -52,7 +52,7 @@ import orjson
 from .._trace import Migration
 from ..pools import Endpoint
 from ..routing import RouteRequest
-from ..wire import SSEEvent, SSEFramer, event_data
+from ..wire import SSEFramer, event_data, is_done
 from ..wire import _bodies as wire
 
 if TYPE_CHECKING:
@@ -513,8 +513,9 @@ class Tracker:
 
     def feed(self, data: bytes) -> bytes:
         """The body bytes just read; returns what goes to the caller now (whole events)."""
-        out = [piece for event in self._framer.feed(data) if (piece := self._event(event))]
-        if self._framer.pending > MAX_EVENT_BYTES:
+        framer = self._framer
+        out = [piece for event in framer.feed(data) if (piece := self._event(event))]
+        if framer.pending > MAX_EVENT_BYTES:
             self._stop("the decode's body is not a stream of SSE events")
             out.append(self._flush() + self._framer.rest())
         return b"".join(out)
@@ -551,11 +552,11 @@ class Tracker:
         self._held.clear()
         return held
 
-    def _event(self, sse: SSEEvent) -> bytes:
-        event, payload = sse.raw, sse.data
+    def _event(self, event: bytes) -> bytes:
+        payload = event_data(event)
         if payload is None:
             return event  # a comment, or a field vLLM does not send: as it is
-        if sse.done:
+        if len(payload) < 16 and is_done(payload):
             self.done = True
             return self._flush() + event
         original = event
@@ -861,7 +862,7 @@ class Assembler:
     def feed(self, data: bytes) -> None:
         """Whole SSE events (a partial one waits for its end); raises ``CannotAssemble``."""
         for event in self._framer.feed(data):
-            self._event(event.data)
+            self._event(event_data(event))
 
     def body(self, usage: dict[str, int] | None = None) -> bytes:
         """The JSON body; ``usage`` stands in when no usage event came (a stream cut after its end)."""
@@ -913,7 +914,7 @@ class Assembler:
         }
 
     def _event(self, payload: bytes | None) -> None:
-        if payload is None or payload.strip() == b"[DONE]":
+        if payload is None or is_done(payload):
             return  # a comment (a keep-alive), a field vLLM does not send, the stream's end
         try:
             obj = orjson.loads(payload)

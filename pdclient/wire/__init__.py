@@ -34,7 +34,7 @@ from ._call_options import (
 from ._headers import FAILED_LEG_HEADER, HOP_BY_HOP, RAW_TRACE_HEADER_PREFIX, TRACE_HEADER_PREFIX
 from ._parts import TEXT_PART_TYPES, has_media, is_text_part
 from ._signing import DEFAULT_TTL, SECRET_ENV, SIGNATURE_HEADER, signature
-from ._sse import SSEEvent, SSEFramer, ends_event_stream, event_data, split_events, stream_tail
+from ._sse import SSEFramer, ends_event_stream, event_data, is_done, split_events, stream_tail
 from ._usage import UsageMerge, merge_usage, merge_usage_json, merge_usage_sse, prefill_usage
 
 __all__ = [
@@ -58,7 +58,6 @@ __all__ = [
     "SECRET_ENV",
     "SIGNATURE_HEADER",
     "UploadScan",
-    "SSEEvent",
     "SSEFramer",
     "UsageMerge",
     "affinity_key",
@@ -70,6 +69,7 @@ __all__ = [
     "decode_body",
     "ends_event_stream",
     "event_data",
+    "is_done",
     "kv_params_in_json",
     "merge_usage",
     "merge_usage_json",

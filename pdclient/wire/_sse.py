@@ -4,9 +4,11 @@ The rules are the WHATWG event-stream's: a line ends with CRLF, LF or CR, and an
 ends at a blank line, so ``\\n\\n``, ``\\r\\n\\r\\n`` and ``\\r\\r`` (or any two line ends in a
 row) close one. An event's ``data`` is its ``data:`` lines' values (one leading space cut),
 joined by ``\\n``; comments (``:``) and other fields are kept in the bytes and ignored.
-``SSEFramer`` works across network reads: a partial event waits for its end. Each
-``SSEEvent`` keeps the exact bytes the server sent (its blank line included), so a body
-passed on event by event is byte for byte the body that came in.
+``SSEFramer`` works across network reads: a partial event waits for its end. An event
+is the exact bytes the server sent (its blank line included), so a body passed on event
+by event is byte for byte the body that came in; ``event_data`` reads its data, once,
+where it is needed (a framer that paid for every event's data would cost a stream that
+only passes bytes on).
 """
 
 from __future__ import annotations
@@ -23,42 +25,10 @@ _BLANK_LINE = re.compile(rb"(?:\r\n|\r(?!\n)|\n)(?:\r\n|\r|\n)")
 _LINE_END = re.compile(rb"\r\n|\r|\n")
 
 
-_UNREAD = b"\0unread"
-
-
-class SSEEvent:
-    """One whole event: its bytes as sent, and its ``data`` (None when it has no data line,
-    read on first use: a consumer that only passes the bytes on pays nothing for it)."""
-
-    __slots__ = ("_data", "raw")
-
-    def __init__(self, raw: bytes) -> None:
-        self.raw = raw
-        self._data: bytes | None = _UNREAD
-
-    @property
-    def data(self) -> bytes | None:
-        if self._data is _UNREAD:
-            self._data = event_data(self.raw)
-        return self._data
-
-    @property
-    def done(self) -> bool:
-        """The stream's ``data: [DONE]``."""
-        return self.data is not None and self.data.strip() == DONE
-
-    def __repr__(self) -> str:
-        return f"SSEEvent({self.raw!r})"
-
-
 def event_data(raw: bytes) -> bytes | None:
     """The ``data`` of one event's bytes (its blank line may be included); None without a data line."""
-    if raw.startswith(b"data:") and b"\r" not in raw:
-        # vLLM's events: one data line, LF-ended, the whole value on it.
-        end = raw.find(b"\n")
-        if end < 0 or not raw[end:].strip(b"\n"):
-            value = raw[5:end] if end >= 0 else raw[5:]
-            return value[1:] if value[:1] == b" " else value
+    if raw.startswith(b"data: ") and raw.find(b"\n") == len(raw) - 2 and raw.endswith(b"\n\n") and b"\r" not in raw:
+        return raw[6:-2]  # vLLM's events: one data line, the whole value on it
     data: list[bytes] = []
     for line in _LINE_END.split(raw):
         if line == b"data" or line.startswith(b"data:"):
@@ -67,16 +37,22 @@ def event_data(raw: bytes) -> bytes | None:
     return b"\n".join(data) if data else None
 
 
-def split_events(data: bytes, start: int = 0) -> tuple[list[SSEEvent], int]:
-    """The whole events in ``data`` from ``start``, and where the first partial one begins."""
-    events: list[SSEEvent] = []
+def is_done(data: bytes | None) -> bool:
+    """Whether an event's data is the stream's ``[DONE]``."""
+    return data is not None and (data == DONE or (len(data) < 16 and data.strip() == DONE))
+
+
+def split_events(data: bytes, start: int = 0) -> tuple[list[bytes], int]:
+    """The whole events in ``data`` from ``start`` (each one's bytes, its blank line
+    included), and where the first partial one begins."""
+    events: list[bytes] = []
     if b"\r" not in data:
         while (end := data.find(b"\n\n", start)) >= 0:
-            events.append(SSEEvent(data[start : end + 2]))
+            events.append(data[start : end + 2])
             start = end + 2
         return events, start
     while (match := _BLANK_LINE.search(data, start)) is not None:
-        events.append(SSEEvent(data[start : match.end()]))
+        events.append(data[start : match.end()])
         start = match.end()
     return events, start
 
@@ -90,13 +66,17 @@ class SSEFramer:
         self._buffer = b""
         self._after_cr = False
 
-    def feed(self, data: bytes) -> list[SSEEvent]:
+    def feed(self, data: bytes) -> list[bytes]:
+        """The bytes of each event ``data`` completed."""
         buffer = self._buffer + data if self._buffer else data
-        lf: list[SSEEvent] = []
+        if buffer.find(b"\n\n") == len(buffer) - 2 and not self._after_cr and b"\r" not in buffer:
+            self._buffer = b""
+            return [buffer]  # most network reads of a stream: one whole event
+        lf: list[bytes] = []
         if self._after_cr and buffer.startswith(b"\n"):
             # The last event ended a read with a CR; this LF completes that CRLF. It goes on
             # at once, as an event with no data, so nothing waits for it.
-            lf, buffer = [SSEEvent(b"\n")], buffer[1:]
+            lf, buffer = [b"\n"], buffer[1:]
         events, start = split_events(buffer)
         self._after_cr = bool(events) and start == len(buffer) and buffer.endswith(b"\r")
         self._buffer = buffer[start:]

@@ -31,7 +31,7 @@ from typing import Any
 
 import orjson
 
-from ._sse import SSEEvent, SSEFramer, split_events
+from ._sse import SSEFramer, event_data, split_events
 
 _USAGE_KEY = b'"usage"'
 _FLUSH_UNFRAMED = 1 << 16
@@ -114,22 +114,23 @@ def merge_usage_sse(data: bytes, prefill: Mapping[str, Any] | None) -> bytes:
     return merged + data[start:]
 
 
-def _merged(events: list[SSEEvent], prefill: Mapping[str, Any]) -> bytes | None:
+def _merged(events: list[bytes], prefill: Mapping[str, Any]) -> bytes | None:
     """The events' bytes with the final usage event rewritten; None if none was."""
     out: list[bytes] = []
     changed = False
     for event in events:
-        rewritten = _rewrite_event(event, prefill) if _USAGE_KEY in event.raw else None
+        rewritten = _rewrite_event(event, prefill) if _USAGE_KEY in event else None
         changed = changed or rewritten is not None
-        out.append(event.raw if rewritten is None else rewritten)
+        out.append(event if rewritten is None else rewritten)
     return b"".join(out) if changed else None
 
 
-def _rewrite_event(event: SSEEvent, prefill: Mapping[str, Any]) -> bytes | None:
-    if event.data is None:
+def _rewrite_event(event: bytes, prefill: Mapping[str, Any]) -> bytes | None:
+    data = event_data(event)
+    if data is None:
         return None
     try:
-        payload = orjson.loads(event.data)
+        payload = orjson.loads(data)
     except orjson.JSONDecodeError:
         return None
     if not isinstance(payload, dict) or payload.get("choices") != [] or not isinstance(payload.get("usage"), dict):
@@ -137,7 +138,7 @@ def _rewrite_event(event: SSEEvent, prefill: Mapping[str, Any]) -> bytes | None:
     merged = merge_usage(prefill, payload["usage"])
     if merged == payload["usage"]:
         return None
-    lines = event.raw.splitlines(keepends=True)
+    lines = event.splitlines(keepends=True)
     data_lines = [i for i, line in enumerate(lines) if line.startswith(b"data:")]
     if len(data_lines) != 1:
         return None  # multi-line data never comes from vLLM: leave it alone
@@ -171,16 +172,13 @@ class UsageMerge:
             self._buffer += data
             return b""
         events = self._framer.feed(data)
-        out = self._merged(events)
+        if len(events) == 1 and _USAGE_KEY not in events[0]:
+            out = events[0]  # most network reads of a stream: one event, no usage
+        else:
+            out = _merged(events, self._prefill) or b"".join(events)
         if self._framer.pending >= _FLUSH_UNFRAMED:
             out += self._framer.rest()
         return out
-
-    def _merged(self, events: list[SSEEvent]) -> bytes:
-        if len(events) == 1 and _USAGE_KEY not in events[0].raw:
-            return events[0].raw  # most network reads of a stream: one event, no usage
-        merged = _merged(events, self._prefill)
-        return b"".join(event.raw for event in events) if merged is None else merged
 
     def end(self) -> bytes:
         """The rest, once the body is whole."""
