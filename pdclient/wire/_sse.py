@@ -69,8 +69,8 @@ class SSEFramer:
     def feed(self, data: bytes) -> list[bytes]:
         """The bytes of each event ``data`` completed."""
         buffer = self._buffer + data if self._buffer else data
-        if buffer.find(b"\n\n") == len(buffer) - 2 and not self._after_cr and b"\r" not in buffer:
-            self._buffer = b""
+        if buffer.endswith(b"\n\n") and buffer.find(b"\n\n") == len(buffer) - 2 and b"\r" not in buffer:
+            self._buffer, self._after_cr = b"", False
             return [buffer]  # most network reads of a stream: one whole event
         lf: list[bytes] = []
         if self._after_cr and buffer.startswith(b"\n"):
