@@ -2,10 +2,11 @@
 
 ``MigratingDecodeStream`` replaces ``transport._streams.DecodeStream`` for a call that may move. It
 passes the caller whole SSE events (``migration._core.Tracker``); when the decode stream breaks
-(a reset, a server gone, a read timeout between chunks) it asks the call whether it may
-move, opens a continuation on another decode endpoint (through a prefill endpoint first
-for a long prompt, ``migration._core.continuation_route``) and splices its events into the same
-body. A stream that may not move raises the openai error of ``transport._streams`` with the reason.
+(a reset, a server gone, a read timeout between chunks) it runs the move's steps
+(``handoff.move``, a generator: whether it may move, a continuation on another decode
+endpoint, through a prefill endpoint first for a long prompt) with the transport's leg
+I/O (``LegIO``), and splices the continuation's events into the same body. A stream that
+may not move raises the openai error of ``transport._streams`` with the reason.
 A stream cut once its answer had ended does not move: it is ended as vLLM ends one.
 
 A non-streamed call that may move streams its decode leg all the same; the events go into
