@@ -56,8 +56,9 @@ test-server-patch: install
 test-fast: install
 	$(VENV)/bin/python $(PYTEST) tests/unit tests/mocked
 
+# make demo KV_CONNECTOR=nixl-push DISPATCH=concurrent: vLLM's push mode, both legs sent at once.
 demo: install
-	$(VENV)/bin/python examples/demo.py
+	$(VENV)/bin/python examples/demo.py --kv-connector $(or $(KV_CONNECTOR),nixl) --dispatch $(or $(DISPATCH),sequential)
 
 # Client CPU and latency against the same two calls written by hand, on loopback stubs.
 bench-client-overhead: install

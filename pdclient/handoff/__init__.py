@@ -1,5 +1,6 @@
-"""One call: ``Call`` (plan, phase, legs, outcome, trace) and ``Leg``."""
+"""One call: ``Call`` (plan, phase, legs, outcome, trace) and ``Leg``; ``dispatch``: both legs at once."""
 
+from . import _dispatch as dispatch
 from ._call import CALL_RECORD, Call, CallContext, HandoffInstead, Leg, leg_url, new_request_id, request_with_content
 
 __all__ = [
@@ -10,5 +11,6 @@ __all__ = [
     "Leg",
     "leg_url",
     "new_request_id",
+    "dispatch",
     "request_with_content",
 ]
