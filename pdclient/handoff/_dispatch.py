@@ -103,11 +103,16 @@ class Coordinates:
             other.pp_size,
         )
 
-    def decode_kv_params(self) -> bytes:
+    def decode_kv_params(self, request_id: str) -> bytes:
         """The concurrent decode's ``kv_transfer_params``: registered with this prefill server.
 
         ``remote_block_ids`` is empty: in push mode the prefill server learns the decode's
-        blocks from its registration, not the other way round.
+        blocks from its registration, not the other way round. ``remote_request_id`` must
+        be there (vLLM 0.32's decode engine dies on a KeyError without it, in
+        ``NixlConnectorMetadata.add_new_req_to_recv``); the prefill server's own id for the
+        request is not known yet, and the decode uses this one only to name the request in
+        its lease heartbeats, which the prefill server ignores for an id it does not hold:
+        the call's request id, which both legs carry, is the honest value.
         """
         params = {
             "do_remote_prefill": True,
@@ -118,6 +123,7 @@ class Coordinates:
             "tp_size": self.tp_size,
             "pp_size": self.pp_size,
             "remote_block_ids": [],
+            "remote_request_id": request_id,
         }
         return orjson.dumps(params)
 
@@ -203,7 +209,7 @@ def concurrent_decode(call: Call) -> ConcurrentDecode | None:
     except AllEndpointsOpen:
         return None  # the sequential path answers a decode outage
     call.migration = migrate.arm(call)
-    pushed = wire.PrefillResult(ids=None, count=0, kv_transfer_params=coordinates.decode_kv_params())
+    pushed = wire.PrefillResult(ids=None, count=0, kv_transfer_params=coordinates.decode_kv_params(call.request_id))
     body = call.migration.decode_body(plan, pushed)
     request = call.decode.start(call.leg_request(base, body))
     call.dispatch = CONCURRENT

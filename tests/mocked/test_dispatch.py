@@ -74,6 +74,7 @@ async def test_first_call_learns_the_coordinates_then_both_legs_go_at_once(mode:
         NIXL_PARAMS["remote_port"],
         NIXL_PARAMS["tp_size"],
     )
+    assert kv["remote_request_id"] == traces[1].request_id  # vLLM's decode engine needs the key
     # Both legs of the concurrent call carry one request id: push mode matches them by it.
     prefill_ids = [c.request.headers["x-request-id"] for c in fake.router.routes["prefill"].calls]
     decode_ids = [c.request.headers["x-request-id"] for c in fake.router.routes["decode"].calls]
@@ -110,7 +111,7 @@ async def test_per_call_option_and_its_narrowing(mode: str, fake: FakeVLLM) -> N
     with pytest.raises(openai.BadRequestError) as excinfo:
         await twin.chat(messages=MESSAGES, max_tokens=8, extra_body={"pdclient": {"dispatch": "concurrent"}})
     assert "pdclient.dispatch may be sequential here, not concurrent" in str(status_error(excinfo).message)
-    with pytest.raises(openai.BadRequestError, match="pdclient.dispatch must be one of"):
+    with pytest.raises(openai.BadRequestError, match=r"pdclient\.dispatch must be one of"):
         await twin.chat(messages=MESSAGES, max_tokens=8, extra_body={"pdclient": {"dispatch": "fast"}})
     open_twin = Twin(mode, **{**kwargs, "allow_call_overrides": True})
     await open_twin.chat(messages=MESSAGES, max_tokens=8)
