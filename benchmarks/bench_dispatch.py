@@ -73,6 +73,8 @@ class Arms:
         self.model, self.max_tokens = push.model, max_tokens
         timeout = httpx.Timeout(180.0, connect=10.0)
         self.traces: list[PDTrace] = []
+        self.off_plan: list[str] = []
+        """Calls that did not go as their arm says (a concurrent call that fell back)."""
         common: dict[str, Any] = {
             "api_key": "EMPTY",
             "max_retries": 0,
@@ -119,7 +121,8 @@ class Arms:
                 raise RuntimeError(f"{arm}: the handoff degraded: {trace}")
             expected = "concurrent" if arm == "concurrent" else "sequential"
             if trace.dispatch != expected or trace.fallback:
-                raise RuntimeError(f"{arm}: dispatch {trace.dispatch}, fallback {trace.fallback}")
+                # Counted and printed, not fatal: a rare fall-back is part of what is measured.
+                self.off_plan.append(f"{arm}: dispatch {trace.dispatch}, fallback {trace.fallback}")
         return (first - started_at) * 1000
 
     def prompt_tokens(self, prompt: str) -> int:
@@ -180,6 +183,13 @@ def report(samples: Sequence[Sample], tokens: dict[int, int]) -> tuple[list[str]
             lines.append(
                 f"  concurrent/{other:<16} median ratio {statistics.median(ratios):.3f}, 95% CI [{low:.3f}, {high:.3f}]"
             )
+        by = {(s.arm, s.round): s.client_ttft_ms for s in samples if s.size == size}
+        diffs = [by[("concurrent", r)] - by[("vllm-router", r)] for r in range(rounds) if ("vllm-router", r) in by]
+        low, high = bootstrap_ci(diffs)
+        row["concurrent - vllm-router ms"] = (statistics.median(diffs), low, high)
+        lines.append(
+            f"  concurrent - vllm-router: median {statistics.median(diffs):.1f} ms, 95% CI [{low:.1f}, {high:.1f}]"
+        )
         summary[str(size)] = row
     lines.append("\nclient TTFT: create() -> first content chunk; ratios paired per round, bootstrap of the median")
     return lines, summary
@@ -238,6 +248,7 @@ def main() -> int:
     lines, summary = report(samples, tokens)
     print("\n".join(lines))
     print(f"push pair's decode took {moved:.0f} prompt tokens over the KV transfer during the run")
+    print(f"calls off their arm's plan: {len(arms.off_plan)}", *arms.off_plan[:5], sep="\n  ")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "dispatch.json").write_text(
         json.dumps({"summary": summary, "samples": [asdict(s) for s in samples], "external_kv_tokens": moved})
