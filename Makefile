@@ -14,7 +14,7 @@ VENV_OPENAI2 = $(shell tools/venv.sh requirements-openai2.txt)
 PYTEST = -m pytest -ra -p no:cacheprovider
 
 .PHONY: test install system-packages install-openai2 lint typecheck test-client test-openai2 test-server-patch test-fast demo \
-        bench-client-overhead bench-decode-ttft bench-proxies bench-serve-cpu bench-migration bench-conversations
+        bench-client-overhead bench-decode-ttft bench-proxies bench-dispatch bench-serve-cpu bench-migration bench-conversations
 
 # Every tier, in the order a failure is cheapest to find (docs/ARCHITECTURE.md, "Tests").
 test: lint typecheck test-client test-openai2 test-server-patch
@@ -56,8 +56,9 @@ test-server-patch: install
 test-fast: install
 	$(VENV)/bin/python $(PYTEST) tests/unit tests/mocked
 
+# make demo KV_CONNECTOR=nixl-push DISPATCH=concurrent: vLLM's push mode, both legs sent at once.
 demo: install
-	$(VENV)/bin/python examples/demo.py
+	$(VENV)/bin/python examples/demo.py --kv-connector $(or $(KV_CONNECTOR),nixl) --dispatch $(or $(DISPATCH),sequential)
 
 # Client CPU and latency against the same two calls written by hand, on loopback stubs.
 bench-client-overhead: install
@@ -73,6 +74,10 @@ bench-decode-ttft: install
 # (added latency and throughput on loopback stubs). The peers: benchmarks/peers/README.md.
 bench-proxies: install
 	$(VENV)/bin/python benchmarks/bench_proxies.py $(ARGS)
+
+# Concurrent against sequential dispatch on a push-mode pair, with the pull pair and vllm-router as peers.
+bench-dispatch: install
+	$(VENV)/bin/python benchmarks/bench_dispatch.py $(ARGS)
 
 # pdclient serve's own CPU per call against another revision, in process: ARGS="--against REV".
 bench-serve-cpu: install

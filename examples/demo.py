@@ -9,6 +9,7 @@ stops both servers. The first run also builds the server environment and the mod
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 
@@ -19,13 +20,32 @@ QUESTION = "In two sentences, why is the sky blue?"
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--kv-connector",
+        default="nixl",
+        help='the local pair\'s KV connector: "nixl" (pull, the default) or "nixl-push" (vLLM\'s NixlPushConnector)',
+    )
+    parser.add_argument(
+        "--dispatch",
+        default="sequential",
+        choices=("sequential", "concurrent", "auto"),
+        help="how the client sends the two legs (concurrent needs a push-mode pair)",
+    )
+    args = parser.parse_args()
     # LocalPD reports its long steps (environment, model, server starts) on this logger.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("pdclient.local").setLevel(logging.INFO)
 
     traces: list[PDTrace] = []
-    with pair_from_env_or_local() as pd:
-        client = pd.client(on_trace=traces.append)
+    with pair_from_env_or_local(kv_connector=args.kv_connector) as pd:
+        client = pd.client(on_trace=traces.append, dispatch=args.dispatch)
+        if args.dispatch != "sequential":
+            # The first call to a prefill endpoint is sequential: its answer gives the
+            # coordinates a concurrent decode needs.
+            client.chat.completions.create(
+                model=pd.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=1, temperature=0
+            )
         print(f"\nQ: {QUESTION}\nA: ", end="", flush=True)
         parts: list[str] = []
         stream = client.chat.completions.create(

@@ -71,6 +71,7 @@ class _PDClient:
         max_decode_migrations: int | openai.NotGiven = _NOT_GIVEN,
         migrate_non_streamed: bool | openai.NotGiven = _NOT_GIVEN,
         remote_prefill: str | openai.NotGiven = _NOT_GIVEN,
+        dispatch: str | openai.NotGiven = _NOT_GIVEN,
         conversations: ConversationSettings | openai.NotGiven = _NOT_GIVEN,
         base_url: str | httpx.URL | openai.NotGiven | None = _NOT_GIVEN,
         http_client: httpx.Client | httpx.AsyncClient | None = None,
@@ -136,6 +137,7 @@ class _PDClient:
         max_decode_migrations: int | openai.NotGiven = _NOT_GIVEN,
         migrate_non_streamed: bool | openai.NotGiven = _NOT_GIVEN,
         remote_prefill: str | openai.NotGiven = _NOT_GIVEN,
+        dispatch: str | openai.NotGiven = _NOT_GIVEN,
         conversations: ConversationSettings | openai.NotGiven = _NOT_GIVEN,
         **kwargs: Any,
     ) -> Self:

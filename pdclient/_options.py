@@ -27,6 +27,7 @@ from .wire import (
     CALL_OPTIONS_KEY,
     SECRET_ENV,
     CallOptions,
+    check_dispatch,
     check_failure_policy,
     check_migrations,
     check_remote_prefill,
@@ -156,6 +157,15 @@ class PDOptions:
     server's prefix cache, every other call is a P/D handoff (``conversations``);
     ``"always"`` (every call is a P/D handoff, pdclient's first behaviour: no memory, no
     warm-ups) or ``"never"`` (every call goes decode-only, as the caller sent it)."""
+    dispatch: str = "sequential"
+    """How a P/D handoff sends its two legs: ``"sequential"`` (the default: the prefill,
+    then, with its answer, the decode), ``"concurrent"`` (both at once, for vLLM's push mode,
+    ``NixlPushConnector``: the decode server allocates its blocks and renders the prompt
+    while the prefill runs, and the prefill server WRITEs the KV into them) or ``"auto"``
+    (concurrent where the prefill endpoint's answers said it runs in push mode). A call is
+    concurrent only to a prefill endpoint whose coordinates an earlier answer gave, so the
+    first call to each is sequential; ``"concurrent"`` also trusts an endpoint whose answers
+    do not say their transfer mode. See pdclient/handoff/_dispatch.py."""
     conversations: ConversationSettings = field(default_factory=ConversationSettings)
     """How ``"auto"`` decides (``threshold_tokens``, ``max_uncached_ratio``) and how the
     conversations are remembered (one memory per fleet, shared by the client's copies)."""
@@ -188,6 +198,7 @@ class PDOptions:
         check_migrations(self.max_decode_migrations, "max_decode_migrations")
         _check_type("migrate_non_streamed", self.migrate_non_streamed, bool)
         check_remote_prefill(self.remote_prefill, "remote_prefill")
+        check_dispatch(self.dispatch, "dispatch")
         _check_type("conversations", self.conversations, ConversationSettings)
 
     @property
@@ -230,7 +241,8 @@ def call_override_refusal(call: CallOptions, client: PDOptions) -> str | None:
     client: fewer decode migrations; ``on_prefill_failure`` ``"fail"``, or the client's own
     (a fallback URL is ``allow_call_fallback_url``'s to allow); ``remote_prefill``
     ``"always"`` (the plain P/D handoff: no memory, no decode-only guess), or the client's
-    own. ``forward_ids`` and ``session`` always pass: without ids the decode server
+    own; ``dispatch`` ``"sequential"`` (the plain handoff), or the client's own.
+    ``forward_ids`` and ``session`` always pass: without ids the decode server
     tokenizes the prompt itself as any plain vLLM call does, and a session only groups the
     caller's own calls (conversation keys are kept per tenant).
     """
@@ -248,4 +260,8 @@ def call_override_refusal(call: CallOptions, client: PDOptions) -> str | None:
     if mode is not None and mode not in ("always", client.remote_prefill):
         allowed = " or ".join(dict.fromkeys(("always", client.remote_prefill)))
         return f"{CALL_OPTIONS_KEY}.remote_prefill may be {allowed} here, not {mode} ({why})"
+    dispatch = call.dispatch
+    if dispatch is not None and dispatch not in ("sequential", client.dispatch):
+        allowed = " or ".join(dict.fromkeys(("sequential", client.dispatch)))
+        return f"{CALL_OPTIONS_KEY}.dispatch may be {allowed} here, not {dispatch} ({why})"
     return None

@@ -118,6 +118,11 @@ class PDTrace(BaseModel):
     prefill_warm_up_url: str | None = None
     """``auto``, decode-only: the prefill endpoint the prompt was queued to, off the caller's
     path, to keep its prefix cache up with the conversation (``fleet._warm``)."""
+    dispatch: str | None = None
+    """How the handoff's legs went out: ``"sequential"`` (the prefill, then the decode) or
+    ``"concurrent"`` (both at once, ``PDOptions.dispatch``); None when no prefill leg ran.
+    A concurrent call that fell back to a sequential decode (a changed prefill endpoint, a
+    failed decode) says so in ``fallback``."""
     migrations: tuple[Migration, ...] = ()
     """Each time the decode stream broke and the answer continued on another decode endpoint
     (``max_decode_migrations``), in order. Not in the response headers: known only later."""

@@ -1,5 +1,6 @@
-"""One call: ``Call`` (plan, phase, legs, outcome, trace), ``Leg``, and a broken stream's move as steps (``move``)."""
+"""One call: ``Call`` (plan, phase, legs, outcome, trace), ``Leg``, a broken stream's move as steps (``move``), and ``dispatch``: both legs at once."""
 
+from . import _dispatch as dispatch
 from ._call import CALL_RECORD, Call, CallContext, HandoffInstead, Leg, leg_url, new_request_id, request_with_content
 from ._move import STREAM_ERRORS, Move, OpenDecode, ReadRefusal, Release, SendPrefill, Step, move
 
@@ -19,5 +20,6 @@ __all__ = [
     "Leg",
     "leg_url",
     "new_request_id",
+    "dispatch",
     "request_with_content",
 ]

@@ -58,6 +58,7 @@ from ..wire import (
 )
 from ..wire import _bodies as wire
 from ..wire import _usage as usage
+from . import _dispatch
 
 logger = logging.getLogger("pdclient")
 
@@ -291,6 +292,10 @@ class Call:
         self.collector: AnswerCollector | None = None
         """The answer the caller receives, kept to remember the turn (chat, ``remote_prefill`` not ``always``)."""
         self._conversation: dict[str, Any] | None = None
+        self.dispatch: str | None = None
+        """How the legs went out, ``sequential`` or ``concurrent`` (``_dispatch``), once a prefill is planned."""
+        self.prefill_picked = False
+        """The prefill's first endpoint is picked already (a concurrent decode named it)."""
         # openai's `timeout` bounds each read; the prefill phase (retries included) gets it,
         # or the shorter prefill_timeout, as a total.
         bounds = [(request.extensions.get("timeout") or {}).get("read"), context.options.retries.prefill_timeout]
@@ -361,6 +366,9 @@ class Call:
     def failure_policy(self) -> str:
         assert self.plan is not None
         return self.plan.options.on_prefill_failure or self.context.options.on_prefill_failure
+
+    def route_for(self, leg: str) -> RouteRequest:
+        return self._route(leg)
 
     def _route(self, leg: str) -> RouteRequest:
         plan = self.plan
@@ -492,7 +500,11 @@ class Call:
     def prefill_request(self) -> httpx.Request:
         """The next prefill attempt, on an endpoint this call has not tried yet if any."""
         assert self.plan is not None
-        base = self.prefill.pick(self._route("prefill"))
+        if self.prefill_picked:
+            self.prefill_picked = False
+            base = self.prefill.url
+        else:
+            base = self.prefill.pick(self._route("prefill"))
         if self._prefill_body is None:
             self._prefill_body = wire.prefill_body(self.plan)
         request = self._leg_request(base, self._prefill_body, self._sign(base, self._prefill_body), self.deadline)
@@ -516,6 +528,7 @@ class Call:
             return self._end_with(response, "prefill")
         cpu_start = time.thread_time()
         self.prefill_result = wire.read_prefill(self.kind, response.content)
+        _dispatch.learn(self)
         self.cpu_seconds += time.thread_time() - cpu_start
         if self.collector is not None and self.prefill_result.ids is not None:
             # The chars-per-token ratio auto's estimates use, from the servers' own count.
@@ -802,6 +815,8 @@ class Call:
         result = self.prefill_result
         if result is None or result.ids is None or self.plan is None or self.plan.ids_skipped is not None:
             return 0
+        if self.dispatch == _dispatch.CONCURRENT:
+            return 0  # the decode rendered the prompt itself: its ids were not known yet
         return result.count
 
     def trace(self) -> PDTrace:
@@ -842,6 +857,7 @@ class Call:
             estimated_prompt_tokens=estimate.total_tokens if estimate is not None else None,
             estimated_uncached_tokens=estimate.uncached_tokens if estimate is not None else None,
             prefill_warm_up_url=self.warm_up_url,
+            dispatch=self.dispatch,
         )
 
     def _json_error(self, status: int, message: str, leg: str) -> httpx.Response:
@@ -854,6 +870,14 @@ class Call:
 
     def _elapsed_ms(self) -> float:
         return (time.perf_counter() - self.started) * 1000
+
+    def leg_request(self, base: str, content: bytes) -> httpx.Request:
+        """A leg's request on ``base`` with a body pdclient built, signed if a secret is set."""
+        return self._leg_request(base, content, self._sign(base, content))
+
+    def reset_decode_body(self) -> None:
+        """The decode body is built anew at the next attempt (a concurrent decode fell back)."""
+        self._decode_body = None
 
     def _sign(self, base: str, content: bytes) -> str | None:
         """The leg's signature for servers whose server patch guards kv_transfer_params, if a secret is set."""

@@ -21,7 +21,15 @@ from .._errors import PDConfigError, PDSetupError
 from ..wire import PREFILL_KV_TRANSFER_PARAMS
 from . import _prepare
 from ._ports import PortClaim, claim_ports
-from ._server import SERVED_MODEL_NAME, ServerStartError, VLLMServer, check_port_free, stop_all, wait_all_ready
+from ._server import (
+    NIXL_CONNECTORS,
+    SERVED_MODEL_NAME,
+    ServerStartError,
+    VLLMServer,
+    check_port_free,
+    stop_all,
+    wait_all_ready,
+)
 
 if TYPE_CHECKING:
     from .._client import AsyncPDChatClient, PDChatClient
@@ -149,8 +157,12 @@ class LocalPD:
         prefill_servers, decode_servers: how many of each (at least one).
         prefill_port, decode_port: fixed API ports for the first prefill / decode
             server; the others get chosen ones. A port in use is a PDSetupError at start().
-        kv_connector: "nixl" (KV moves prefill -> decode over NIXL on CPU buffers) or
-            None (plain servers: decode recomputes the prompt; useful as a negative case).
+        kv_connector: "nixl" (KV moves prefill -> decode over NIXL on CPU buffers: the
+            decode pulls it), "nixl-push" (alias "NixlPushConnector": vLLM's push mode, the
+            prefill WRITEs it into blocks the decode registered, which lets a client send
+            both legs at once, ``PDOptions.dispatch``) or None (plain servers: decode
+            recomputes the prompt; useful as a negative case). "NixlConnector" is an alias
+            of "nixl".
         decode_kv_connector: overrides ``kv_connector`` for the decode servers only.
         max_model_len: per server; raise it for long-prompt benchmarks.
         server_env: extra environment for every server (e.g. plugin settings).
@@ -317,7 +329,8 @@ class LocalPD:
             claim.release()
         n_prefill, n_decode = self._counts
         explicit = {0: self._prefill_port, n_prefill: self._decode_port}
-        nixl = [self._kv_connector == "nixl"] * n_prefill + [self._decode_kv_connector == "nixl"] * n_decode
+        nixl = [self._kv_connector in NIXL_CONNECTORS] * n_prefill
+        nixl += [self._decode_kv_connector in NIXL_CONNECTORS] * n_decode
         needed = sum(1 for i in range(n_prefill + n_decode) if explicit.get(i) is None) + sum(nixl)
         avoid = {port for port in explicit.values() if port is not None}
         self._claims = claim_ports(needed, avoid=avoid)
@@ -385,14 +398,18 @@ class LocalPD:
             "return_token_ids": True,
             "kv_transfer_params": dict(PREFILL_KV_TRANSFER_PARAMS),
         }
+        # One request id for both legs, as pdclient sends them: vLLM's push mode matches the
+        # decode's registration with the prefill's blocks by it (pull mode ignores it).
+        headers = {"x-request-id": f"pdclient-warm-up-{prefill.port}-{decode.port}-{time.monotonic_ns()}"}
         try:
-            response = http.post(f"{prefill.base_url}/v1/chat/completions", json=body)
+            response = http.post(f"{prefill.base_url}/v1/chat/completions", json=body, headers=headers)
             response.raise_for_status()
             result = response.json()
             kv = {**(result.get("kv_transfer_params") or {}), "prompt_token_ids": result["prompt_token_ids"]}
             http.post(
                 f"{decode.base_url}/v1/chat/completions",
                 json={**body, "return_token_ids": False, "kv_transfer_params": kv},
+                headers=headers,
             ).raise_for_status()
         except (httpx.HTTPError, KeyError, ValueError) as exc:
             raise PDSetupError(f"handoff {prefill.name} -> {decode.name}: {exc!r}") from exc

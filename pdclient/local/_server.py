@@ -41,7 +41,26 @@ NIXL_KV_TRANSFER_CONFIG: dict[str, Any] = {
     "kv_buffer_device": "cpu",
     "kv_connector_extra_config": {"kv_lease_duration": 120},
 }
-KV_CONNECTORS: dict[str, dict[str, Any]] = {"nixl": NIXL_KV_TRANSFER_CONFIG}
+# Push mode (vLLM 0.32's NixlPushConnector): the decode server registers its freshly
+# allocated blocks with the prefill server, which WRITEs the KV into them as its prefill
+# ends, so a client may send both legs at once (``PDOptions.dispatch``). Same settings
+# otherwise. push_registration_timeout: how long a decode waits for a WRITE that never
+# comes (a prefill that failed or was cancelled) before its server fails it; the client
+# aborts such a decode itself, this is the backstop (vLLM's default is 480 s).
+NIXL_PUSH_KV_TRANSFER_CONFIG: dict[str, Any] = {
+    **NIXL_KV_TRANSFER_CONFIG,
+    "kv_connector": "NixlPushConnector",
+    "kv_connector_extra_config": {"kv_lease_duration": 120, "push_registration_timeout": 60},
+}
+KV_CONNECTORS: dict[str, dict[str, Any]] = {
+    "nixl": NIXL_KV_TRANSFER_CONFIG,
+    "nixl-push": NIXL_PUSH_KV_TRANSFER_CONFIG,
+    # vLLM's own class names, as --kv-transfer-config spells them.
+    "NixlConnector": NIXL_KV_TRANSFER_CONFIG,
+    "NixlPushConnector": NIXL_PUSH_KV_TRANSFER_CONFIG,
+}
+NIXL_CONNECTORS = frozenset(KV_CONNECTORS)
+"""Every name above moves the KV over NIXL: each server needs its own side-channel port."""
 
 _STOP_GRACE_S = 20.0
 _POLL_S = 0.5

@@ -642,6 +642,7 @@ def startup_summary(proxy: Proxy) -> str:
         "discovery": on(isinstance(options.discovery, DiscoverySettings)),
         "load_signals": ",".join(scraped) or "off",
         "remote_prefill": options.remote_prefill,
+        "dispatch": options.dispatch,
         "max_decode_migrations": options.max_decode_migrations,
         "signed_legs": on(options.reuse_secret),
         "allow_call_overrides": on(config.allow_call_overrides),

@@ -28,7 +28,7 @@ from ..pools import DECODE_ENV, PREFILL_ENV
 from ..routing import POLICIES, PREFILL_ONLY
 
 # Constants with no public name: the environment variables PDOptions reads, the policy names.
-from ..wire import REMOTE_PREFILL_MODES, SECRET_ENV
+from ..wire import DISPATCH_MODES, REMOTE_PREFILL_MODES, SECRET_ENV
 
 ENV_PREFIX = "PDCLIENT_SERVE_"
 """Every setting is also ``$PDCLIENT_SERVE_<NAME>`` (``--log-format`` is
@@ -182,6 +182,7 @@ _SPECIAL: Mapping[str, dict[str, Any]] = {
     "on_prefill_failure": {"metavar": "POLICY"},
     "reuse_secret": {"env": SECRET_ENV, "metavar": "SECRET"},
     "remote_prefill": {"parse": _str, "choices": REMOTE_PREFILL_MODES},
+    "dispatch": {"parse": _str, "choices": DISPATCH_MODES},
     "conversation_max_uncached_ratio": {"metavar": "RATIO"},
     "conversation_initial_chars_per_token": {"metavar": "RATIO"},
 }
@@ -210,6 +211,9 @@ _CLIENT_HELP: Mapping[str, str] = {
     "migrate_non_streamed": "non-streamed calls may move too (their decode leg streams; ~1.4x the decode API's CPU)",
     "remote_prefill": "always: every chat/completions call is a P/D handoff; never: decode-only; auto: a chat call "
     "extending a remembered conversation goes decode-only to the decode endpoint holding it when little is uncached",
+    "dispatch": "sequential: the prefill, then the decode; concurrent: both at once (vLLM's NixlPushConnector "
+    "on both servers); auto: concurrent where the prefill's answers say push mode (the first call per prefill "
+    "endpoint is sequential)",
     "conversation_threshold_tokens": "auto: decode-only when fewer estimated uncached tokens than this...",
     "conversation_max_uncached_ratio": "...and less than this fraction of the prompt uncached",
     "conversation_block_size": "the decode servers' KV block size (vLLM: 128 on CPU, 16 on GPU by default)",
@@ -303,7 +307,8 @@ class ServeConfig:
     allow_call_overrides: bool = _opt(
         False,
         "let callers' per-call options (extra_body {'pdclient': {...}}) loosen the settings: more decode "
-        "migrations, decode-only after a failed prefill, another remote_prefill (off: such an option is a 400)",
+        "migrations, decode-only after a failed prefill, another remote_prefill or dispatch (off: such an option "
+        "is a 400)",
         _bool,
         group="client",
     )

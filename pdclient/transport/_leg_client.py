@@ -16,6 +16,8 @@ done here: Basic auth from credentials in a URL, and the request on a transport 
 
 from __future__ import annotations
 
+import threading
+
 import httpx
 
 # The openai SDK's own pool limits, kept for the legs so a drop-in client pools alike.
@@ -33,8 +35,22 @@ def _with_url_auth(request: httpx.Request) -> httpx.Request:
 class LegClient:
     """Sends each leg, streamed, on ``transport`` (default: a pooled ``httpx.HTTPTransport``)."""
 
-    def __init__(self, transport: httpx.BaseTransport | None = None) -> None:
-        self._client = httpx.Client(transport=transport, limits=LEG_LIMITS, timeout=None)
+    def __init__(self, transport: httpx.BaseTransport | None = None, *, keep_alive: bool = True) -> None:
+        limits = LEG_LIMITS if keep_alive else httpx.Limits(max_connections=None, max_keepalive_connections=0)
+        self._client = httpx.Client(transport=transport, limits=limits, timeout=None)
+        self._transport = transport
+        self._fresh: LegClient | None = None
+        self._lock = threading.Lock()
+
+    def fresh_connections(self) -> LegClient:
+        """A sibling that opens a new connection per leg and keeps none: a concurrent decode
+        goes there, so the caller's thread can cut its connection (a blocked sync read has
+        no other way to end) when its prefill fails. On loopback or a LAN a connect costs
+        well under a millisecond, against the hundreds the concurrent dispatch saves."""
+        with self._lock:
+            if self._fresh is None:
+                self._fresh = LegClient(self._transport, keep_alive=False)
+            return self._fresh
 
     def send(self, request: httpx.Request) -> httpx.Response:
         """The response with its body unread; the caller closes it."""
@@ -49,6 +65,8 @@ class LegClient:
 
     def close(self) -> None:
         self._client.close()
+        if self._fresh is not None:
+            self._fresh.close()
 
 
 class AsyncLegClient:

@@ -22,10 +22,11 @@ from .._errors import PDConfigError
 from .._observe import Observers, TraceCallback
 from .._options import PDOptions
 from ..fleet import Fleet
-from ..handoff import Call, CallContext, HandoffInstead, Leg
+from ..handoff import Call, CallContext, HandoffInstead, Leg, dispatch
 from ..pools import AllEndpointsOpen, URLArg
 from ..pools import _retry as retry
 from ..wire import Refusal
+from ._concurrent import AsyncDecodeInFlight, DecodeInFlight
 from ._leg_client import AsyncLegClient, LegClient
 from ._migrating_stream import AsyncLegIO, LegIO, async_decode_stream, decode_stream
 
@@ -107,7 +108,12 @@ class PDTransport(_TransportBase, httpx.BaseTransport):
             if call.kind is None:
                 return self._pass_through(call)
             request.read()
-            ended = call.plan_or_refuse() or (self._prefill(call) if call.wants_prefill() else None)
+            ended = call.plan_or_refuse()
+            if ended is None and call.wants_prefill():
+                sent = dispatch.concurrent_decode(call)
+                if sent is not None:
+                    return self._concurrent(call, sent)
+                ended = self._prefill(call)
             return ended or self._decode(call)
         except BaseException as exc:
             call.abandoned(exc)
@@ -128,6 +134,30 @@ class PDTransport(_TransportBase, httpx.BaseTransport):
             return retry.run(call.prefill_retrying(), self._prefill_attempt, call)
         except (*retry.PREFILL_RETRYABLE, AllEndpointsOpen) as exc:
             return call.prefill_failed(exc)
+
+    def _concurrent(self, call: Call, sent: dispatch.ConcurrentDecode) -> httpx.Response:
+        """Both legs at once (``handoff._dispatch``): the decode in a thread, the prefill here."""
+        decode = DecodeInFlight(self._legs.fresh_connections(), sent.request, call)
+        try:
+            ended = self._prefill(call)
+            why = dispatch.moved_on(call, sent) if ended is None else "the prefill failed"
+        except BaseException:
+            decode.cancel()
+            raise
+        if why is None:
+            response = decode.result()
+            why = decode.failure(response)
+            if why is None and response is not None:
+                try:
+                    return call.decode_response(response, decode_stream(response, call, self))
+                except BaseException:
+                    response.close()
+                    raise
+        decode.cancel()
+        if ended is not None:
+            return ended
+        dispatch.fall_back(call, why or "the decode gave no answer")
+        return self._decode(call)
 
     def _prefill_attempt(self, call: Call) -> httpx.Response | None:
         request = call.prefill_request()
@@ -224,7 +254,12 @@ class AsyncPDTransport(_TransportBase, httpx.AsyncBaseTransport):
             if call.kind is None:
                 return await self._pass_through(call)
             await request.aread()
-            ended = call.plan_or_refuse() or (await self._prefill(call) if call.wants_prefill() else None)
+            ended = call.plan_or_refuse()
+            if ended is None and call.wants_prefill():
+                sent = dispatch.concurrent_decode(call)
+                if sent is not None:
+                    return await self._concurrent(call, sent)
+                ended = await self._prefill(call)
             return ended or await self._decode(call)
         except BaseException as exc:
             call.abandoned(exc)
@@ -245,6 +280,38 @@ class AsyncPDTransport(_TransportBase, httpx.AsyncBaseTransport):
             return await retry.run_async(call.prefill_retrying(), self._prefill_attempt, call)
         except (*retry.PREFILL_RETRYABLE, AllEndpointsOpen) as exc:
             return call.prefill_failed(exc)
+
+    async def _concurrent(self, call: Call, sent: dispatch.ConcurrentDecode) -> httpx.Response:
+        """Async twin of ``PDTransport._concurrent``: the decode in a task, the prefill here."""
+        decode = AsyncDecodeInFlight(self._legs, sent.request, call)
+        try:
+            async with anyio.create_task_group() as legs:
+                legs.start_soon(decode.run)
+                try:
+                    ended = await self._prefill(call)
+                    why = dispatch.moved_on(call, sent) if ended is None else "the prefill failed"
+                except BaseException:
+                    decode.cancel()
+                    raise
+                if why is not None:
+                    decode.cancel()
+        except BaseException:
+            await decode.discard()
+            raise
+        if why is None:
+            response = decode.result()
+            why = decode.failure(response)
+            if why is None and response is not None:
+                try:
+                    return call.decode_response(response, async_decode_stream(response, call, self))
+                except BaseException:
+                    await response.aclose()
+                    raise
+        await decode.discard()
+        if ended is not None:
+            return ended
+        dispatch.fall_back(call, why or "the decode gave no answer")
+        return await self._decode(call)
 
     async def _prefill_attempt(self, call: Call) -> httpx.Response | None:
         request = call.prefill_request()

@@ -22,9 +22,11 @@ from ._bodies import (
 )
 from ._call_options import (
     CALL_OPTIONS_KEY,
+    DISPATCH_MODES,
     PREFILL_FAILURE_POLICIES,
     REMOTE_PREFILL_MODES,
     CallOptions,
+    check_dispatch,
     check_failure_policy,
     check_migrations,
     check_remote_prefill,
@@ -48,6 +50,7 @@ __all__ = [
     "CALL_OPTIONS_KEY",
     "CallOptions",
     "DEFAULT_TTL",
+    "DISPATCH_MODES",
     "Kind",
     "PREFILL_FAILURE_POLICIES",
     "PREFILL_KV_TRANSFER_PARAMS",
@@ -62,6 +65,7 @@ __all__ = [
     "UsageMerge",
     "affinity_key",
     "check_content_encoding",
+    "check_dispatch",
     "check_failure_policy",
     "check_forwarded_body",
     "check_migrations",

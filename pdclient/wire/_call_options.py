@@ -12,6 +12,7 @@ import httpx
 from .._errors import PDConfigError
 
 REMOTE_PREFILL_MODES: tuple[str, ...] = ("always", "never", "auto")
+DISPATCH_MODES: tuple[str, ...] = ("sequential", "concurrent", "auto")
 
 
 # The userinfo of every URL in a text: from "://" to the last "@" before the host's end.
@@ -66,6 +67,12 @@ def check_remote_prefill(value: object, source: str) -> str:
     raise PDConfigError(f"{source} must be one of {', '.join(REMOTE_PREFILL_MODES)}, got {value!r}")
 
 
+def check_dispatch(value: object, source: str) -> str:
+    if value in DISPATCH_MODES:
+        return str(value)
+    raise PDConfigError(f"{source} must be one of {', '.join(DISPATCH_MODES)}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class CallOptions:
     """Per-call options from ``extra_body={"pdclient": {...}}``; None means "the client's"."""
@@ -79,6 +86,8 @@ class CallOptions:
     """This call's bound on decode migrations (``PDOptions.max_decode_migrations``)."""
     remote_prefill: str | None = None
     """``always``, ``never`` or ``auto`` for this call (``PDOptions.remote_prefill``)."""
+    dispatch: str | None = None
+    """``sequential``, ``concurrent`` or ``auto`` for this call (``PDOptions.dispatch``)."""
 
 
 _CALL_OPTION_TYPES: Mapping[str, tuple[type, ...]] = {
@@ -87,6 +96,7 @@ _CALL_OPTION_TYPES: Mapping[str, tuple[type, ...]] = {
     "forward_ids": (bool,),
     "max_decode_migrations": (int,),
     "remote_prefill": (str,),
+    "dispatch": (str,),
 }
 
 
@@ -116,4 +126,6 @@ def parse_call_options(value: object) -> CallOptions:
         check_migrations(options["max_decode_migrations"], f"{CALL_OPTIONS_KEY}.max_decode_migrations")
     if "remote_prefill" in options:
         check_remote_prefill(options["remote_prefill"], f"{CALL_OPTIONS_KEY}.remote_prefill")
+    if "dispatch" in options:
+        check_dispatch(options["dispatch"], f"{CALL_OPTIONS_KEY}.dispatch")
     return CallOptions(**options)

@@ -53,6 +53,17 @@ def test_conversation_flags_reach_the_options() -> None:
     )
 
 
+def test_dispatch_flag_and_variable(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse("--prefill", P, "--decode", D1).options.dispatch == "sequential"
+    assert parse("--prefill", P, "--decode", D1, "--dispatch", "concurrent").options.dispatch == "concurrent"
+    monkeypatch.setenv("PDCLIENT_SERVE_DISPATCH", "auto")
+    assert parse("--prefill", P, "--decode", D1).options.dispatch == "auto"
+    assert parse("--prefill", P, "--decode", D1, "--dispatch", "sequential").options.dispatch == "sequential"
+    with pytest.raises(SystemExit):
+        parse("--prefill", P, "--decode", D1, "--dispatch", "parallel")
+    assert "invalid choice: 'parallel'" in capsys.readouterr().err
+
+
 def test_a_switch_on_by_default_has_its_no_form() -> None:
     assert parse("--prefill", P, "--decode", D1).options.conversations.warm_prefill is True
     config = parse("--prefill", P, "--decode", D1, "--no-conversation-warm-prefill", "--remote-prefill", "always")

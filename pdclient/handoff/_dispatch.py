@@ -1,0 +1,267 @@
+"""Concurrent dispatch: the decode leg sent with the prefill leg, for vLLM's push mode.
+
+In vLLM's pull mode (``NixlConnector``) the decode server needs the prefill's answer (its
+block ids) before it can pull the KV, so the legs go one after the other. In push mode
+(``NixlPushConnector``) the decode server registers its freshly allocated blocks with the
+prefill server and waits; the prefill server WRITEs the KV into them as its prefill ends,
+matched by the base request id (both legs carry the call's ``X-Request-Id``). The decode
+only needs the prefill server's coordinates up front: ``remote_engine_id``,
+``remote_host``, ``remote_port``, ``tp_size``. They are stable per prefill server and come
+back in each of its answers' ``kv_transfer_params``, with ``transfer_mode`` (``"push"`` /
+``"pull"``) saying which mode it runs. So the decode can render the prompt and allocate its
+blocks while the prefill computes, and its first token follows the WRITE.
+
+What is learnt, and when a call goes concurrent (``PDOptions.dispatch``):
+
+- Every prefill answer (sequential or concurrent) records its endpoint's coordinates in
+  the fleet's ``CoordinateBook``, keyed by the endpoint's URL; an answer without them
+  forgets the endpoint.
+- ``"auto"``: concurrent when the endpoint's last answer gave coordinates and said
+  ``transfer_mode: "push"``; ``"concurrent"``: when it gave coordinates and did not say
+  ``"pull"`` (for servers that do not report their mode). Otherwise, and for the first
+  call to an endpoint, sequential.
+- After the prefill answers, its coordinates are compared with those the decode was sent:
+  a prefill server restarted since (a new engine id) or a retry on another endpoint never
+  WRITEs into that decode's blocks, so the decode is cancelled and sent again sequentially
+  with the prefill's own ``kv_transfer_params`` (the next call uses the new coordinates).
+
+Failures: a prefill that fails for good cancels the decode (closing its connection, which
+aborts it in vLLM; the decode server's ``push_registration_timeout`` is only the backstop)
+and the call goes on as the failure policy says; a decode that fails or answers an error
+is sent again sequentially once the prefill answered (that decode takes the KV and frees
+the prefill's blocks, or gets the error a sequential call would); a caller that leaves
+cancels both legs, and vLLM frees the blocks of an aborted request on each side.
+
+In concurrent mode the decode server renders the prompt itself (no ids are forwarded: they
+are not known yet), so both servers must run the same model and chat template. The
+transports (``transport._transport``) run the two legs; this module decides and builds.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import orjson
+
+from ..migration import _core as migrate
+from ..pools import AllEndpointsOpen
+from ..wire import _bodies as wire
+
+if TYPE_CHECKING:
+    import httpx
+
+    from ..fleet import Fleet
+    from ._call import Call
+
+SEQUENTIAL = "sequential"
+CONCURRENT = "concurrent"
+
+
+@dataclass(frozen=True)
+class Coordinates:
+    """Where a prefill server's NIXL agent is, as its answers' ``kv_transfer_params`` say."""
+
+    engine_id: str
+    host: str
+    port: int
+    tp_size: int
+    pp_size: int
+    transfer_mode: str | None
+    """``"push"`` or ``"pull"`` as the server reported it; None when it did not."""
+
+    @classmethod
+    def from_kv_params(cls, raw: bytes | None) -> Coordinates | None:
+        """The coordinates in a prefill answer's ``kv_transfer_params``; None when any is missing or odd."""
+        if not raw:
+            return None
+        try:
+            params = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return None
+        if not isinstance(params, dict):
+            return None
+        engine, host, port, tp = (params.get(k) for k in ("remote_engine_id", "remote_host", "remote_port", "tp_size"))
+        pp = params.get("pp_size", 1)
+        mode = params.get("transfer_mode")
+        if not isinstance(engine, str) or not engine or not isinstance(host, str) or not host:
+            return None
+        numbers = [n for n in (port, tp, pp) if isinstance(n, int) and not isinstance(n, bool) and n > 0]
+        if len(numbers) != 3:
+            return None
+        return cls(engine, host, numbers[0], numbers[1], numbers[2], mode if isinstance(mode, str) else None)
+
+    def same_server(self, other: Coordinates) -> bool:
+        """Whether a WRITE from ``other`` would reach a decode registered with these."""
+        return (self.engine_id, self.host, self.port, self.tp_size, self.pp_size) == (
+            other.engine_id,
+            other.host,
+            other.port,
+            other.tp_size,
+            other.pp_size,
+        )
+
+    def decode_kv_params(self, request_id: str) -> bytes:
+        """The concurrent decode's ``kv_transfer_params``: registered with this prefill server.
+
+        ``remote_block_ids`` is empty: in push mode the prefill server learns the decode's
+        blocks from its registration, not the other way round. ``remote_request_id`` must
+        be there (vLLM 0.32's decode engine dies on a KeyError without it, in
+        ``NixlConnectorMetadata.add_new_req_to_recv``); the prefill server's own id for the
+        request is not known yet, and the decode uses this one only to name the request in
+        its lease heartbeats, which the prefill server ignores for an id it does not hold:
+        the call's request id, which both legs carry, is the honest value.
+        """
+        params = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.engine_id,
+            "remote_host": self.host,
+            "remote_port": self.port,
+            "tp_size": self.tp_size,
+            "pp_size": self.pp_size,
+            "remote_block_ids": [],
+            "remote_request_id": request_id,
+        }
+        return orjson.dumps(params)
+
+
+class CoordinateBook:
+    """Each prefill endpoint's coordinates, from its last answer (one book per fleet)."""
+
+    def __init__(self) -> None:
+        self._by_url: dict[str, Coordinates] = {}
+        self._lock = threading.Lock()
+
+    def learn(self, url: str, kv_params: bytes | None) -> Coordinates | None:
+        coordinates = Coordinates.from_kv_params(kv_params)
+        with self._lock:
+            if coordinates is None:
+                self._by_url.pop(url, None)
+            else:
+                self._by_url[url] = coordinates
+        return coordinates
+
+    def get(self, url: str) -> Coordinates | None:
+        return self._by_url.get(url)
+
+
+_books: weakref.WeakKeyDictionary[Fleet, CoordinateBook] = weakref.WeakKeyDictionary()
+_books_lock = threading.Lock()
+
+
+def book_of(fleet: Fleet) -> CoordinateBook:
+    """The fleet's coordinate book: shared by every copy of a client that shares the fleet."""
+    with _books_lock:
+        book = _books.get(fleet)
+        if book is None:
+            book = _books[fleet] = CoordinateBook()
+        return book
+
+
+def mode_of(call: Call) -> str:
+    assert call.plan is not None
+    return call.plan.options.dispatch or call.context.options.dispatch
+
+
+def usable(mode: str, coordinates: Coordinates | None) -> bool:
+    """Whether ``mode`` sends a decode concurrently to a prefill endpoint known by ``coordinates``."""
+    if mode == SEQUENTIAL or coordinates is None:
+        return False
+    if mode == "auto":
+        return coordinates.transfer_mode == "push"
+    return coordinates.transfer_mode != "pull"
+
+
+@dataclass
+class ConcurrentDecode:
+    """A decode leg sent before its prefill answered: registered with ``coordinates``."""
+
+    coordinates: Coordinates
+    request: httpx.Request
+
+
+def concurrent_decode(call: Call) -> ConcurrentDecode | None:
+    """The decode request to send now, with the prefill, or None: the call is sequential.
+
+    Decided once a call gets a prefill leg. The prefill endpoint is picked here (the
+    decode must name it); the prefill's first attempt goes to it (``Call.prefill_request``).
+    """
+    call.dispatch = SEQUENTIAL
+    plan = call.plan
+    if plan is None or call.fallback_url is not None or mode_of(call) == SEQUENTIAL:
+        return None
+    if not call.decode_admitted():
+        return None  # the prefill phase answers a decode outage
+    try:
+        prefill_url = call.prefill.pick(call.route_for("prefill"))
+    except AllEndpointsOpen:
+        return None  # the prefill phase reports it as usual
+    call.prefill_picked = True
+    coordinates = book_of(call.context.fleet).get(prefill_url)
+    if not usable(mode_of(call), coordinates):
+        return None
+    assert coordinates is not None
+    try:
+        base = call.decode.pick(call.route_for("decode"))
+    except AllEndpointsOpen:
+        return None  # the sequential path answers a decode outage
+    call.migration = migrate.arm(call)
+    pushed = wire.PrefillResult(ids=None, count=0, kv_transfer_params=coordinates.decode_kv_params(call.request_id))
+    body = call.migration.decode_body(plan, pushed)
+    request = call.decode.start(call.leg_request(base, body))
+    call.dispatch = CONCURRENT
+    return ConcurrentDecode(coordinates, request)
+
+
+def learn(call: Call) -> Coordinates | None:
+    """Record the coordinates the prefill answer gave for its endpoint (every call, either mode)."""
+    result = call.prefill_result
+    if result is None or not call.prefill.url:
+        return None
+    return book_of(call.context.fleet).learn(call.prefill.url, result.kv_transfer_params)
+
+
+def moved_on(call: Call, sent: ConcurrentDecode) -> str | None:
+    """Why the decode sent with the prefill will never receive its KV, or None: it will.
+
+    Called once the prefill phase is over (the coordinates learnt): the prefill failed,
+    or it ran on a server other than the one the decode registered with.
+    """
+    if call.prefill_result is None:
+        return "the prefill failed"
+    answered = learn(call)
+    if answered is None:
+        return "the prefill's answer gave no push coordinates"
+    if not answered.same_server(sent.coordinates):
+        return (
+            f"the prefill server's coordinates changed (engine {sent.coordinates.engine_id} -> "
+            f"{answered.engine_id}, a restart or another endpoint)"
+        )
+    return None
+
+
+def fall_back(call: Call, why: str) -> None:
+    """The concurrent decode was cancelled or failed: the call's decode goes out anew, sequentially."""
+    call.dispatch = SEQUENTIAL  # what answers is a sequential decode
+    call.migration = None
+    call.reset_decode_body()
+    note = f"concurrent dispatch fell back to sequential: {why}"
+    call.fallback = f"{call.fallback}; {note}" if call.fallback else note
+
+
+__all__ = [
+    "CONCURRENT",
+    "SEQUENTIAL",
+    "ConcurrentDecode",
+    "CoordinateBook",
+    "Coordinates",
+    "book_of",
+    "concurrent_decode",
+    "fall_back",
+    "learn",
+    "moved_on",
+    "usable",
+]

@@ -1,0 +1,142 @@
+"""Concurrent dispatch on a real pair in vLLM's push mode (``NixlPushConnector``).
+
+One push-mode pair of its own, started once for this module (the tier's shared pair runs
+pull mode). The answers are compared with the sequential handoff's on the same pair, the
+KV transfer is read from the decode's ``/metrics``, and after normal, failed and
+abandoned calls both servers' KV cache usage must come back to idle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from pdclient import AsyncPDChatClient, PDChatClient, PDOptions, PDTrace, PDTransport
+from pdclient.local import LocalPD
+
+from .helpers import metric
+
+KV_USAGE = "vllm:kv_cache_usage_perc"
+EXTERNAL = 'vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}'
+# A prompt long enough for several KV blocks, its own per test (no prefix-cache hits across tests).
+FILLER = " ".join(f"item {i} is a {('red', 'green', 'blue')[i % 3]} box;" for i in range(60))
+
+
+def messages(tag: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"[{tag}] {FILLER} Which colour is item 7? Answer in one word."}]
+
+
+def external_tokens(url: str) -> float:
+    root = url.removesuffix("/v1")
+    text = httpx.get(f"{root}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(EXTERNAL))
+
+
+def wait_idle(url: str, seconds: float = 30.0) -> float:
+    deadline = time.monotonic() + seconds
+    usage = metric(url, KV_USAGE)
+    while usage > 0 and time.monotonic() < deadline:
+        time.sleep(0.25)
+        usage = metric(url, KV_USAGE)
+    return usage
+
+
+@pytest.fixture(scope="module")
+def push() -> Iterator[LocalPD]:
+    if os.environ.get("PDCLIENT_E2E_PAIR"):
+        pytest.skip("PDCLIENT_E2E_PAIR attaches to a pull-mode pair; this test starts a push-mode one")
+    with LocalPD(kv_connector="nixl-push") as pd:
+        yield pd
+
+
+def learnt(pd: LocalPD, **kwargs: Any) -> PDChatClient:
+    """A client that has seen one prefill answer: its next calls may go concurrent."""
+    client = pd.client(dispatch="auto", max_retries=0, **kwargs)
+    client.chat.completions.create(model=pd.model, messages=messages("learn"), max_tokens=1, temperature=0)
+    return client
+
+
+def test_concurrent_answer_is_the_sequential_one_and_the_kv_moved(push: LocalPD) -> None:
+    traces: list[PDTrace] = []
+    client = learnt(push, on_trace=traces.append)
+    sequential = client.with_options(dispatch="sequential")
+    before = external_tokens(push.decode_url)
+    reference = sequential.chat.completions.create(
+        model=push.model, messages=messages("a"), max_tokens=12, temperature=0
+    )
+    answer = client.chat.completions.create(model=push.model, messages=messages("b"), max_tokens=12, temperature=0)
+    again = client.chat.completions.create(model=push.model, messages=messages("a"), max_tokens=12, temperature=0)
+    assert [t.dispatch for t in traces[-3:]] == ["sequential", "concurrent", "concurrent"]
+    assert all(t.fallback is None for t in traces[-3:]), [t.fallback for t in traces[-3:]]
+    assert again.choices[0].message.content == reference.choices[0].message.content
+    assert answer.usage is not None and answer.usage.prompt_tokens > 400
+    # The concurrent decode took the prompt over the KV transfer (all but the last block at most).
+    moved = external_tokens(push.decode_url) - before
+    assert moved >= answer.usage.prompt_tokens - 128, moved
+    assert wait_idle(push.prefill_url) == 0 and wait_idle(push.decode_url) == 0
+    client.close()
+
+
+class FailThePrefill(httpx.BaseTransport):
+    """Leg transport: once armed, prefills answer 503 after a moment (the decode has registered by then)."""
+
+    def __init__(self, prefill_url: str) -> None:
+        self.inner = httpx.HTTPTransport()
+        self.prefill_url = prefill_url
+        self.armed = False
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if self.armed and str(request.url).startswith(self.prefill_url):
+            time.sleep(1.0)
+            return httpx.Response(503, json={"error": {"message": "prefill down"}})
+        return self.inner.handle_request(request)
+
+
+def test_failed_prefill_aborts_the_registered_decode(push: LocalPD) -> None:
+    traces: list[PDTrace] = []
+    legs = FailThePrefill(push.prefill_url)
+    options = PDOptions(
+        push.prefill_urls, push.decode_urls, dispatch="auto", on_prefill_failure="fail", on_trace=traces.append
+    )
+    http = httpx.Client(transport=PDTransport(options=options, leg_transport=legs))
+    client = openai.OpenAI(base_url=push.decode_url, api_key="EMPTY", max_retries=0, http_client=http)
+    client.chat.completions.create(model=push.model, messages=messages("learn3"), max_tokens=1, temperature=0)
+    legs.armed = True
+    started = time.monotonic()
+    with pytest.raises(openai.APIStatusError):
+        client.chat.completions.create(model=push.model, messages=messages("c"), max_tokens=12, temperature=0)
+    assert time.monotonic() - started < 20
+    assert traces[-1].dispatch == "concurrent" and traces[-1].failed_leg == "prefill"
+    # The decode server aborted the registered request and freed its blocks (no watchdog wait).
+    assert wait_idle(push.decode_url, 15) == 0 and wait_idle(push.prefill_url, 15) == 0
+    client.close()
+
+
+def test_abandoned_call_frees_both_servers(push: LocalPD) -> None:
+    async def abandon() -> PDTrace:
+        traces: list[PDTrace] = []
+        client = AsyncPDChatClient(
+            prefill_base_url=push.prefill_urls, decode_base_url=push.decode_urls, api_key="EMPTY",
+            dispatch="auto", max_retries=0, on_trace=traces.append,
+        )  # fmt: skip
+        await client.chat.completions.create(model=push.model, messages=messages("learn2"), max_tokens=1)
+        call = asyncio.ensure_future(
+            client.chat.completions.create(model=push.model, messages=messages("d"), max_tokens=64, temperature=0)
+        )
+        await asyncio.sleep(0.3)  # both legs sent, the prefill computing
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        await client.close()
+        return traces[-1]
+
+    trace = asyncio.run(abandon())
+    assert trace.dispatch == "concurrent"
+    assert wait_idle(push.prefill_url) == 0 and wait_idle(push.decode_url) == 0

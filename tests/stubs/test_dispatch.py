@@ -1,0 +1,110 @@
+"""Concurrent dispatch over real sockets (the loopback stub in push mode): a decode in flight
+is cut when its prefill fails, and both legs end when the caller leaves; sync and async."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import openai
+import pytest
+
+from pdclient import PDTrace
+from pdclient.pools import RetrySettings
+from tests.stubserver import Fault, StubServer
+from tests.twins import Twin
+
+MESSAGES: Any = [{"role": "user", "content": "Say hello."}]
+FAST = RetrySettings(backoff_initial=0.001, backoff_max=0.01)
+HELD = 20.0
+"""How long the decode stub holds its answer: a decode waiting for a KV WRITE that never comes."""
+
+
+def _push_params(request_id: str, n_ids: int) -> dict[str, Any]:
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": [1000],
+        "remote_engine_id": "stub-prefill-engine-0",
+        "remote_request_id": request_id,
+        "remote_host": "127.0.0.1",
+        "remote_port": 5600,
+        "tp_size": 1,
+        "transfer_mode": "push",
+    }
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[tuple[StubServer, StubServer]]:
+    with StubServer(prompt_tokens=64) as prefill, StubServer(prompt_tokens=64) as decode:
+        prefill._kv_params = _push_params  # type: ignore[method-assign]
+        yield prefill, decode
+
+
+@pytest.fixture
+def pair(servers: tuple[StubServer, StubServer]) -> tuple[StubServer, StubServer]:
+    for server in servers:
+        server.clear()
+    return servers
+
+
+def _twin(mode: str, pair: tuple[StubServer, StubServer], traces: list[PDTrace], **kwargs: Any) -> Twin:
+    prefill, decode = pair
+    return Twin(
+        mode,
+        prefill_base_url=prefill.url,
+        decode_base_url=decode.url,
+        retries=FAST,
+        dispatch="auto",
+        on_trace=traces.append,
+        **kwargs,
+    )
+
+
+async def test_failed_prefill_cuts_the_waiting_decode(mode: str, pair: tuple[StubServer, StubServer]) -> None:
+    prefill, decode = pair
+    traces: list[PDTrace] = []
+    twin = _twin(mode, pair, traces, on_prefill_failure="fail")
+    await twin.chat(messages=MESSAGES, max_tokens=4)  # learns the coordinates
+    prefill.inject(Fault(status=500), leg="prefill", times=3)
+    decode.inject(Fault(delay=HELD), leg="decode")
+    started = time.monotonic()
+    with pytest.raises(openai.InternalServerError):
+        await twin.chat(messages=MESSAGES, max_tokens=4)
+    # Not the decode's 20 s, nor the 10 s a cut that failed would wait for its thread.
+    assert time.monotonic() - started < 5.0
+    assert traces[-1].dispatch == "concurrent" and traces[-1].failed_leg == "prefill"
+    assert len(decode.legs("decode")) == 2
+    await twin.close()
+
+
+async def test_concurrent_answer_is_the_sequential_one(mode: str, pair: tuple[StubServer, StubServer]) -> None:
+    _, decode = pair
+    traces: list[PDTrace] = []
+    twin = _twin(mode, pair, traces)
+    sequential = await twin.stream_text(messages=MESSAGES, max_tokens=4)
+    concurrent = await twin.stream_text(messages=MESSAGES, max_tokens=4)
+    assert concurrent == sequential
+    assert [t.dispatch for t in traces] == ["sequential", "concurrent"]
+    first, second = decode.legs("decode")
+    assert first.forwarded_ids and second.forwarded_ids is None  # the concurrent decode renders the prompt itself
+    assert second.headers["x-request-id"] == traces[1].request_id
+    await twin.close()
+
+
+async def test_caller_leaving_ends_both_legs() -> None:
+    with StubServer(prompt_tokens=64) as prefill, StubServer(prompt_tokens=64) as decode:
+        prefill._kv_params = _push_params  # type: ignore[method-assign]
+        traces: list[PDTrace] = []
+        twin = _twin("async", (prefill, decode), traces)
+        await twin.chat(messages=MESSAGES, max_tokens=4)
+        prefill.inject(Fault(delay=HELD), leg="prefill")
+        decode.inject(Fault(delay=HELD), leg="decode")
+        started = time.monotonic()
+        with anyio.move_on_after(0.5):
+            await twin.chat(messages=MESSAGES, max_tokens=4)
+        assert time.monotonic() - started < 3.0
+        assert traces[-1].dispatch == "concurrent" and traces[-1].outcome.value == "failed"
+        await twin.close()
