@@ -34,7 +34,15 @@ from ._call_options import (
 from ._headers import FAILED_LEG_HEADER, HOP_BY_HOP, RAW_TRACE_HEADER_PREFIX, TRACE_HEADER_PREFIX
 from ._parts import TEXT_PART_TYPES, has_media, is_text_part
 from ._signing import DEFAULT_TTL, SECRET_ENV, SIGNATURE_HEADER, signature
-from ._usage import UsageMerge, merge_usage, merge_usage_json, merge_usage_sse, prefill_usage
+from ._usage import (
+    UsageMerge,
+    UsageStrip,
+    merge_usage,
+    merge_usage_json,
+    merge_usage_sse,
+    prefill_usage,
+    with_usage_asked,
+)
 
 __all__ = [
     "TEXT_PART_TYPES",
@@ -58,6 +66,7 @@ __all__ = [
     "SIGNATURE_HEADER",
     "UploadScan",
     "UsageMerge",
+    "UsageStrip",
     "affinity_key",
     "check_content_encoding",
     "check_failure_policy",
@@ -73,6 +82,7 @@ __all__ = [
     "plan_call",
     "prefill_body",
     "prefill_usage",
+    "with_usage_asked",
     "read_prefill",
     "redact_url",
     "release_body",
