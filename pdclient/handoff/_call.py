@@ -181,13 +181,14 @@ class Leg:
         self.url = endpoint.url
         return endpoint.url
 
-    def pin(self, url: str, rule: str) -> str | None:
+    def pin(self, url: str, rule: str, policy: str = "conversation") -> str | None:
         """The pool's member at ``url`` if it admits a request now (else None), chosen by the
-        call itself: the decode endpoint holding a conversation (``remote_prefill``)."""
+        call itself: the decode endpoint holding a conversation (``remote_prefill``), or the
+        one its rendezvous names (``policy`` ``rendezvous``)."""
         assert self.pool is not None
         for endpoint in self.pool.endpoints:
             if endpoint.url == url and endpoint not in self.tried and endpoint.admits():
-                return self.take(RouteDecision("conversation", endpoint, rule=rule))
+                return self.take(RouteDecision(policy, endpoint, rule=rule))
         return None
 
     def take(self, decision: RouteDecision) -> str:
@@ -595,8 +596,10 @@ class Call:
             # A decode-only call by decision goes to the endpoint holding its conversation; a
             # handoff's decode goes there too when it admits, so the next turn finds it.
             pinned = None
-            if home is not None and not self.decode.attempt:
-                pinned = self.decode.pin(home, "held" if held is not None else "home")
+            if held is not None and not self.decode.attempt:
+                pinned = self.decode.pin(held, "held")
+            elif home is not None and not self.decode.attempt:
+                pinned = self.decode.pin(home, "key", "rendezvous")
             if held is not None and pinned is None:
                 self._hand_off_instead()
                 raise HandoffInstead

@@ -348,7 +348,6 @@ async def test_a_tenant_never_matches_another_tenants_conversation(
     assert (await fresh.send(chat_request(fresh, turn2, "tenant-b", **extra))).status_code == 200
     alone, seen = fresh.traces[0], client.traces[1]
     assert (alone.conversation, alone.outcome, alone.decode_url) == (seen.conversation, seen.outcome, seen.decode_url)
-    assert alone.estimated_uncached_tokens == seen.estimated_uncached_tokens
     await fresh.close()
     # The tenant that had the conversation still has it.
     own = await client.send(chat_request(client, turn2, "tenant-a", **extra))
