@@ -5,7 +5,7 @@ from ._cache_aware import DEFAULT_MAX_CHARS, CacheAware, PrefixIndex, plan_text,
 from ._load_aware import LoadAware
 from ._policy import TENANT_EXTENSION, RouteDecision, RouteRequest, RoutingPolicy, policy_decision
 from ._registry import POLICIES, PREFILL_ONLY, legs_of, make_policy, wants_load_signals
-from ._rendezvous import Rendezvous, conversation_routing, rendezvous_order, tenant_key
+from ._rendezvous import PrefixRendezvous, Rendezvous, conversation_routing, rendezvous_order, tenant_key
 from ._simple import Affinity, LeastOutstanding, PowerOfTwoChoices, RoundRobin
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "POLICIES",
     "PREFILL_ONLY",
     "PowerOfTwoChoices",
+    "PrefixRendezvous",
     "PrefixIndex",
     "Rendezvous",
     "RoundRobin",

@@ -16,7 +16,13 @@ a conversation for one or two requests: with one in flight on three endpoints th
 a third, and any bound on the ratio alone would move it.
 
 ``RouteDecision.rule``: ``key`` (the key's first endpoint), ``bounded`` (passed over
-``rank`` more loaded ones), ``no_key`` (no affinity key: least loaded).
+``rank`` more loaded ones), ``no_key`` (no key: least loaded).
+
+``PrefixRendezvous`` (``"prefix_rendezvous"``) keys the same rule on the prompt's opening
+text (its first ``prefix_chars`` characters, role-tagged, within the tenant) instead of
+the conversation: calls that share a long system prompt or document meet on one
+endpoint's prefix cache in every replica, with no index of what was sent where
+(``CacheAware`` keeps one per process). For the prefill leg.
 """
 
 from __future__ import annotations
@@ -62,12 +68,17 @@ class Rendezvous:
     def choose(self, endpoints: Sequence[Endpoint], request: RouteRequest) -> Endpoint:
         return self.decide(endpoints, request).endpoint
 
+    def key(self, request: RouteRequest) -> str | None:
+        """What the ranking hashes: the conversation's affinity key, within its tenant."""
+        return None if request.affinity_key is None else tenant_key(request.affinity_key, request.tenant)
+
     def decide(self, endpoints: Sequence[Endpoint], request: RouteRequest) -> RouteDecision:
         loads = self._load.loads(endpoints)
-        if request.affinity_key is None:
+        key = self.key(request)
+        if key is None:
             best = min(range(len(endpoints)), key=lambda i: loads[i])
             return RouteDecision(self.name, endpoints[best], "no_key")
-        order = rendezvous_order(endpoints, tenant_key(request.affinity_key, request.tenant))
+        order = rendezvous_order(endpoints, key)
         mean = sum(loads) / len(loads)
         limit = max(self.bound * mean, mean + self.slack)
         for rank, index in enumerate(order):
@@ -76,6 +87,24 @@ class Rendezvous:
                     return RouteDecision(self.name, endpoints[index], "key")
                 return RouteDecision(self.name, endpoints[index], "bounded", {"rank": rank})
         return RouteDecision(self.name, endpoints[order[0]], "key")  # unreachable: the least loaded is <= mean
+
+
+class PrefixRendezvous(Rendezvous):
+    """``Rendezvous`` on the prompt's opening text: a shared prefix meets on one endpoint in every process."""
+
+    name = "prefix_rendezvous"
+    wants_prompt_text = True
+
+    def __init__(self, *, prefix_chars: int = 1024, bound: float = 1.5, slack: float = 2.0) -> None:
+        if isinstance(prefix_chars, bool) or not isinstance(prefix_chars, int) or prefix_chars < 1:
+            raise PDConfigError(f"PrefixRendezvous: prefix_chars must be an int >= 1, got {prefix_chars!r}")
+        super().__init__(bound=bound, slack=slack)
+        self.prefix_chars = prefix_chars
+
+    def key(self, request: RouteRequest) -> str | None:
+        if not request.prompt_text:
+            return None
+        return tenant_key(request.prompt_text[: self.prefix_chars], request.tenant)
 
 
 _CONVERSATIONS = Rendezvous()

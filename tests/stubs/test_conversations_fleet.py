@@ -87,3 +87,23 @@ def test_a_decode_only_turn_learns_its_prompt_length_from_the_server(
     # After a decode-only turn the next one's estimate starts from the server's count, not from the text.
     assert traces[3].conversation == "extends_answer"
     assert traces[3].estimated_uncached_tokens is not None and traces[3].estimated_uncached_tokens < 128
+
+
+def test_replicas_send_a_shared_prefix_to_one_prefill_endpoint(fleet: tuple[StubServer, list[StubServer]]) -> None:
+    prefill, decodes = fleet
+    prefills = [prefill, *decodes[1:]]
+    replicas = [
+        PDChatClient(
+            prefill_base_url=[p.url for p in prefills],
+            decode_base_url=decodes[0].url,
+            prefill_routing="prefix_rendezvous",
+            api_key="x",
+        )
+        for _ in range(2)
+    ]
+    for i in range(8):
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Question {i}?"}]
+        replicas[i % 2].chat.completions.create(model="m", messages=messages, max_tokens=4)
+    for pd in replicas:
+        pd.close()
+    assert sorted(len(p.legs("prefill")) for p in prefills) == [0, 0, 8]

@@ -7,7 +7,7 @@ from collections import Counter
 
 from pdclient import BreakerSettings
 from pdclient.pools import Endpoint
-from pdclient.routing import Rendezvous, RouteRequest, make_policy, rendezvous_order, tenant_key
+from pdclient.routing import PrefixRendezvous, Rendezvous, RouteRequest, make_policy, rendezvous_order, tenant_key
 
 URLS = [f"http://d{i}:8200/v1" for i in range(3)]
 
@@ -69,3 +69,20 @@ def test_without_a_key_the_least_loaded() -> None:
 
 def test_the_registry_names_it() -> None:
     assert isinstance(make_policy("rendezvous"), Rendezvous)
+
+
+def test_prefix_rendezvous_sends_a_shared_opening_to_one_endpoint() -> None:
+    endpoints = pool()
+    shared = "<|system|>" + "You answer from the manual. " * 60
+    picks = {
+        PrefixRendezvous().choose(endpoints, RouteRequest("prefill", prompt_text=f"{shared}<|user|>question {i}")).url
+        for i in range(20)
+    }
+    assert len(picks) == 1
+    spread = {
+        PrefixRendezvous().choose(endpoints, RouteRequest("prefill", prompt_text=f"<|system|>doc {i}. {shared}")).url
+        for i in range(30)
+    }
+    assert len(spread) == 3
+    assert PrefixRendezvous().decide(endpoints, RouteRequest("prefill")).rule == "no_key"
+    assert isinstance(make_policy("prefix_rendezvous"), PrefixRendezvous)
