@@ -170,8 +170,11 @@ def test_every_short_streamed_follow_up_goes_decode_only(pd: PDServers) -> None:
     assert [t.outcome for t in traces] == [Outcome.DISAGGREGATED] + [Outcome.DECODE_ONLY] * 4, [
         (t.outcome, t.conversation, t.estimated_uncached_tokens) for t in traces
     ]
-    # After a decode-only turn the estimate starts from the server's count of its prompt.
-    assert all(t.estimated_uncached_tokens is not None and t.estimated_uncached_tokens < 128 for t in traces[2:])
+    # After a decode-only turn the estimate starts from the server's count of its prompt: the
+    # partial last block (up to 127 ids) and the new question, not the whole text again.
+    estimates = [t.estimated_uncached_tokens for t in traces]
+    print("\nestimated uncached tokens per turn:", estimates)
+    assert all(e is not None and e < 200 for e in estimates[2:]), estimates
 
 
 def test_two_clients_alternating_turns_go_decode_only(pd: PDServers) -> None:
