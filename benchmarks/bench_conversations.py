@@ -48,7 +48,9 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import socket
 import statistics
+import subprocess
 import sys
 import time
 import uuid
@@ -57,11 +59,19 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from pdclient import PDChatClient, PDTrace
+import httpx
+import openai
+
+from pdclient import PDTrace
 from pdclient.cli.bench import bootstrap_ci
 from pdclient.local import PDServers, pair_from_env_or_local
 
-ARMS = ("always", "never", "auto")
+ARMS = ("always", "never", "auto", "replicas2", "serve2")
+"""``replicas2``: ``auto`` through two PDChatClients that share nothing, the turns alternating
+between them (two replicas behind a round-robin balancer); ``serve2``: ``auto`` through
+``pdclient serve --workers 2``, each turn on a new connection (so either worker takes it)."""
+DEFAULT_ARMS = ("always", "never", "auto")
+MODE = {"replicas2": "auto", "serve2": "auto"}
 MAX_TOKENS = 32
 """Each answer's ``max_tokens`` unless ``--max-tokens`` says otherwise."""
 # Common words, one or two tokens each; a random sequence of them defeats prefix caching.
@@ -116,23 +126,40 @@ class Conversation:
     """One arm's conversation: its history, and the client and traces of its arm."""
 
     def __init__(
-        self, client: PDChatClient, traces: list[PDTrace], model: str, system: str, user: str, max_tokens: int
+        self,
+        clients: Sequence[Any],
+        traces: list[PDTrace],
+        model: str,
+        system: str,
+        user: str,
+        max_tokens: int,
     ) -> None:
-        self.client, self.traces, self.model, self.max_tokens = client, traces, model, max_tokens
+        self.clients, self.traces, self.model, self.max_tokens = clients, traces, model, max_tokens
         self.messages: list[dict[str, Any]] = [{"role": "system", "content": system}, {"role": "user", "content": user}]
         self.previous: tuple[int, int] | None = None
+        self.turns = 0
+
+    @property
+    def client(self) -> Any:
+        """This turn's client: the arm's one, or its replicas' in turn."""
+        return self.clients[self.turns % len(self.clients)]
 
     def turn(self) -> tuple[float, float, str, dict[str, Any], PDTrace]:
         self.traces.clear()
+        client = self.client
+        self.turns += 1
         started = time.perf_counter()
-        stream = self.client.chat.completions.create(
-            model=self.model,
-            messages=self.messages,  # type: ignore[arg-type]
-            stream=True,
-            stream_options={"include_usage": True},
-            temperature=0,
-            max_tokens=self.max_tokens,
-        )
+        if isinstance(client, ServeArm):
+            stream = client.create(self.traces, self.model, self.messages, self.max_tokens)
+        else:
+            stream = client.chat.completions.create(
+                model=self.model,
+                messages=self.messages,  # type: ignore[arg-type]
+                stream=True,
+                stream_options={"include_usage": True},
+                temperature=0,
+                max_tokens=self.max_tokens,
+            )
         ttft: float | None = None
         text, usage = "", {}
         for chunk in stream:
@@ -149,22 +176,77 @@ class Conversation:
         return ttft * 1000, latency * 1000, text, usage, self.traces[0]
 
 
+class ServeArm:
+    """``pdclient serve --workers 2`` on the pair; each call on a new connection, its trace from its headers."""
+
+    def __init__(self, pd: PDServers, workers: int = 2) -> None:
+        command = [sys.executable, "-m", "pdclient", "serve", "--port", str(_free_port()), "--workers", str(workers)]
+        command += ["--prefill", *pd.prefill_urls, "--decode", *pd.decode_urls, "--trace-headers", "on"]
+        self.url = f"http://127.0.0.1:{command[command.index('--port') + 1]}/v1"
+        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url.removesuffix("/v1") + "/ready", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        self.close()
+        raise RuntimeError("pdclient serve did not start")
+
+    def create(self, traces: list[PDTrace], model: str, messages: list[dict[str, Any]], max_tokens: int) -> Any:
+        http = httpx.Client(timeout=600.0)  # a new connection: the kernel deals it to either worker
+        client = openai.OpenAI(base_url=self.url, api_key="-", max_retries=0, http_client=http)
+        raw = client.chat.completions.with_raw_response.create(
+            model=model,
+            messages=messages,  # type: ignore[arg-type]
+            stream=True,
+            stream_options={"include_usage": True},
+            temperature=0,
+            max_tokens=max_tokens,
+        )
+        traces.append(PDTrace.from_headers(raw.headers))
+        return raw.parse()
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 class Bench:
-    def __init__(self, pd: PDServers, seed: int, arms: Sequence[str] = ARMS, max_tokens: int = MAX_TOKENS) -> None:
+    def __init__(
+        self, pd: PDServers, seed: int, arms: Sequence[str] = DEFAULT_ARMS, max_tokens: int = MAX_TOKENS
+    ) -> None:
         self.pd = pd
         self.arms = tuple(arms)
         self.max_tokens = max_tokens
         self.rng = random.Random(seed)
         self.tokens_per_word = 1.4
         self.traces: dict[str, list[PDTrace]] = {arm: [] for arm in self.arms}
-        self.clients = {
-            arm: pd.client(remote_prefill=arm, on_trace=self.traces[arm].append, max_retries=0, timeout=600.0)
-            for arm in self.arms
-        }
+        self.clients: dict[str, list[Any]] = {}
+        for arm in self.arms:
+            if arm == "serve2":
+                self.clients[arm] = [ServeArm(pd)]
+                continue
+            replicas = 2 if arm == "replicas2" else 1
+            self.clients[arm] = [
+                pd.client(
+                    remote_prefill=MODE.get(arm, arm), on_trace=self.traces[arm].append, max_retries=0, timeout=600.0
+                )
+                for _ in range(replicas)
+            ]
 
     def close(self) -> None:
-        for client in self.clients.values():
-            client.close()
+        for clients in self.clients.values():
+            for client in clients:
+                client.close()
 
     def words(self, tokens: int) -> str:
         return " ".join(self.rng.choice(WORDS) for _ in range(max(1, round(tokens / self.tokens_per_word))))
@@ -198,17 +280,18 @@ class Bench:
                     prefix = "Tool result: " if shape == "tool" else "And this: "
                     c.messages.append({"role": "user", "content": prefix + text})
                 at = time.time()
-                warmer = c.client.pd_fleet.warmer
-                warmed_before = warmer.prompt_tokens - warmer.cached_tokens
+                # A serve arm's warm-ups happen in its workers, out of sight (counted as 0 here).
+                warmer = getattr(getattr(c.client, "pd_fleet", None), "warmer", None)
+                warmed_before = warmer.prompt_tokens - warmer.cached_tokens if warmer is not None else 0
                 ttft, latency, _, usage, trace = c.turn()
                 # The next turn, of any arm, waits for this one's warm-up: the prefill server is
                 # the other arms' too, and a user's or a tool's next message takes its time.
                 wait_started = time.perf_counter()
                 deadline = wait_started + 300
-                while warmer.pending and time.perf_counter() < deadline:
+                while warmer is not None and warmer.pending and time.perf_counter() < deadline:
                     time.sleep(0.005)
                 warm_up_wait_ms = (time.perf_counter() - wait_started) * 1000
-                warmed = warmer.prompt_tokens - warmer.cached_tokens - warmed_before
+                warmed = warmer.prompt_tokens - warmer.cached_tokens - warmed_before if warmer is not None else 0
                 prompt = int(usage["prompt_tokens"])
                 new = 0 if c.previous is None else prompt - c.previous[0] - c.previous[1]
                 c.previous = (prompt, int(usage["completion_tokens"]))
@@ -350,7 +433,14 @@ def report(turns: Sequence[Turn]) -> str:
     return "\n".join(lines)
 
 
-COLOURS = {"always": "tab:blue", "never": "tab:green", "auto": "tab:orange", "best": "tab:gray"}
+COLOURS = {
+    "always": "tab:blue",
+    "never": "tab:green",
+    "auto": "tab:orange",
+    "replicas2": "tab:purple",
+    "serve2": "tab:brown",
+    "best": "tab:gray",
+}
 
 
 def plot(turns: Sequence[Turn], path: Path) -> None:
@@ -408,7 +498,12 @@ def plot(turns: Sequence[Turn], path: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--rounds", type=int, default=6, help="rounds; each runs every shape with every arm")
-    parser.add_argument("--arms", default=",".join(ARMS), help=f"remote_prefill arms (default: {','.join(ARMS)})")
+    parser.add_argument(
+        "--arms",
+        default=",".join(DEFAULT_ARMS),
+        help=f"arms, of {','.join(ARMS)} (default: {','.join(DEFAULT_ARMS)}; replicas2 and serve2 are auto "
+        "through two clients alternating and through pdclient serve --workers 2)",
+    )
     parser.add_argument("--shapes", default="chat,tool", help="conversation shapes (default: chat,tool)")
     parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help=f"each answer's max_tokens ({MAX_TOKENS})")
     parser.add_argument("--seed", type=int, default=0)

@@ -37,6 +37,12 @@ if TYPE_CHECKING:
     from ._trace import PDTrace
 
 
+DEFAULT_ROUTING = "least_outstanding"
+"""``routing``'s default. Left at it (and no ``decode_routing``), chat conversations in
+``remote_prefill`` ``auto`` / ``never`` are placed on decode endpoints by rendezvous on their
+affinity key (``routing.Rendezvous``), the same in every process."""
+
+
 def _check_routing(value: object, name: str = "routing") -> str | RoutingPolicy:
     if value is None:
         return "least_outstanding"
@@ -116,10 +122,13 @@ class PDOptions:
     ``on_prefill_failure`` of ``"fail"`` into ``"decode"``, or choose a ``remote_prefill``
     other than this one. Off, such an option is refused (400 naming it) and only
     narrowing ones pass: ``pdclient serve`` turns it off unless its operator allows them."""
-    routing: str | RoutingPolicy = "least_outstanding"
+    routing: str | RoutingPolicy = DEFAULT_ROUTING
     """Both legs' policy: ``"least_outstanding"``, ``"round_robin"``, ``"power_of_two"``,
-    ``"affinity"``, ``"load_aware"`` (the servers' own queues from /metrics), or a
-    ``RoutingPolicy``; ``prefill_routing`` / ``decode_routing`` override it per leg."""
+    ``"affinity"``, ``"load_aware"`` (the servers' own queues from /metrics),
+    ``"rendezvous"`` (the affinity key's endpoint by rendezvous hashing, with a load bound), or a
+    ``RoutingPolicy``; ``prefill_routing`` / ``decode_routing`` override it per leg. Left at
+    the default, a chat conversation's decode leg (``remote_prefill`` ``auto`` or ``never``)
+    goes by ``"rendezvous"``, so every replica sends its turns to one decode endpoint."""
     breaker: BreakerSettings = field(default_factory=BreakerSettings)
     retries: RetrySettings = field(default_factory=RetrySettings)
     reuse_secret: str | None = field(default=None, repr=False)

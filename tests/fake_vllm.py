@@ -166,8 +166,8 @@ class VLLMAnswers:
         return {"id": "call_1", "type": "function", "function": {"name": name, "arguments": arguments}}
 
     def usage(self, path: str, body: Body) -> dict[str, int]:
-        ids = forwarded_ids(path, body)
-        prompt = len(ids) if ids else 16
+        # A decode-only call's prompt counts as a prefill of it would.
+        prompt = len(forwarded_ids(path, body) or self.ids(body))
         completion = len(self._answer(path, body)[0]) if wants_ids(body) else len(self.pieces(self.text(body)))
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 

@@ -143,6 +143,10 @@ class Match(str, enum.Enum):
     """Tools, model or template options differ from the previous turn's."""
     ENDPOINT_UNAVAILABLE = "endpoint_unavailable"
     """The decode endpoint that holds the conversation is gone or not admitted."""
+    EXTENDS_HISTORY = "extends_history"
+    """Read from the call alone: its last assistant message ends what the conversation's
+    decode endpoint computed (a turn this process did not see: another replica's or
+    worker's, or one older than what it remembers)."""
 
 
 @dataclass(frozen=True)
@@ -333,6 +337,10 @@ def _content_chars(content: object) -> int:
                 chars += len(_encode(part))
         return chars
     return len(_encode(content))
+
+
+def _is_assistant(message: object) -> bool:
+    return isinstance(message, dict) and message.get("role") == "assistant"
 
 
 def _key_digest(key: str) -> bytes:
@@ -532,12 +540,18 @@ class ConversationMemory:
             while len(self._turns) > self.settings.max_conversations:
                 self._turns.popitem(last=False)
 
-    def estimate(self, key: str, body: Mapping[str, Any], admitted: Collection[str]) -> Estimate:
+    def estimate(
+        self, key: str, body: Mapping[str, Any], admitted: Collection[str], home: str | None = None
+    ) -> Estimate:
         """The call's estimated total and uncached tokens on the decode endpoint holding it.
 
         A call that extends the remembered conversation (its messages, then the streamed
         answer, then new messages) has as uncached tokens the new messages, the template's
-        markup and the partial last block; anything else is wholly uncached.
+        markup and the partial last block. ``home``: the decode endpoint every process
+        routes this conversation to (``routing.Rendezvous``), None when that is unknown or
+        was passed over for its load. A call this memory knows nothing of, or that goes on
+        past the remembered turn's answer, is read from its own messages on that endpoint
+        (``Match.EXTENDS_HISTORY``); anything else is wholly uncached.
         """
         messages = body.get("messages")
         if not isinstance(messages, list):
@@ -549,6 +563,8 @@ class ConversationMemory:
             if packed is not None:
                 self._turns.move_to_end(key_digest)
         if packed is None:
+            if home is not None:
+                return self._from_history(messages, tools, home, None)
             return self._fresh(messages, tools, Match.UNKNOWN)
         turn = packed.turn()
         prompt_digest, shape_digest, answer_digest = (
@@ -563,7 +579,28 @@ class ConversationMemory:
         if turn.endpoint not in admitted:
             return self._fresh(messages, tools, Match.ENDPOINT_UNAVAILABLE)
         answered = len(messages) > turn.messages and _as_answer_digest(messages[turn.messages]) == answer_digest
+        if any(_is_assistant(m) for m in messages[turn.messages + 1 :]):
+            # Turns since the remembered one were answered elsewhere in the fleet (another
+            # replica, on the same endpoint): the call itself says more than the memory.
+            return self._from_history(messages, tools, turn.endpoint, turn.chars_per_token)
         return self._extension(turn, messages, answered)
+
+    def _from_history(self, messages: Sequence[object], tools: object, endpoint: str, ratio: float | None) -> Estimate:
+        """What the conversation's decode endpoint holds, read from the call alone.
+
+        Its last assistant message ends the previous turn there: the endpoint holds that
+        turn's prompt, the messages before it, whole blocks of it. Its answer's blocks are
+        not counted (after a P/D turn only the pulled prompt's are cached, and a decode-only
+        turn's answer is short): the answer and everything after it are uncached.
+        """
+        last = max((i for i, m in enumerate(messages) if _is_assistant(m)), default=None)
+        if last is None:
+            return self._fresh(messages, tools, Match.UNKNOWN)
+        total = self.tokens_for(rendered_chars(messages, tools), len(messages) + 1, ratio)
+        prompt = self.tokens_for(rendered_chars(messages[:last], tools), last + 1, ratio)
+        block = self.settings.block_size
+        cached = (min(prompt, total - 1) // block) * block
+        return Estimate(total, total - cached, endpoint, Match.EXTENDS_HISTORY, adds_media(messages[last:]))
 
     def _fresh(self, messages: Sequence[object], tools: object, match: Match) -> Estimate:
         # +1: the generation prompt that ends every prompt.
@@ -625,6 +662,9 @@ class AnswerCollector:
         self.completion_tokens: int | None = None
         self.prompt_tokens: int | None = None
         """``usage.prompt_tokens`` as the decode server reported it, when it did."""
+        self.cached_tokens: int | None = None
+        """``usage.prompt_tokens_details.cached_tokens`` as the decode server reported it
+        (its prefix-cache hits; servers run with ``--enable-prompt-tokens-details``)."""
 
     def feed(self, data: bytes) -> None:
         if self._spoiled or not data:
@@ -718,6 +758,10 @@ class AnswerCollector:
             value = usage.get(name)
             if type(value) is int and value >= 0:
                 setattr(self, name, value)
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        if type(cached) is int and cached >= 0:
+            self.cached_tokens = cached
 
     def _parse_json(self, body: bytes) -> None:
         try:

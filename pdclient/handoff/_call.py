@@ -24,6 +24,7 @@ Pass-through requests go straight to DECODE with their body as sent, once checke
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import itertools
@@ -39,14 +40,14 @@ import openai
 import orjson
 
 from .._observe import Observers
-from .._options import PDOptions, call_override_refusal
+from .._options import DEFAULT_ROUTING, PDOptions, call_override_refusal
 from .._trace import Outcome, PDTrace
 from ..conversations import SHAPE_FIELDS, AnswerCollector, Decision, Estimate, Match, Reason, decide_remote_prefill
 from ..fleet import WARM_UP_TIMEOUT, Fetch, Fleet, request_overrides
 from ..migration import _core as migrate
 from ..pools import AllEndpointsOpen, Endpoint, EndpointPool
 from ..pools import _retry as retry
-from ..routing import TENANT_EXTENSION, RouteDecision, RouteRequest, plan_text
+from ..routing import TENANT_EXTENSION, RouteDecision, RouteRequest, conversation_routing, plan_text, policy_decision
 from ..wire import (
     CALL_OPTIONS_KEY,
     HOP_BY_HOP,
@@ -181,13 +182,14 @@ class Leg:
         self.url = endpoint.url
         return endpoint.url
 
-    def pin(self, url: str, rule: str) -> str | None:
+    def pin(self, url: str, rule: str, policy: str = "conversation") -> str | None:
         """The pool's member at ``url`` if it admits a request now (else None), chosen by the
-        call itself: the decode endpoint holding a conversation (``remote_prefill``)."""
+        call itself: the decode endpoint holding a conversation (``remote_prefill``), or the
+        one its rendezvous names (``policy`` ``rendezvous``)."""
         assert self.pool is not None
         for endpoint in self.pool.endpoints:
             if endpoint.url == url and endpoint not in self.tried and endpoint.admits():
-                return self.take(RouteDecision("conversation", endpoint, rule=rule))
+                return self.take(RouteDecision(policy, endpoint, rule=rule))
         return None
 
     def take(self, decision: RouteDecision) -> str:
@@ -289,6 +291,8 @@ class Call:
         """The prefill endpoint this decode-only call's prompt was queued to (``fleet._warm``)."""
         self.usage_merge: usage.UsageMerge | None = None
         """The caller's usage made of both legs' (``wire._usage``): set with the decode's response."""
+        self.usage_strip: usage.UsageStrip | None = None
+        """Takes out of the caller's stream the usage event pdclient asked for (``_asks_usage``)."""
         self.collector: AnswerCollector | None = None
         """The answer the caller receives, kept to remember the turn (chat, ``remote_prefill`` not ``always``)."""
         self._conversation: dict[str, Any] | None = None
@@ -398,11 +402,17 @@ class Call:
         mode = plan.options.remote_prefill or options.remote_prefill
         chat = plan.kind is wire.Kind.CHAT
         estimate = None
+        home = self._conversation_home() if mode != "always" and chat else None
         if mode == "auto" and chat:
             fleet = self.context.fleet
             admitted = [e.url for e in fleet.decode.endpoints if e.admits()]
-            estimate = fleet.memory.estimate(plan.affinity_key, self.conversation_body(), admitted)
+            # The rendezvous endpoint holds the conversation only when no load moved it there.
+            held = home.endpoint.url if home is not None and home.rule == "key" else None
+            estimate = fleet.memory.estimate(plan.affinity_key, self.conversation_body(), admitted, held)
         self.decision = decide_remote_prefill(mode, estimate, options.conversations)
+        if self.decision.decode_endpoint is None and home is not None:
+            # Every replica sends this conversation's turns to the same decode endpoint.
+            self.decision = dataclasses.replace(self.decision, decode_endpoint=home.endpoint.url)
         if mode != "always" and chat:
             self.collector = AnswerCollector(stream=plan.stream)
         if self.decision.remote_prefill:
@@ -411,6 +421,20 @@ class Call:
         if mode == "auto" and options.conversations.warm_prefill:
             self._warm_prefill()
         return False
+
+    def _conversation_home(self) -> RouteDecision | None:
+        """The decode endpoint this conversation's turns go to in every process (rendezvous on
+        its affinity key, with a load bound: ``routing.Rendezvous``); None if none is admitted."""
+        assert self.plan is not None
+        pool, options = self.context.fleet.decode, self.context.options
+        chosen = options.decode_routing is not None or options.routing != DEFAULT_ROUTING
+        policy = conversation_routing(pool.policy, chosen=chosen)
+        if policy is None:
+            return None  # the decode leg's own policy places it, and this process's memory finds it
+        try:
+            return policy_decision(policy, pool.candidates(), self._route("decode"))
+        except AllEndpointsOpen:
+            return None
 
     def _warm_prefill(self) -> None:
         """Queue this decode-only call's prompt for the prefill endpoint its conversation's
@@ -451,6 +475,8 @@ class Call:
             data = self.usage_merge.feed(data)
         if data and self.collector is not None:
             self.collector.feed(data)
+        if self.usage_strip is not None:
+            data = self.usage_strip.feed(data)
         return data
 
     def decode_streamed(self, reads: int) -> None:
@@ -460,11 +486,11 @@ class Call:
 
     def caller_rest(self) -> bytes:
         """What the usage merge still holds, once the decode body is whole (the streams call this)."""
-        if self.usage_merge is None:
-            return b""
-        rest = self.usage_merge.end()
+        rest = self.usage_merge.end() if self.usage_merge is not None else b""
         if rest and self.collector is not None:
             self.collector.feed(rest)
+        if self.usage_strip is not None:
+            rest = self.usage_strip.feed(rest) + self.usage_strip.end()
         return rest
 
     def _remember(self) -> None:
@@ -483,6 +509,12 @@ class Call:
         result = self.prefill_result
         prompt_tokens = result.count if result is not None and result.ids is not None else collector.prompt_tokens
         floor = decision.estimate.cached_tokens if decision.estimate is not None else 0
+        if self.outcome is Outcome.DECODE_ONLY and collector.prompt_tokens is not None:
+            # The decode server's own count of this prompt: the chars-per-token ratio learns
+            # from it as from a prefill's, and what it found cached is the floor that counts.
+            self.context.fleet.memory.learn(self.conversation_body(), collector.prompt_tokens)
+            if collector.cached_tokens is not None:
+                floor = collector.cached_tokens
         self.context.fleet.memory.remember(
             plan.affinity_key,
             self.conversation_body(),
@@ -569,12 +601,18 @@ class Call:
         if self.migration is not None and self.migration.pending is not None:
             return self.decode.start(self.migration.continuation_request(self))  # a migrated decode
         decision = self.decision
-        held = decision.decode_endpoint if decision is not None and not decision.remote_prefill else None
+        home = decision.decode_endpoint if decision is not None else None
+        held = home if decision is not None and not decision.remote_prefill else None
         if self.fallback_url is not None:
             base = self.decode.use(self.fallback_url)
         else:
-            # A decode-only call by decision goes to the endpoint holding its conversation.
-            pinned = self.decode.pin(held, "held") if held is not None and not self.decode.attempt else None
+            # A decode-only call by decision goes to the endpoint holding its conversation; a
+            # handoff's decode goes there too when it admits, so the next turn finds it.
+            pinned = None
+            if held is not None and not self.decode.attempt:
+                pinned = self.decode.pin(held, "held")
+            elif home is not None and not self.decode.attempt:
+                pinned = self.decode.pin(home, "key", "rendezvous")
             if held is not None and pinned is None:
                 self._hand_off_instead()
                 raise HandoffInstead
@@ -586,10 +624,24 @@ class Call:
         if self._decode_body is None:
             self.migration = migrate.arm(self)
             self._decode_body = self.migration.decode_body(self.plan, self.prefill_result)
+            if self._asks_usage():
+                self._decode_body = usage.with_usage_asked(self._decode_body)
         signed_with = self._sign(base, self._decode_body)  # a fresh nonce per attempt
         if first:
             self.cpu_seconds += time.thread_time() - cpu_start
         return self.decode.start(self._leg_request(base, self._decode_body, signed_with))
+
+    def _asks_usage(self) -> bool:
+        """Whether this decode-only chat stream asks its server for the usage the caller did not:
+        the prompt's length and cache hits, the truth the conversation estimates learn from."""
+        plan = self.plan
+        return (
+            self.collector is not None
+            and plan is not None
+            and plan.stream
+            and self.outcome is Outcome.DECODE_ONLY
+            and "stream_options" not in plan.fields
+        )
 
     def _hand_off_instead(self) -> None:
         """A call sent decode-only to the endpoint holding its conversation cannot go there (it
@@ -682,6 +734,8 @@ class Call:
             self.failed_leg = "decode"
         # Before the caller reads a byte; a continuation after a migration keeps it (same prompt side).
         self.usage_merge = self._usage_merge_for(response)
+        asked = self._decode_body is not None and self._asks_usage() and response.status_code == 200
+        self.usage_strip = usage.UsageStrip() if asked else None
         # The merged usage changes a JSON body's length.
         recounted = self.usage_merge is not None and not self.usage_merge.stream
         headers = _without_trace_headers(response.headers, _CONTENT_LENGTH if recounted else ())

@@ -5,6 +5,7 @@ from ._cache_aware import DEFAULT_MAX_CHARS, CacheAware, PrefixIndex, plan_text,
 from ._load_aware import LoadAware
 from ._policy import TENANT_EXTENSION, RouteDecision, RouteRequest, RoutingPolicy, policy_decision
 from ._registry import POLICIES, PREFILL_ONLY, legs_of, make_policy, wants_load_signals
+from ._rendezvous import PrefixRendezvous, Rendezvous, conversation_routing, rendezvous_order, tenant_key
 from ._simple import Affinity, LeastOutstanding, PowerOfTwoChoices, RoundRobin
 
 __all__ = [
@@ -16,16 +17,21 @@ __all__ = [
     "POLICIES",
     "PREFILL_ONLY",
     "PowerOfTwoChoices",
+    "PrefixRendezvous",
     "PrefixIndex",
+    "Rendezvous",
     "RoundRobin",
     "RouteDecision",
     "RouteRequest",
     "RoutingPolicy",
     "TENANT_EXTENSION",
     "policy_decision",
+    "conversation_routing",
     "legs_of",
     "make_policy",
     "plan_text",
     "prompt_text",
+    "rendezvous_order",
+    "tenant_key",
     "wants_load_signals",
 ]

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from ._cache_aware import CacheAware
 from ._load_aware import LoadAware
+from ._rendezvous import PrefixRendezvous, Rendezvous
 from ._simple import Affinity, LeastOutstanding, PowerOfTwoChoices, RoundRobin
 
 if TYPE_CHECKING:
@@ -28,6 +29,8 @@ POLICIES: dict[str, Callable[[bool], RoutingPolicy]] = {
     "affinity": lambda load_signals: Affinity(),
     "load_aware": _load_aware,
     "cache_aware": _cache_aware,
+    "rendezvous": lambda load_signals: Rendezvous(),
+    "prefix_rendezvous": lambda load_signals: PrefixRendezvous(),
 }
 """The policies ``routing=`` names; each factory takes whether the pool's /metrics are scraped."""
 

@@ -37,7 +37,15 @@ from ._headers import FAILED_LEG_HEADER, HOP_BY_HOP, RAW_TRACE_HEADER_PREFIX, TR
 from ._parts import TEXT_PART_TYPES, has_media, is_text_part
 from ._signing import DEFAULT_TTL, SECRET_ENV, SIGNATURE_HEADER, signature
 from ._sse import SSEFramer, ends_event_stream, event_data, is_done, split_events, stream_tail
-from ._usage import UsageMerge, merge_usage, merge_usage_json, merge_usage_sse, prefill_usage
+from ._usage import (
+    UsageMerge,
+    UsageStrip,
+    merge_usage,
+    merge_usage_json,
+    merge_usage_sse,
+    prefill_usage,
+    with_usage_asked,
+)
 
 __all__ = [
     "TEXT_PART_TYPES",
@@ -63,6 +71,7 @@ __all__ = [
     "UploadScan",
     "SSEFramer",
     "UsageMerge",
+    "UsageStrip",
     "affinity_key",
     "check_content_encoding",
     "check_dispatch",
@@ -82,6 +91,7 @@ __all__ = [
     "plan_call",
     "prefill_body",
     "prefill_usage",
+    "with_usage_asked",
     "read_prefill",
     "redact_url",
     "release_body",

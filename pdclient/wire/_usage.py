@@ -186,3 +186,75 @@ class UsageMerge:
             return merge_usage_sse(self._framer.rest(), self._prefill)
         rest, self._buffer = self._buffer, b""
         return merge_usage_json(rest, self._prefill)
+
+
+_ASK_USAGE = b',"stream_options":{"include_usage":true}}'
+
+
+def with_usage_asked(body: bytes) -> bytes:
+    """A streamed leg's JSON body that also asks for the final usage event.
+
+    For a body without ``stream_options`` (the caller's choice is kept when it made one):
+    the field is added at the end of the object, with no re-encoding of the rest."""
+    stripped = body.rstrip()
+    if not stripped.endswith(b"}") or stripped == b"{}":
+        return body
+    return stripped[:-1] + _ASK_USAGE
+
+
+def _is_usage_event(event: bytes) -> bool:
+    """Whether an SSE event is the final usage report (``"choices": []`` and a ``usage`` object)."""
+    if _USAGE_KEY not in event:
+        return False
+    for line in event.splitlines():
+        if line.startswith(b"data:"):
+            try:
+                payload = orjson.loads(line[5:].strip())
+            except orjson.JSONDecodeError:
+                return False
+            return isinstance(payload, dict) and payload.get("choices") == [] and isinstance(payload.get("usage"), dict)
+    return False
+
+
+class UsageStrip:
+    """A decode event stream on its way to the caller without the final usage event, which
+    pdclient asked for itself (``with_usage_asked``) and the caller did not.
+
+    Passed on in whole SSE events, as they complete (as ``UsageMerge`` does)."""
+
+    __slots__ = ("_buffer",)
+
+    def __init__(self) -> None:
+        self._buffer = b""
+
+    def feed(self, data: bytes) -> bytes:
+        buffer = self._buffer + data if self._buffer else data
+        cut = buffer.rfind(b"\n\n") + 2
+        if cut < 2:
+            if len(buffer) < _FLUSH_UNFRAMED:
+                self._buffer = buffer
+                return b""
+            cut = len(buffer)
+        self._buffer = buffer[cut:]
+        return self._strip(buffer[:cut])
+
+    def end(self) -> bytes:
+        rest, self._buffer = self._buffer, b""
+        return self._strip(rest)
+
+    @staticmethod
+    def _strip(data: bytes) -> bytes:
+        if _USAGE_KEY not in data:
+            return data
+        out: list[bytes] = []
+        start = 0
+        while True:
+            end, separator = _event_end(data, start)
+            if end < 0:
+                out.append(data[start:])
+                break
+            event = data[start:end]
+            if not _is_usage_event(event):
+                out.append(event + separator)
+            start = end + len(separator)
+        return b"".join(out)

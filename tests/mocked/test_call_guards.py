@@ -339,11 +339,16 @@ async def test_a_tenant_never_matches_another_tenants_conversation(
     first = await client.send(chat_request(client, TURN1, "tenant-a", **extra))
     answer = first.json()["choices"][0]["message"]["content"]
     turn2 = [*TURN1, {"role": "assistant", "content": answer}, {"role": "user", "content": "And then?"}]
-    # Another tenant sending the very same conversation: nothing of tenant-a's is matched.
+    # Another tenant sending the very same conversation: nothing of tenant-a's is matched;
+    # its call is read from its own messages, as it would be had tenant-a never called.
     other = await client.send(chat_request(client, turn2, "tenant-b", **extra))
     assert other.status_code == 200
-    assert (client.traces[1].conversation, client.traces[1].outcome) == ("unknown", Outcome.DISAGGREGATED)
-    assert client.traces[1].remote_prefill_reason == "uncached_at_or_above_threshold"
+    assert client.traces[1].conversation == "extends_history"
+    fresh = Client(mode, decode_base_url=[DECODE, DECODE2], max_decode_migrations=0)
+    assert (await fresh.send(chat_request(fresh, turn2, "tenant-b", **extra))).status_code == 200
+    alone, seen = fresh.traces[0], client.traces[1]
+    assert (alone.conversation, alone.outcome, alone.decode_url) == (seen.conversation, seen.outcome, seen.decode_url)
+    await fresh.close()
     # The tenant that had the conversation still has it.
     own = await client.send(chat_request(client, turn2, "tenant-a", **extra))
     assert own.status_code == 200

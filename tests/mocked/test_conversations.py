@@ -71,8 +71,10 @@ async def test_auto_sends_a_follow_up_decode_only_to_the_decode_endpoint_of_the_
     # One prefill (the first turn's); the follow-up's decode went to the same endpoint.
     assert len(pair.prefill_bodies) == 1
     assert pair.decode_urls == [DECODE, DECODE]
-    # The caller's body as the SDK sent it: no kv_transfer_params, nothing added.
-    sent = {"messages": TURN2, "model": "m", **({"stream": True} if stream else {})}
+    # The caller's body as the SDK sent it: no kv_transfer_params; a stream asks for its
+    # usage (the prompt's length, what the server found cached), which the caller does not see.
+    asked = {"stream": True, "stream_options": {"include_usage": True}}
+    sent = {"messages": TURN2, "model": "m", **(asked if stream else {})}
     assert pair.decode_bodies[1] == sent
     first, second = traces.traces
     assert (first.outcome, first.remote_prefill, first.remote_prefill_reason, first.conversation) == (

@@ -37,8 +37,9 @@ async def test_the_trace_names_each_legs_route(mode: str, fake: FakeVLLM) -> Non
     traces: list[PDTrace] = []
     twin = Twin(mode, on_trace=traces.append)
     headers = await raw_chat(twin, messages=conversation("hi"))
-    assert headers["x-pd-prefill-route"] == headers["x-pd-decode-route"] == "least_outstanding"
-    assert PDTrace.from_headers(headers).decode_route == "least_outstanding"
+    # By default a chat conversation's decode leg goes by rendezvous on its affinity key.
+    assert (headers["x-pd-prefill-route"], headers["x-pd-decode-route"]) == ("least_outstanding", "rendezvous/key")
+    assert PDTrace.from_headers(headers).decode_route == "rendezvous/key"
     assert traces[0].prefill_route == "least_outstanding"
     await twin.close()
 
@@ -63,7 +64,7 @@ async def test_cache_aware_decisions_through_the_client(mode: str) -> None:
     match, prompt = (int(part.split("=")[1]) for part in route.split()[1:])
     assert 0.9 < match / prompt < 1, "the shared system prompt, not the new question"
     assert traces[1].prefill_url == traces[0].prefill_url
-    assert traces[1].decode_route == "least_outstanding"
+    assert traces[1].decode_route == "rendezvous/key"
     assert first["x-pd-prefill-route"].isascii() and second["x-pd-prefill-route"] == route
 
 
@@ -180,7 +181,7 @@ def test_routing_metrics(fake: FakeVLLM) -> None:
 
     assert value("routing_decisions_total", leg="prefill", policy="cache_aware", rule="affinity") == 1
     assert value("routing_decisions_total", leg="prefill", policy="cache_aware", rule="cache") == 2
-    assert value("routing_decisions_total", leg="decode", policy="least_outstanding", rule="") == 3
+    assert value("routing_decisions_total", leg="decode", policy="rendezvous", rule="key") == 3
     prompt = value("routed_prompt_chars_total", leg="prefill")
     assert 0.5 * prompt < value("routed_match_chars_total", leg="prefill") < prompt
 

@@ -528,7 +528,7 @@ async def test_prometheus_counts_migrations(mode: str, pool: FakeVLLM) -> None:
     registry = prometheus_client.CollectorRegistry()
     metrics = PrometheusObserver(registry)
     pool.cuts = [3]
-    t = Twin(mode, decode_base_url=[DECODE, DECODE2], observers=[metrics])
+    t = Twin(mode, decode_base_url=[DECODE, DECODE2], routing="round_robin", observers=[metrics])
     assert text_of(await chunks(t)) == ANSWER
     await t.close()
     value = registry.get_sample_value
@@ -552,7 +552,12 @@ async def test_otel_shows_the_move(mode: str, pool: FakeVLLM) -> None:
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(spans))
     pool.cuts = [4]
-    t = Twin(mode, decode_base_url=[DECODE, DECODE2], observers=[OTelObserver(tracer_provider=provider)])
+    t = Twin(
+        mode,
+        decode_base_url=[DECODE, DECODE2],
+        routing="round_robin",
+        observers=[OTelObserver(tracer_provider=provider)],
+    )
     assert text_of(await chunks(t)) == ANSWER
     await t.close()
     finished = {s.name: s for s in spans.get_finished_spans() if s.name != "pdclient.decode"}

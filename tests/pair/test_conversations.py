@@ -142,3 +142,46 @@ def test_a_p_d_calls_usage_reports_the_prefill_servers_cache(pd: PDServers) -> N
     # The same prompt again: the prefill server's cache holds its whole blocks now.
     assert json_usage.prompt_tokens_details is not None
     assert json_usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens // 128 * 128
+
+
+SHORT_FOLLOW_UPS = ("Give it a title.", "Who is in it?", "Where does it happen?", "How does it end?")
+
+
+def converse(clients: list[Any], pd: PDServers) -> None:
+    """A first turn and four short streamed follow-ups, dealt in turn over ``clients`` (replicas
+    that share nothing); the caller never asks for usage and never sees any."""
+    system = f"Conversation {uuid.uuid4().hex}. " + "Notes: the robot paints in the morning and sleeps at noon. " * 40
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system}, {"role": "user", "content": "A story?"}]
+    for i, question in enumerate(("", *SHORT_FOLLOW_UPS)):
+        if question:
+            messages.append({"role": "user", "content": question})
+        chunks = list(
+            clients[i % len(clients)].chat.completions.create(model=pd.model, messages=messages, stream=True, **GREEDY)
+        )
+        assert all(c.usage is None for c in chunks), "pdclient's own usage request reached the caller"
+        answer = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        messages.append({"role": "assistant", "content": answer})
+
+
+def test_every_short_streamed_follow_up_goes_decode_only(pd: PDServers) -> None:
+    traces: list[PDTrace] = []
+    with pd.client(on_trace=traces.append) as client:
+        converse([client], pd)
+    assert [t.outcome for t in traces] == [Outcome.DISAGGREGATED] + [Outcome.DECODE_ONLY] * 4, [
+        (t.outcome, t.conversation, t.estimated_uncached_tokens) for t in traces
+    ]
+    # After a decode-only turn the estimate starts from the server's count of its prompt: the
+    # partial last block (up to 127 ids) and the new question, not the whole text again.
+    estimates = [t.estimated_uncached_tokens for t in traces]
+    print("\nestimated uncached tokens per turn:", estimates)
+    assert all(e is not None and e < 200 for e in estimates[2:]), estimates
+
+
+def test_two_clients_alternating_turns_go_decode_only(pd: PDServers) -> None:
+    traces: list[PDTrace] = []
+    with pd.client(on_trace=traces.append) as a, pd.client(on_trace=traces.append) as b:
+        converse([a, b], pd)
+    assert [t.outcome for t in traces] == [Outcome.DISAGGREGATED] + [Outcome.DECODE_ONLY] * 4, [
+        (t.outcome, t.conversation, t.estimated_uncached_tokens) for t in traces
+    ]
+    assert {t.decode_url for t in traces} == {traces[0].decode_url}

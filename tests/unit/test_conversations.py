@@ -618,3 +618,35 @@ def test_a_json_answer_is_read_at_its_end() -> None:
     assert collector.answer() == Answer("Hi", (), 1, False)
     assert collector.prompt_tokens == 5
     assert collect(b'{"choices": [', stream=False).answer() is None
+
+
+# -- read from the call alone (another replica's turns) ---------------------------------
+
+
+def test_a_call_no_one_here_saw_is_read_from_its_own_messages() -> None:
+    mem = ConversationMemory()
+    system = {"role": "system", "content": "x" * 2000}
+    turn = [
+        system,
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a"},
+        {"role": "user", "content": "r"},
+    ]
+    estimate = mem.estimate("k", {"messages": turn}, ADMITTED, home=D2)
+    assert (estimate.match, estimate.endpoint) == (Match.EXTENDS_HISTORY, D2)
+    assert estimate.cached_tokens > 0 and estimate.uncached_tokens < 256
+    # Without a home (no rendezvous, or passed over for its load) nothing is cached.
+    assert mem.estimate("k", {"messages": turn}, ADMITTED).match is Match.UNKNOWN
+    # A first turn has nothing before it.
+    assert mem.estimate("k", {"messages": turn[:2]}, ADMITTED, home=D2).match is Match.UNKNOWN
+
+
+def test_turns_answered_elsewhere_since_the_remembered_one_are_read_from_the_call() -> None:
+    mem = ConversationMemory()
+    system = {"role": "system", "content": "x" * 2000}
+    first = [system, {"role": "user", "content": "q"}]
+    mem.remember("k", {"messages": first}, Answer("a", completion_tokens=2), D2, prompt_tokens=1010)
+    later = [*first, {"role": "assistant", "content": "a"}, {"role": "user", "content": "r"}]
+    later += [{"role": "assistant", "content": "b"}, {"role": "user", "content": "s"}]
+    estimate = mem.estimate("k", {"messages": later}, ADMITTED, home=D2)
+    assert (estimate.match, estimate.endpoint) == (Match.EXTENDS_HISTORY, D2)

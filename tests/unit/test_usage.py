@@ -11,7 +11,15 @@ from typing import Any
 
 import pytest
 
-from pdclient.wire import UsageMerge, merge_usage, merge_usage_json, merge_usage_sse, prefill_usage
+from pdclient.wire import (
+    UsageMerge,
+    UsageStrip,
+    merge_usage,
+    merge_usage_json,
+    merge_usage_sse,
+    prefill_usage,
+    with_usage_asked,
+)
 
 # The prefill leg of a P/D follow-up: 1280 of its 1493 ids were in its prefix cache.
 PREFILL_RESPONSE: dict[str, Any] = {
@@ -173,3 +181,23 @@ def test_a_json_body_is_held_until_whole_then_merged() -> None:
     merge = UsageMerge(prefill_usage(PREFILL_RESPONSE) or {}, stream=False)
     assert merge.feed(body[:10]) == b"" and merge.feed(body[10:]) == b""
     assert json.loads(merge.end())["usage"] == MERGED
+
+
+# -- the usage pdclient asks for itself ---------------------------------------------------
+
+
+def test_with_usage_asked_adds_stream_options_without_re_encoding() -> None:
+    body = b'{"model":"m","messages":[],"stream":true}'
+    assert json.loads(with_usage_asked(body))["stream_options"] == {"include_usage": True}
+    assert with_usage_asked(body).startswith(body[:-1])
+    assert with_usage_asked(b"not json") == b"not json"
+
+
+def test_usage_strip_takes_out_the_usage_event_only_across_reads() -> None:
+    content = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
+    usage_event = b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":1}}\n\n'
+    stream = content + usage_event + b"data: [DONE]\n\n"
+    for cut in range(1, len(stream)):
+        strip = UsageStrip()
+        out = strip.feed(stream[:cut]) + strip.feed(stream[cut:]) + strip.end()
+        assert out == content + b"data: [DONE]\n\n"
