@@ -181,7 +181,7 @@ class ServeArm:
 
     def __init__(self, pd: PDServers, workers: int = 2) -> None:
         command = [sys.executable, "-m", "pdclient", "serve", "--port", str(_free_port()), "--workers", str(workers)]
-        command += ["--prefill", *pd.prefill_urls, "--decode", *pd.decode_urls, "--trace-headers", "on"]
+        command += ["--prefill", *pd.prefill_urls, "--decode", *pd.decode_urls, "--trace-headers"]
         self.url = f"http://127.0.0.1:{command[command.index('--port') + 1]}/v1"
         self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 60

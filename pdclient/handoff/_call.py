@@ -300,6 +300,8 @@ class Call:
         """How the legs went out, ``sequential`` or ``concurrent`` (``_dispatch``), once a prefill is planned."""
         self.prefill_picked = False
         """The prefill's first endpoint is picked already (a concurrent decode named it)."""
+        self.home: RouteDecision | None = None
+        """The conversation's decode endpoint by rendezvous, the same in every process (``_conversation_home``)."""
         # openai's `timeout` bounds each read; the prefill phase (retries included) gets it,
         # or the shorter prefill_timeout, as a total.
         bounds = [(request.extensions.get("timeout") or {}).get("read"), context.options.retries.prefill_timeout]
@@ -410,6 +412,7 @@ class Call:
             held = home.endpoint.url if home is not None and home.rule == "key" else None
             estimate = fleet.memory.estimate(plan.affinity_key, self.conversation_body(), admitted, held)
         self.decision = decide_remote_prefill(mode, estimate, options.conversations)
+        self.home = home
         if self.decision.decode_endpoint is None and home is not None:
             # Every replica sends this conversation's turns to the same decode endpoint.
             self.decision = dataclasses.replace(self.decision, decode_endpoint=home.endpoint.url)
@@ -600,19 +603,19 @@ class Call:
         self.phase = Phase.DECODE
         if self.migration is not None and self.migration.pending is not None:
             return self.decode.start(self.migration.continuation_request(self))  # a migrated decode
-        decision = self.decision
-        home = decision.decode_endpoint if decision is not None else None
-        held = home if decision is not None and not decision.remote_prefill else None
+        decision, home = self.decision, self.home
+        held = decision.decode_endpoint if decision is not None and not decision.remote_prefill else None
         if self.fallback_url is not None:
             base = self.decode.use(self.fallback_url)
         else:
             # A decode-only call by decision goes to the endpoint holding its conversation; a
-            # handoff's decode goes there too when it admits, so the next turn finds it.
+            # handoff's decode goes to the conversation's rendezvous endpoint when it admits,
+            # so the next turn finds it from any process.
             pinned = None
             if held is not None and not self.decode.attempt:
                 pinned = self.decode.pin(held, "held")
             elif home is not None and not self.decode.attempt:
-                pinned = self.decode.pin(home, "key", "rendezvous")
+                pinned = self.decode.pin(home.endpoint.url, home.rule or "key", home.policy)
             if held is not None and pinned is None:
                 self._hand_off_instead()
                 raise HandoffInstead
