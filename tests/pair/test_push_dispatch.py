@@ -24,7 +24,7 @@ from pdclient.local import LocalPD
 from .helpers import metric
 
 KV_USAGE = "vllm:kv_cache_usage_perc"
-EXTERNAL = 'vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}'
+EXTERNAL = ("vllm:prompt_tokens_by_source_total{", 'source="external_kv_transfer"')
 # A prompt long enough for several KV blocks, its own per test (no prefix-cache hits across tests).
 FILLER = " ".join(f"item {i} is a {('red', 'green', 'blue')[i % 3]} box;" for i in range(60))
 
@@ -36,7 +36,8 @@ def messages(tag: str) -> list[dict[str, str]]:
 def external_tokens(url: str) -> float:
     root = url.removesuffix("/v1")
     text = httpx.get(f"{root}/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(EXTERNAL))
+    name, label = EXTERNAL  # vLLM writes the labels in its own order
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name) and label in line)
 
 
 def wait_idle(url: str, seconds: float = 30.0) -> float:
