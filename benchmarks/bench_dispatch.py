@@ -56,7 +56,7 @@ COLORS = {
     "pull sequential": "tab:cyan",
     "vllm-router": "tab:orange",
 }
-EXTERNAL = 'vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}'
+EXTERNAL = ("vllm:prompt_tokens_by_source_total{", 'source="external_kv_transfer"')
 
 
 @dataclass
@@ -132,7 +132,8 @@ class Arms:
 
 def external_tokens(url: str) -> float:
     text = httpx.get(url.removesuffix("/v1") + "/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(EXTERNAL))
+    name, label = EXTERNAL  # vLLM writes the labels in its own order
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name) and label in line)
 
 
 def measure(arms: Arms, sizes: Sequence[int], rounds: int, seed: int) -> tuple[list[Sample], dict[int, int]]:

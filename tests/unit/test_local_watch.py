@@ -116,3 +116,31 @@ def test_a_fatal_line_ends_a_stuck_warm_up(servers: list[VLLMServer]) -> None:
     assert "offending line: (EngineCore pid=7) ERROR 12-01 03:00:00 [core.py:1] EngineCore failed to start." in str(
         info.value
     )
+
+
+@pytest.mark.parametrize(("name", "connector"), [
+    ("nixl", "NixlConnector"),
+    ("NixlConnector", "NixlConnector"),
+    ("nixl-push", "NixlPushConnector"),
+    ("NixlPushConnector", "NixlPushConnector"),
+])  # fmt: skip
+def test_each_kv_connector_name_gives_its_vllm_config(tmp_path: Path, name: str, connector: str) -> None:
+    import json
+
+    srv = VLLMServer(
+        name="decode", python=Path(sys.executable), model=tmp_path, port=free_port(),
+        log_path=tmp_path / "decode.log", workdir=tmp_path, kv_connector=name, cpu=None,
+    )  # fmt: skip
+    config = json.loads(srv.argv[srv.argv.index("--kv-transfer-config") + 1])
+    assert config["kv_connector"] == connector and config["kv_role"] == "kv_both"
+    assert config["kv_buffer_device"] == "cpu"
+
+
+def test_an_unknown_kv_connector_names_the_known_ones(tmp_path: Path) -> None:
+    from pdclient._errors import PDSetupError
+
+    with pytest.raises(PDSetupError, match=r"unknown kv_connector 'push'.*'nixl-push'"):
+        VLLMServer(
+            name="decode", python=Path(sys.executable), model=tmp_path, port=free_port(),
+            log_path=tmp_path / "decode.log", workdir=tmp_path, kv_connector="push", cpu=None,
+        )  # fmt: skip
