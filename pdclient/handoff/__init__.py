@@ -1,4 +1,5 @@
-"""One call: ``Call`` (plan, phase, legs, outcome, trace), ``Leg``, a broken stream's move as steps (``move``), and ``dispatch``: both legs at once."""
+"""One call: ``Call`` (plan, phase, legs, outcome, trace) and ``Leg``; a broken stream's move as
+steps (``move``); ``dispatch``: both legs at once."""
 
 from . import _dispatch as dispatch
 from ._call import CALL_RECORD, Call, CallContext, HandoffInstead, Leg, leg_url, new_request_id, request_with_content

@@ -149,7 +149,8 @@ class PDTransport(_TransportBase, httpx.BaseTransport):
             why = decode.failure(response)
             if why is None and response is not None:
                 try:
-                    return call.decode_response(response, decode_stream(response, call, self))
+                    leg_io = LegIO(self._read, self._open_decode, self._send_release)
+                    return call.decode_response(response, decode_stream(response, call, leg_io))
                 except BaseException:
                     response.close()
                     raise
@@ -303,7 +304,8 @@ class AsyncPDTransport(_TransportBase, httpx.AsyncBaseTransport):
             why = decode.failure(response)
             if why is None and response is not None:
                 try:
-                    return call.decode_response(response, async_decode_stream(response, call, self))
+                    leg_io = AsyncLegIO(self._read, self._open_decode, self._send_release)
+                    return call.decode_response(response, async_decode_stream(response, call, leg_io))
                 except BaseException:
                     await response.aclose()
                     raise

@@ -206,14 +206,14 @@ def _is_usage_event(event: bytes) -> bool:
     """Whether an SSE event is the final usage report (``"choices": []`` and a ``usage`` object)."""
     if _USAGE_KEY not in event:
         return False
-    for line in event.splitlines():
-        if line.startswith(b"data:"):
-            try:
-                payload = orjson.loads(line[5:].strip())
-            except orjson.JSONDecodeError:
-                return False
-            return isinstance(payload, dict) and payload.get("choices") == [] and isinstance(payload.get("usage"), dict)
-    return False
+    data = event_data(event)
+    if data is None:
+        return False
+    try:
+        payload = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(payload, dict) and payload.get("choices") == [] and isinstance(payload.get("usage"), dict)
 
 
 class UsageStrip:
@@ -222,39 +222,17 @@ class UsageStrip:
 
     Passed on in whole SSE events, as they complete (as ``UsageMerge`` does)."""
 
-    __slots__ = ("_buffer",)
+    __slots__ = ("_framer",)
 
     def __init__(self) -> None:
-        self._buffer = b""
+        self._framer = SSEFramer()
 
     def feed(self, data: bytes) -> bytes:
-        buffer = self._buffer + data if self._buffer else data
-        cut = buffer.rfind(b"\n\n") + 2
-        if cut < 2:
-            if len(buffer) < _FLUSH_UNFRAMED:
-                self._buffer = buffer
-                return b""
-            cut = len(buffer)
-        self._buffer = buffer[cut:]
-        return self._strip(buffer[:cut])
+        out = b"".join(event for event in self._framer.feed(data) if not _is_usage_event(event))
+        if self._framer.pending >= _FLUSH_UNFRAMED:
+            out += self._framer.rest()
+        return out
 
     def end(self) -> bytes:
-        rest, self._buffer = self._buffer, b""
-        return self._strip(rest)
-
-    @staticmethod
-    def _strip(data: bytes) -> bytes:
-        if _USAGE_KEY not in data:
-            return data
-        out: list[bytes] = []
-        start = 0
-        while True:
-            end, separator = _event_end(data, start)
-            if end < 0:
-                out.append(data[start:])
-                break
-            event = data[start:end]
-            if not _is_usage_event(event):
-                out.append(event + separator)
-            start = end + len(separator)
-        return b"".join(out)
+        rest = self._framer.rest()
+        return b"" if _is_usage_event(rest) else rest
