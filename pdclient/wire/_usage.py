@@ -26,12 +26,30 @@ prefill reported no details. llm-d's sidecar passes the decode's usage through u
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import orjson
 
 _USAGE_KEY = b'"usage"'
+
+PayloadMerge = Callable[[dict[str, Any], Mapping[str, Any], bool], bool]
+"""How one API merges the prefill's usage into a decode payload, in place: ``(payload,
+prefill, streamed)``, True when it changed it. Chat's (``merge_chat_payload``) is the default;
+the other APIs' live in their dialects (``pdclient.dialects``)."""
+
+
+def merge_chat_payload(payload: dict[str, Any], prefill: Mapping[str, Any], streamed: bool) -> bool:
+    """Chat and completions: the body's ``usage``, or a stream's final usage event (``"choices": []``)."""
+    if not isinstance(payload.get("usage"), dict) or (streamed and payload.get("choices") != []):
+        return False
+    merged = merge_usage(prefill, payload["usage"])
+    if merged == payload["usage"]:
+        return False
+    payload["usage"] = merged
+    return True
+
+
 _FLUSH_UNFRAMED = 1 << 16
 """An SSE body with no event end in this many bytes is passed on as it is."""
 
@@ -77,7 +95,7 @@ def merge_usage(prefill: Mapping[str, Any] | None, decode: Mapping[str, Any]) ->
     return merged
 
 
-def merge_usage_json(body: bytes, prefill: Mapping[str, Any] | None) -> bytes:
+def merge_usage_json(body: bytes, prefill: Mapping[str, Any] | None, merge: PayloadMerge = merge_chat_payload) -> bytes:
     """A non-streamed response body with its usage merged; the same bytes when there is nothing to do."""
     if prefill is None or _USAGE_KEY not in body:
         return body
@@ -85,16 +103,12 @@ def merge_usage_json(body: bytes, prefill: Mapping[str, Any] | None) -> bytes:
         payload = orjson.loads(body)
     except orjson.JSONDecodeError:
         return body
-    if not isinstance(payload, dict) or not isinstance(payload.get("usage"), dict):
+    if not isinstance(payload, dict) or not merge(payload, prefill, False):
         return body
-    merged = merge_usage(prefill, payload["usage"])
-    if merged == payload["usage"]:
-        return body
-    payload["usage"] = merged
     return orjson.dumps(payload)
 
 
-def merge_usage_sse(data: bytes, prefill: Mapping[str, Any] | None) -> bytes:
+def merge_usage_sse(data: bytes, prefill: Mapping[str, Any] | None, merge: PayloadMerge = merge_chat_payload) -> bytes:
     """SSE bytes with the final usage event rewritten; everything else byte for byte.
 
     Only whole events (ended by a blank line) are looked at, and only the final usage
@@ -114,7 +128,7 @@ def merge_usage_sse(data: bytes, prefill: Mapping[str, Any] | None) -> bytes:
             out.append(data[start:])
             break
         event = data[start:end]
-        rewritten = _rewrite_event(event, prefill) if _USAGE_KEY in event else None
+        rewritten = _rewrite_event(event, prefill, merge) if _USAGE_KEY in event else None
         if rewritten is not None:
             changed = True
             out.append(rewritten)
@@ -136,7 +150,7 @@ def _event_end(data: bytes, start: int) -> tuple[int, bytes]:
     return best, separator
 
 
-def _rewrite_event(event: bytes, prefill: Mapping[str, Any]) -> bytes | None:
+def _rewrite_event(event: bytes, prefill: Mapping[str, Any], merge: PayloadMerge) -> bytes | None:
     lines = event.splitlines(keepends=True)
     data_lines = [i for i, line in enumerate(lines) if line.startswith(b"data:")]
     if len(data_lines) != 1:
@@ -149,12 +163,8 @@ def _rewrite_event(event: bytes, prefill: Mapping[str, Any]) -> bytes | None:
         payload = orjson.loads(body)
     except orjson.JSONDecodeError:
         return None
-    if not isinstance(payload, dict) or payload.get("choices") != [] or not isinstance(payload.get("usage"), dict):
+    if not isinstance(payload, dict) or not merge(payload, prefill, True):
         return None
-    merged = merge_usage(prefill, payload["usage"])
-    if merged == payload["usage"]:
-        return None
-    payload["usage"] = merged
     lines[index] = b"data: " + orjson.dumps(payload) + ending
     return b"".join(lines)
 
@@ -167,11 +177,12 @@ class UsageMerge:
     held until whole (nothing reads half a JSON body), then rewritten once.
     """
 
-    __slots__ = ("_buffer", "_prefill", "stream")
+    __slots__ = ("_buffer", "_merge", "_prefill", "stream")
 
-    def __init__(self, prefill: Mapping[str, Any], *, stream: bool) -> None:
+    def __init__(self, prefill: Mapping[str, Any], *, stream: bool, merge: PayloadMerge = merge_chat_payload) -> None:
         self._prefill = prefill
         self.stream = stream
+        self._merge = merge
         self._buffer = b""
 
     def feed(self, data: bytes) -> bytes:
@@ -187,11 +198,11 @@ class UsageMerge:
                 return b""
             cut = len(buffer)
         self._buffer = buffer[cut:]
-        return merge_usage_sse(buffer[:cut], self._prefill)
+        return merge_usage_sse(buffer[:cut], self._prefill, self._merge)
 
     def end(self) -> bytes:
         """The rest, once the body is whole."""
         rest, self._buffer = self._buffer, b""
         if self.stream:
-            return merge_usage_sse(rest, self._prefill)
-        return merge_usage_json(rest, self._prefill)
+            return merge_usage_sse(rest, self._prefill, self._merge)
+        return merge_usage_json(rest, self._prefill, self._merge)
