@@ -28,6 +28,9 @@ class _Classic:
     def plan(self, content: bytes, tenant: str | None) -> wire.Plan:
         return wire.plan_call(self.kind, content, tenant)
 
+    def stored_state(self, plan: wire.Plan) -> str | None:
+        return None
+
     def prefill_body(self, plan: wire.Plan) -> bytes:
         return wire.prefill_body(plan)
 

@@ -108,6 +108,9 @@ class Messages:
     def plan(self, content: bytes, tenant: str | None) -> wire.Plan:
         return rendered.plan_with_conversation(self.kind, content, tenant, conversation)
 
+    def stored_state(self, plan: wire.Plan) -> str | None:
+        return None
+
     def prefill_body(self, plan: wire.Plan) -> bytes:
         fields = _one_token(plan.fields)
         fields["kv_transfer_params"] = rendered.prefill_kv(plan)

@@ -7,7 +7,10 @@
 - usage: ``input_tokens`` and ``input_tokens_details`` (cached tokens) from the prefill,
   ``output_tokens`` from the decode, ``total_tokens`` recomputed; streamed, in the
   ``response.completed`` (or ``incomplete`` / ``failed``) event's ``response.usage``;
-- a broken decode stream never moves: its events carry no token ids to continue from.
+- a broken decode stream never moves: its events carry no token ids to continue from;
+- a call building on stored state (``previous_response_id``, ``conversation``) runs
+  decode-only: the server that answered before holds that state, the prefill server never
+  does. Without a store the caller gets the decode server's own 404.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from ._dialect import merge_for
 
 _ROLES = frozenset({"system", "developer", "user", "assistant"})
 _INPUT_SIDE = ("input_tokens", "input_tokens_details")
+_STORED_STATE = ("previous_response_id", "conversation")
+"""State the decode server stored (``VLLM_ENABLE_RESPONSES_API_STORE=1``) that a call builds on."""
 
 
 def conversation(fields: wire.Fields) -> list[Any] | None:
@@ -92,6 +97,12 @@ class Responses:
 
     def plan(self, content: bytes, tenant: str | None) -> wire.Plan:
         return rendered.plan_with_conversation(self.kind, content, tenant, conversation)
+
+    def stored_state(self, plan: wire.Plan) -> str | None:
+        for name in _STORED_STATE:
+            if rendered.value(plan.fields, name) is not None:
+                return name
+        return None
 
     def prefill_body(self, plan: wire.Plan) -> bytes:
         fields = _one_output_token(plan.fields)

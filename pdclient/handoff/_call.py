@@ -62,6 +62,9 @@ from ..wire import _usage as usage
 
 logger = logging.getLogger("pdclient")
 
+STORED_STATE = "stored_state"
+"""``PDTrace.remote_prefill_reason`` of a call building on state a decode server stored."""
+
 CALL_RECORD = "pdclient_call"
 """The attribute marking a log record that reports how one call ended (``Call.end``): a
 program that logs each call itself (``pdclient serve``) filters these out."""
@@ -296,6 +299,8 @@ class Call:
         self.collector: AnswerCollector | None = None
         """The answer the caller receives, kept to remember the turn (chat, ``remote_prefill`` not ``always``)."""
         self._conversation: dict[str, Any] | None = None
+        self.stored_state: str | None = None
+        """The field naming server-stored state the call builds on (``Dialect.stored_state``): decode-only."""
         # openai's `timeout` bounds each read; the prefill phase (retries included) gets it,
         # or the shorter prefill_timeout, as a total.
         bounds = [(request.extensions.get("timeout") or {}).get("read"), context.options.retries.prefill_timeout]
@@ -390,8 +395,12 @@ class Call:
         that answered the previous turn, when ``decide_remote_prefill`` says its prefix is cached there;
         a completions call (nothing remembered) gets its prefill.
         """
-        assert self.plan is not None
+        assert self.plan is not None and self.dialect is not None
         plan, options = self.plan, self.context.options
+        self.stored_state = self.dialect.stored_state(plan)
+        if self.stored_state is not None:
+            self.outcome = Outcome.DECODE_ONLY  # the state is where it was stored, never on a prefill server
+            return False
         mode = plan.options.remote_prefill or options.remote_prefill
         chat = plan.messages is not None  # a conversation, in chat messages (``Dialect.plan``)
         estimate = None
@@ -842,8 +851,8 @@ class Call:
             prefill_route=str(self.prefill.decision) if self.prefill.decision else None,
             decode_route=str(self.decode.decision) if self.decode.decision else None,
             migrations=self.migration.records() if self.migration is not None else (),
-            remote_prefill=decision.remote_prefill if decision is not None else None,
-            remote_prefill_reason=decision.reason.value if decision is not None else None,
+            remote_prefill=False if self.stored_state else decision.remote_prefill if decision else None,
+            remote_prefill_reason=STORED_STATE if self.stored_state else decision.reason.value if decision else None,
             conversation=estimate.match.value if estimate is not None else None,
             estimated_prompt_tokens=estimate.total_tokens if estimate is not None else None,
             estimated_uncached_tokens=estimate.uncached_tokens if estimate is not None else None,

@@ -256,6 +256,33 @@ async def test_a_broken_responses_stream_is_not_moved_and_says_why() -> None:
     await t.close()
 
 
+@pytest.mark.parametrize("state", ["previous_response_id", "conversation"])
+async def test_a_call_on_stored_state_runs_decode_only_where_it_is(mode: str, pair: FakePair, state: str) -> None:
+    traces: list[PDTrace] = []
+    t = Twin(mode, on_trace=traces.append, remote_prefill="always")
+    answer = await t.call(t.client.responses.create, model="m", input="and then?", **{state: "resp_0"})
+    assert answer.output_text == "".join(TEXT)
+    assert pair.prefill_bodies == []  # the prefill server never has the stored state
+    (decode,) = pair.decode_bodies
+    assert decode[state] == "resp_0" and "kv_transfer_params" not in decode
+    trace = traces[0]
+    assert trace.outcome is Outcome.DECODE_ONLY and trace.remote_prefill is False
+    assert trace.remote_prefill_reason == "stored_state"
+    await t.close()
+
+
+async def test_without_a_store_the_caller_gets_the_decode_servers_404(mode: str) -> None:
+    missing = {"error": {"message": "Response with id 'resp_0' not found.", "type": "invalid_request_error"}}
+    t = Twin(mode)
+    with respx.mock(assert_all_called=False) as router:
+        prefill = router.post(f"{PREFILL}/responses").mock(return_value=httpx.Response(500))
+        router.post(f"{DECODE}/responses").mock(return_value=httpx.Response(404, json=missing))
+        with pytest.raises(openai.NotFoundError) as caught:
+            await t.call(t.client.responses.create, model="m", input="hi", previous_response_id="resp_0")
+    assert "resp_0" in str(caught.value) and not prefill.called
+    await t.close()
+
+
 # -- Messages ------------------------------------------------------------------------------------
 
 

@@ -1,0 +1,119 @@
+"""The Responses and Messages APIs through the handoff, on the real pair.
+
+Each call is compared with the decode server's own answer to the same greedy request, and
+each was a KV handoff (its trace, or the proxy's ``/metrics``). The prompt's ids go along
+when the prefill server returns them (pdclient's server patch); a plain vLLM returns none,
+and the trace's ``ids_skipped`` says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from pdclient import PDOptions, PDTrace, PDTransport
+from pdclient._trace import Outcome
+from pdclient.local import PDServers
+from tests.serve.process import ServeProcess, metric_samples
+
+from ._pair import Pair
+
+anthropic = pytest.importorskip("anthropic")
+
+QUESTION = "Write one sentence about the sea."
+MAX_TOKENS = 12
+
+
+def handed_off(traces: list[PDTrace], calls: int, route: str) -> None:
+    assert len(traces) == calls, traces
+    for trace in traces:
+        assert trace.route == route and trace.outcome is Outcome.DISAGGREGATED, trace
+        assert trace.prefill_url is not None and trace.error is None, trace
+        # Forwarded ids, or (a server without the patch) the reason none went along.
+        assert trace.forwarded_tokens > 0 or (trace.ids_skipped and "server patch" in trace.ids_skipped), trace
+
+
+@pytest.fixture(scope="module")
+def pair(pd: PDServers) -> Pair:
+    return Pair.of(pd)
+
+
+# -- Responses -----------------------------------------------------------------------------------
+
+
+def test_responses_create_and_stream_are_handoffs(pair: Pair, plain: openai.OpenAI) -> None:
+    request = {"model": pair.model, "input": QUESTION, "temperature": 0, "max_output_tokens": MAX_TOKENS}
+    reference = plain.responses.create(**request).output_text  # type: ignore[call-overload]
+    assert reference
+    traces: list[PDTrace] = []
+    with pair.client(on_trace=traces.append) as client:
+        answer = client.responses.create(**request)  # type: ignore[call-overload]
+        streamed = client.responses.create(stream=True, **request)  # type: ignore[call-overload]
+        deltas = [e.delta for e in streamed if e.type == "response.output_text.delta"]
+    assert answer.output_text == reference
+    assert "".join(deltas) == reference
+    handed_off(traces, 2, "responses")
+    # The prefill leg asked for nothing to be stored: the prefill server does not know the answer.
+    assert httpx.get(f"{pair.prefill_url}/responses/{answer.id}", timeout=10).status_code == 404
+
+
+# -- Messages ------------------------------------------------------------------------------------
+
+
+def _messages_reference(pd: PDServers) -> str:
+    plain = anthropic.Anthropic(base_url=pd.decode_url.removesuffix("/v1"), api_key="-", max_retries=0)
+    message = plain.messages.create(**_message_request(pd.model))
+    text = "".join(block.text for block in message.content if block.type == "text")
+    assert text
+    return text
+
+
+def _message_request(model: str) -> dict[str, object]:
+    return {
+        "model": model,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": QUESTION}],
+    }
+
+
+def _create_and_stream(client: object, model: str) -> tuple[str, str]:
+    message = client.messages.create(**_message_request(model))  # type: ignore[attr-defined]
+    created = "".join(block.text for block in message.content if block.type == "text")
+    with client.messages.stream(**_message_request(model)) as stream:  # type: ignore[attr-defined]
+        streamed = "".join(stream.text_stream)
+    return created, streamed
+
+
+def test_anthropic_sdk_in_process(pd: PDServers) -> None:
+    reference = _messages_reference(pd)
+    traces: list[PDTrace] = []
+    options = PDOptions(prefill_base_url=pd.prefill_url, decode_base_url=pd.decode_url, on_trace=traces.append)
+    with httpx.Client(transport=PDTransport(options=options)) as http:
+        client = anthropic.Anthropic(base_url=pd.decode_url.removesuffix("/v1"), api_key="-", http_client=http)
+        assert _create_and_stream(client, pd.model) == (reference, reference)
+    handed_off(traces, 2, "messages")
+
+
+@pytest.fixture(scope="module")
+def serve(pd: PDServers) -> Iterator[ServeProcess]:
+    process = ServeProcess("--prefill", pd.prefill_url, "--decode", pd.decode_url)
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+def test_anthropic_sdk_through_pdclient_serve(pd: PDServers, serve: ServeProcess) -> None:
+    reference = _messages_reference(pd)
+    handoffs = ("pdclient_calls_total", (("outcome", "disaggregated"), ("route", "messages")))
+    before = metric_samples(httpx.get(serve.url + "/metrics", timeout=10).text).get(handoffs, 0.0)
+    client = anthropic.Anthropic(base_url=serve.url, api_key="-", max_retries=0)
+    assert _create_and_stream(client, pd.model) == (reference, reference)
+    after = metric_samples(httpx.get(serve.url + "/metrics", timeout=10).text).get(handoffs, 0.0)
+    assert after - before == 2
+    counted = client.messages.count_tokens(model=pd.model, messages=[{"role": "user", "content": QUESTION}])
+    assert counted.input_tokens > 0  # passed through to the decode server
