@@ -9,6 +9,7 @@ and the trace's ``ids_skipped`` says so.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -56,8 +57,23 @@ def test_responses_create_and_stream_are_handoffs(pair: Pair, plain: openai.Open
     assert answer.output_text == reference
     assert "".join(deltas) == reference
     handed_off(traces, 2, "responses")
-    # The prefill leg asked for nothing to be stored: the prefill server does not know the answer.
+    # Both servers store responses (the session pair runs with the store on); the prefill
+    # leg asked for nothing to be stored, so only the decode server knows the answer.
+    assert httpx.get(f"{pair.decode_url}/responses/{answer.id}", timeout=10).status_code == 200
     assert httpx.get(f"{pair.prefill_url}/responses/{answer.id}", timeout=10).status_code == 404
+
+
+def test_a_previous_response_id_follow_up_runs_where_the_response_is(pair: Pair, plain: openai.OpenAI) -> None:
+    request = {"model": pair.model, "temperature": 0, "max_output_tokens": MAX_TOKENS}
+    traces: list[PDTrace] = []
+    with pair.client(on_trace=traces.append) as client:
+        first = client.responses.create(input=QUESTION, **request)  # type: ignore[call-overload]
+        follow_up = client.responses.create(previous_response_id=first.id, input="One more.", **request)  # type: ignore[call-overload]
+    reference = plain.responses.create(previous_response_id=first.id, input="One more.", **request)  # type: ignore[call-overload]
+    assert follow_up.output_text == reference.output_text
+    handed_off(traces[:1], 1, "responses")
+    trace = traces[1]
+    assert trace.outcome is Outcome.DECODE_ONLY and trace.remote_prefill_reason == "stored_state", trace
 
 
 # -- Messages ------------------------------------------------------------------------------------
@@ -117,3 +133,53 @@ def test_anthropic_sdk_through_pdclient_serve(pd: PDServers, serve: ServeProcess
     assert after - before == 2
     counted = client.messages.count_tokens(model=pd.model, messages=[{"role": "user", "content": QUESTION}])
     assert counted.input_tokens > 0  # passed through to the decode server
+
+
+# -- frameworks on the Responses API -------------------------------------------------------------
+
+
+async def test_agents_sdk_default_model_with_a_function_tool(pair: Pair) -> None:
+    """The Agents SDK's default model (``OpenAIResponsesModel``) on ``AsyncPDChatClient``."""
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """Get the current weather for a city."""
+        return f"sunny in {city}"
+
+    settings = agents.ModelSettings(temperature=0, max_tokens=MAX_TOKENS)
+
+    def agent(client: openai.AsyncOpenAI) -> object:
+        model = agents.OpenAIResponsesModel(model=pair.model, openai_client=client)
+        return agents.Agent(
+            name="assistant", instructions="Answer briefly.", tools=[get_weather], model=model, model_settings=settings
+        )
+
+    plain = openai.AsyncOpenAI(base_url=pair.decode_url, api_key="EMPTY", max_retries=0)
+    expected = (await agents.Runner.run(agent(plain), QUESTION)).final_output
+    traces: list[PDTrace] = []
+    client = pair.async_client(on_trace=traces.append, max_retries=0)
+    result = await agents.Runner.run(agent(client), QUESTION)
+    assert result.final_output == expected
+    handed_off(traces, len(traces), "responses")
+    assert traces
+
+
+def test_langchain_chat_openai_on_the_responses_api(pair: Pair, plain: openai.OpenAI) -> None:
+    langchain_openai = pytest.importorskip("langchain_openai")
+    traces: list[PDTrace] = []
+    client = pair.client(on_trace=traces.append)
+    options = {"model": pair.model, "temperature": 0, "max_tokens": MAX_TOKENS, "use_responses_api": True}
+    pd = langchain_openai.ChatOpenAI(root_client=client, client=client.chat.completions, **options)
+    reference = langchain_openai.ChatOpenAI(base_url=pair.decode_url, api_key="EMPTY", **options)
+
+    def text(message: Any) -> str:
+        found = message.text
+        return str(found() if callable(found) else found)
+
+    expected = text(reference.invoke(QUESTION))
+    assert expected
+    assert text(pd.invoke(QUESTION)) == expected
+    assert "".join(text(chunk) for chunk in pd.stream(QUESTION)) == expected
+    handed_off(traces, 2, "responses")
