@@ -10,6 +10,7 @@ test checks both legs' exact bodies, the trace, and the usage the caller gets.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -281,6 +282,36 @@ async def test_without_a_store_the_caller_gets_the_decode_servers_404(mode: str)
             await t.call(t.client.responses.create, model="m", input="hi", previous_response_id="resp_0")
     assert "resp_0" in str(caught.value) and not prefill.called
     await t.close()
+
+
+@pytest.mark.parametrize("route", ["/responses", "/messages"])
+def test_an_interrupt_between_legs_releases_the_prefills_kv(route: str) -> None:
+    pair = FakePair()
+    calls: list[Body] = []
+
+    def interrupted(request: httpx.Request) -> httpx.Response:
+        calls.append(json.loads(request.content))
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return pair.decode(request)
+
+    t = Twin("sync")
+    body = {"model": "m", "max_tokens": 50, "messages": [{"role": "user", "content": "hi"}], "input": "hi"}
+    with respx.mock(assert_all_called=False) as router:
+        router.post(f"{PREFILL}{route}").mock(side_effect=pair.prefill)
+        router.post(f"{DECODE}{route}").mock(side_effect=interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            t.client.post(route, body=body, cast_to=httpx.Response)
+        deadline = time.monotonic() + 5
+        while len(calls) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    release = calls[1]
+    assert release["stream"] is False
+    assert release["kv_transfer_params"] == {**NIXL_PARAMS, "prompt_token_ids": IDS}
+    if route == "/responses":
+        assert release["max_output_tokens"] == 1 and release["store"] is False
+    else:
+        assert release["max_tokens"] == 1
 
 
 # -- Messages ------------------------------------------------------------------------------------
