@@ -20,6 +20,7 @@ import inspect
 from types import SimpleNamespace
 from typing import Any
 
+import _routes as routes
 import pytest
 from _aio import arun
 from test_reuse import PARAM, TRANSFER, assert_http_400, chat_request, render
@@ -42,24 +43,7 @@ def responses_request(ids: Any = None, **extra: Any) -> Any:
 
 def render_responses(chat: Any, request: Any) -> list[int]:
     """The engine input's ids, rendered the way this version's Responses route renders."""
-    if hasattr(chat, "render_responses"):  # 0.32
-        result = arun(chat.render_responses(request))
-        assert not hasattr(result, "error"), result
-        return list(result.engine_input["prompt_token_ids"])
-    from vllm.entrypoints.openai.responses.utils import construct_input_messages
-
-    # As OpenAIServingResponses._make_request does on 0.20 / 0.26.
-    messages = construct_input_messages(request_instructions=request.instructions, request_input=request.input)
-    _, (engine_input,) = arun(
-        chat.preprocess_chat(
-            request,
-            messages,
-            default_template=None,
-            default_template_content_format="auto",
-            default_template_kwargs=None,
-        )
-    )
-    return list(engine_input["prompt_token_ids"])
+    return list(arun(routes.render_responses(chat, request))["prompt_token_ids"])
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +84,7 @@ def assert_400(call: Any) -> None:
         call()
     except VLLMValidationError as exc:
         assert_http_400(exc)
-    except AssertionError as returned:  # render_responses answered an ErrorResponse
+    except routes.RouteError as returned:
         error = returned.args[0].error
         assert (error.code, error.param) == (400, PARAM), error
     else:
@@ -120,7 +104,6 @@ def test_responses_without_ids_and_with_the_flag_render_normally(chat: Any, resp
 def messages_to_chat(ids: Any = None, **extra: Any) -> Any:
     """vLLM's own Anthropic request model and converter to a chat request."""
     from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
-    from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
 
     kv = copy.deepcopy(TRANSFER)
     if ids is not None:
@@ -128,11 +111,7 @@ def messages_to_chat(ids: Any = None, **extra: Any) -> Any:
     body = {"model": "smol", "max_tokens": 8, "system": "Be brief.", "kv_transfer_params": kv, **extra}
     body.setdefault("messages", [{"role": "user", "content": INPUT}])
     request = AnthropicMessagesRequest.model_validate(body)
-    # to_chat_completion_request from 0.32 on; the classmethod's older name before.
-    convert = getattr(AnthropicServingMessages, "to_chat_completion_request", None)
-    if convert is None:
-        convert = AnthropicServingMessages._convert_anthropic_to_openai_request
-    return convert(request)
+    return routes.messages_to_chat(request)
 
 
 def test_messages_route_has_kv_transfer_params(vllm_version: str) -> None:
