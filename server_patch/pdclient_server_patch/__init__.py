@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 from ._signing import DEFAULT_MAX_AGE, SIGNATURE_HEADER, signature, verify
 
 __all__ = ["SIGNATURE_HEADER", "register", "signature", "verify"]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 logger = logging.getLogger("vllm.plugins.pdclient_reuse")
 

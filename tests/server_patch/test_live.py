@@ -161,7 +161,7 @@ def own_ids(server: Server) -> dict[str, list[int]]:
 
 
 def test_plugin_logged_what_it_applied(server: Server) -> None:
-    lines = [line for line in server.log.read_text().splitlines() if "pdclient_reuse 0.1.0 on vLLM 0.32" in line]
+    lines = [line for line in server.log.read_text().splitlines() if "pdclient_reuse 0.2.0 on vLLM 0.32" in line]
     # The API server process is where reuse, guard and drift check act; vLLM prefixes its
     # lines "(MainProcess" or "(APIServer" depending on when logging was configured.
     (api_line,) = [line for line in lines if line.startswith(("(MainProcess", "(APIServer"))]
