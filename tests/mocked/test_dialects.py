@@ -21,7 +21,7 @@ import openai
 import pytest
 import respx
 
-from pdclient import AsyncPDTransport, PDTrace, PDTransport
+from pdclient import AsyncPDTransport, PDOptions, PDTrace, PDTransport
 from pdclient._trace import Outcome
 from tests.fake_vllm import DECODE, DECODE2, NIXL_PARAMS, PREFILL, CutStream
 from tests.twins import Twin
@@ -318,17 +318,13 @@ def test_an_interrupt_between_legs_releases_the_prefills_kv(route: str) -> None:
 
 
 def _anthropic(mode: str, traces: list[PDTrace]) -> Any:
+    """The anthropic SDK over the handoff, as its users write it: an httpx client on a P/D transport."""
+    options = PDOptions(prefill_base_url=PREFILL, decode_base_url=DECODE, on_trace=traces.append)
     if mode == "sync":
-        transport: Any = PDTransport(PREFILL, DECODE)
-        http: Any = httpx.Client(transport=transport)
-        cls: Any = anthropic.Anthropic
-    else:
-        transport = AsyncPDTransport(PREFILL, DECODE)
-        http = httpx.AsyncClient(transport=transport)
-        cls = anthropic.AsyncAnthropic
-    transport = transport.with_options(transport.options.replace(on_trace=traces.append))
-    http._transport = transport
-    return cls(base_url=DECODE.removesuffix("/v1"), api_key="-", http_client=http, max_retries=0)
+        http: Any = httpx.Client(transport=PDTransport(options=options))
+        return anthropic.Anthropic(base_url=DECODE.removesuffix("/v1"), api_key="-", http_client=http, max_retries=0)
+    http = httpx.AsyncClient(transport=AsyncPDTransport(options=options))
+    return anthropic.AsyncAnthropic(base_url=DECODE.removesuffix("/v1"), api_key="-", http_client=http, max_retries=0)
 
 
 async def _maybe(value: Any) -> Any:
