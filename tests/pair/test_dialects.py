@@ -172,9 +172,15 @@ def test_langchain_chat_openai_on_the_responses_api(pair: Pair, plain: openai.Op
     langchain_openai = pytest.importorskip("langchain_openai")
     traces: list[PDTrace] = []
     client = pair.client(on_trace=traces.append)
-    options = {"model": pair.model, "temperature": 0, "max_tokens": MAX_TOKENS, "use_responses_api": True}
+    options = {
+        "model": pair.model,
+        "api_key": "EMPTY",
+        "temperature": 0,
+        "max_tokens": MAX_TOKENS,
+        "use_responses_api": True,
+    }
     pd = langchain_openai.ChatOpenAI(root_client=client, client=client.chat.completions, **options)
-    reference = langchain_openai.ChatOpenAI(base_url=pair.decode_url, api_key="EMPTY", **options)
+    reference = langchain_openai.ChatOpenAI(base_url=pair.decode_url, **options)
 
     def text(message: Any) -> str:
         found = message.text
