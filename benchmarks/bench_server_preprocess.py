@@ -17,6 +17,13 @@ it also times the plugin's guard on the same body signed (spec v2: HMAC over the
 body, no parse) and on an unsigned body without ``kv_transfer_params``, and pdclient's
 ``signature()`` of that body, beside the template+tokenize cost they are set against.
 Prints a table of medians and ratios (template+tokenize / forwarded ids).
+
+The same conversation is also sent as a Responses request (``input`` items) and as an
+Anthropic Messages request (``system`` + ``messages``), each through that route's own
+render step in vLLM (``tests/server_patch/_routes.py``: Responses' input construction or
+``render_responses``, Messages' conversion to a chat request, then the chat renderer),
+with and without the forwarded ids in ``kv_transfer_params``. The three routes are timed
+side by side in the same loop, interleaved, so a slow phase of the machine hits them all.
 """
 
 from __future__ import annotations
@@ -57,9 +64,12 @@ def child(version: str, with_plugin: bool, sizes: list[int], repeats: int) -> di
     import asyncio
 
     sys.path.insert(0, str(REPO / "tests" / "server_patch"))
+    import _routes as routes
     import pdclient_server_patch as plugin
     from conftest import build_chat_renderer
+    from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
 
     if with_plugin:
         plugin.register()
@@ -73,6 +83,29 @@ def child(version: str, with_plugin: bool, sizes: list[int], repeats: int) -> di
         elapsed = time.perf_counter() - start
         assert not hasattr(result, "error"), result
         return elapsed
+
+    def render_route(route: str, body: bytes, parse: bool, parsed: Any = None) -> float:
+        """One route's own render step, from its JSON body (``parse``) or a parsed request."""
+        start = time.perf_counter()
+        if route == "responses":
+            request = ResponsesRequest.model_validate_json(body) if parse else parsed
+            loop.run_until_complete(routes.render_responses(chat, request))
+        else:
+            request = routes.messages_to_chat(AnthropicMessagesRequest.model_validate_json(body) if parse else parsed)
+            result = loop.run_until_complete(chat.render_chat(request))
+            assert not hasattr(result, "error"), result
+        return time.perf_counter() - start
+
+    def route_bodies(messages: list[dict[str, str]], kv: dict[str, Any]) -> dict[str, bytes]:
+        system, turns = messages[0]["content"], messages[1:]
+        responses = {"model": "smol", "input": messages, "max_output_tokens": 16, "kv_transfer_params": kv}
+        anthropic = {"model": "smol", "system": system, "messages": turns, "max_tokens": 16, "kv_transfer_params": kv}
+        return {"responses": json.dumps(responses).encode(), "messages": json.dumps(anthropic).encode()}
+
+    parsers = {
+        "responses": ResponsesRequest.model_validate_json,
+        "messages": AnthropicMessagesRequest.model_validate_json,
+    }
 
     rows = []
     for target in sizes:
@@ -88,7 +121,20 @@ def child(version: str, with_plugin: bool, sizes: list[int], repeats: int) -> di
         kv = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [1, 2, 3]}
         plain = json.dumps({**base, "kv_transfer_params": kv}).encode()
         forwarded = json.dumps({**base, "kv_transfer_params": {**kv, "prompt_token_ids": ids}}).encode()
-        timings: dict[str, list[float]] = {k: [] for k in ("tok", "ids", "tok_parse", "ids_parse")}
+        plain_routes = route_bodies(messages, kv)
+        forwarded_routes = route_bodies(messages, {**kv, "prompt_token_ids": ids})
+        for route in forwarded_routes:
+            # Each route renders this conversation to the very ids chat does, and uses them when forwarded.
+            request = parsers[route](plain_routes[route])
+            own = (
+                loop.run_until_complete(routes.render_responses(chat, request))
+                if route == "responses"
+                else loop.run_until_complete(chat.render_chat(routes.messages_to_chat(request)))[1][0]
+            )
+            assert list(own["prompt_token_ids"]) == ids, route
+        keys = ("tok", "ids", "tok_parse", "ids_parse")
+        timings: dict[str, list[float]] = {k: [] for k in keys}
+        timings.update({f"{route}_{k}": [] for route in plain_routes for k in keys})
         for i in range(repeats + 3):  # 3 warm-up runs
             pre_plain = ChatCompletionRequest.model_validate_json(plain)
             pre_forwarded = ChatCompletionRequest.model_validate_json(forwarded)
@@ -98,6 +144,12 @@ def child(version: str, with_plugin: bool, sizes: list[int], repeats: int) -> di
                 "tok_parse": render(plain, True),
                 "ids_parse": render(forwarded, True),
             }
+            for route in plain_routes:
+                pre = {name: parsers[route](b[route]) for name, b in (("tok", plain_routes), ("ids", forwarded_routes))}
+                sample[f"{route}_tok"] = render_route(route, plain_routes[route], False, pre["tok"])
+                sample[f"{route}_ids"] = render_route(route, forwarded_routes[route], False, pre["ids"])
+                sample[f"{route}_tok_parse"] = render_route(route, plain_routes[route], True)
+                sample[f"{route}_ids_parse"] = render_route(route, forwarded_routes[route], True)
             if i >= 3:
                 for key, value in sample.items():
                     timings[key].append(value)
@@ -105,6 +157,12 @@ def child(version: str, with_plugin: bool, sizes: list[int], repeats: int) -> di
         check = ChatCompletionRequest.model_validate_json(forwarded)
         _, (used,) = loop.run_until_complete(chat.render_chat(check))
         assert used["prompt_token_ids"] == ids and len(ids) > 0
+        check_responses = ResponsesRequest.model_validate_json(forwarded_routes["responses"])
+        assert loop.run_until_complete(routes.render_responses(chat, check_responses))["prompt_token_ids"] == ids
+        check_messages = routes.messages_to_chat(
+            AnthropicMessagesRequest.model_validate_json(forwarded_routes["messages"])
+        )
+        assert loop.run_until_complete(chat.render_chat(check_messages))[1][0]["prompt_token_ids"] == ids
         row = {"tokens": len(ids), **{k: statistics.median(v) * 1e3 for k, v in timings.items()}}
         if not with_plugin:
             plain_chat = json.dumps(base).encode()  # what a client without pdclient sends
@@ -223,6 +281,25 @@ def main() -> int:
                 f"| {label} | {row['tokens']} | {row['tok']:.2f} | {row['ids']:.2f} | {row['tok'] / row['ids']:.1f}x "
                 f"| {row['tok_parse']:.2f} | {row['ids_parse']:.2f} | {row['tok_parse'] / row['ids_parse']:.1f}x |"
             )
+    print(
+        "\nper route: the decode leg's own body (chat, Responses, Messages) parsed and rendered,"
+        "\ntemplate+tokenize against forwarded ids, medians (ms) of the same interleaved runs"
+    )
+    print(
+        "| vLLM | route | tokens | render: template | render: ids | ratio "
+        "| parse+render: template | parse+render: ids | ratio |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for result in results:
+        label = f"{result['version']} {'+ plugin' if result['plugin'] else 'native'}"
+        for row in result["rows"]:
+            for route, prefix in (("chat", ""), ("Responses", "responses_"), ("Messages", "messages_")):
+                tok, ids = row[f"{prefix}tok"], row[f"{prefix}ids"]
+                tok_parse, ids_parse = row[f"{prefix}tok_parse"], row[f"{prefix}ids_parse"]
+                print(
+                    f"| {label} | {route} | {row['tokens']} | {tok:.2f} | {ids:.2f} | {tok / ids:.1f}x "
+                    f"| {tok_parse:.2f} | {ids_parse:.2f} | {tok_parse / ids_parse:.1f}x |"
+                )
     native = results[-1]
     print(
         "\nguard (PDCLIENT_REUSE_SECRET set) on the forwarded-ids body, and pdclient's signing of it, medians (ms);"

@@ -69,7 +69,8 @@ class PDTrace(BaseModel):
 
     request_id: str
     route: str
-    """``chat``, ``completions`` or ``passthrough``."""
+    """The API of a P/D call (``chat``, ``completions``, ``responses``, ``messages``: its
+    dialect, ``pdclient.dialects``) or ``passthrough``."""
     outcome: Outcome = Outcome.DISAGGREGATED
     prefill_url: str | None = None
     decode_url: str | None = None
@@ -106,7 +107,8 @@ class PDTrace(BaseModel):
     """Why, machine-readable: ``mode_always``, ``mode_never``, ``no_estimate`` (not a chat
     call), ``uncached_at_or_above_threshold``, ``uncached_ratio_at_or_above``, ``adds_media``
     (the turn adds an image, audio, a file: only the server's encoder knows its tokens),
-    ``mostly_cached`` (``conversations.Reason``)."""
+    ``mostly_cached`` (``conversations.Reason``); ``stored_state`` (a Responses call on a
+    ``previous_response_id`` or ``conversation``: decode-only, where that state is)."""
     conversation: str | None = None
     """How an ``auto`` chat call related to the conversation remembered under its key:
     ``extends_answer``, ``extends_prompt``, ``unknown``, ``edited``, ``reshaped``,

@@ -43,6 +43,7 @@ from .._observe import Observers
 from .._options import DEFAULT_ROUTING, PDOptions, call_override_refusal
 from .._trace import Outcome, PDTrace
 from ..conversations import SHAPE_FIELDS, AnswerCollector, Decision, Estimate, Match, Reason, decide_remote_prefill
+from ..dialects import Dialect, dialect_for
 from ..fleet import WARM_UP_TIMEOUT, Fetch, Fleet, request_overrides
 from ..migration import _core as migrate
 from ..pools import AllEndpointsOpen, Endpoint, EndpointPool
@@ -62,6 +63,9 @@ from ..wire import _usage as usage
 from . import _dispatch
 
 logger = logging.getLogger("pdclient")
+
+STORED_STATE = "stored_state"
+"""``PDTrace.remote_prefill_reason`` of a call building on state a decode server stored."""
 
 CALL_RECORD = "pdclient_call"
 """The attribute marking a log record that reports how one call ended (``Call.end``): a
@@ -262,7 +266,11 @@ class Call:
         url = str(request.url).partition("?")[0]  # copy_with(query=None) would parse the URL again
         base = fleet.decode.base_of(url)
         self.relative_path = url[len(base) :] if base is not None else ""
-        self.kind = wire.route_kind(self.relative_path) if base is not None and request.method == "POST" else None
+        self.dialect: Dialect | None = (
+            dialect_for(self.relative_path) if base is not None and request.method == "POST" else None
+        )
+        """The API this P/D call speaks (``pdclient.dialects``); None for a pass-through."""
+        self.kind = self.dialect.kind if self.dialect is not None else None
         self.route = self.kind.value if self.kind else "passthrough"
         self.plan: wire.Plan | None = None
         self.prefill = Leg(self, "prefill", fleet.prefill)
@@ -302,6 +310,8 @@ class Call:
         """The prefill's first endpoint is picked already (a concurrent decode named it)."""
         self.home: RouteDecision | None = None
         """The conversation's decode endpoint by rendezvous, the same in every process (``_conversation_home``)."""
+        self.stored_state: str | None = None
+        """The field naming server-stored state the call builds on (``Dialect.stored_state``): decode-only."""
         # openai's `timeout` bounds each read; the prefill phase (retries included) gets it,
         # or the shorter prefill_timeout, as a total.
         bounds = [(request.extensions.get("timeout") or {}).get("read"), context.options.retries.prefill_timeout]
@@ -313,10 +323,10 @@ class Call:
 
     def plan_or_refuse(self) -> httpx.Response | None:
         """Read the caller's body (already read); a 400 response if it cannot take a P/D handoff."""
-        assert self.kind is not None
+        assert self.dialect is not None
         try:
             wire.check_content_encoding(self.request.headers.get("content-encoding"))
-            self.plan = wire.plan_call(self.kind, self.request.content, self.tenant)
+            self.plan = self.dialect.plan(self.request.content, self.tenant)
         except wire.Refusal as exc:
             return self.refuse(str(exc))
         options = self.context.options
@@ -399,10 +409,14 @@ class Call:
         that answered the previous turn, when ``decide_remote_prefill`` says its prefix is cached there;
         a completions call (nothing remembered) gets its prefill.
         """
-        assert self.plan is not None
+        assert self.plan is not None and self.dialect is not None
         plan, options = self.plan, self.context.options
+        self.stored_state = self.dialect.stored_state(plan)
+        if self.stored_state is not None:
+            self.outcome = Outcome.DECODE_ONLY  # the state is where it was stored, never on a prefill server
+            return False
         mode = plan.options.remote_prefill or options.remote_prefill
-        chat = plan.kind is wire.Kind.CHAT
+        chat = plan.messages is not None  # a conversation, in chat messages (``Dialect.plan``)
         estimate = None
         home = self._conversation_home() if mode != "always" and chat else None
         if mode == "auto" and chat:
@@ -447,7 +461,8 @@ class Call:
             endpoint = self.context.fleet.prefill.decide(self._route("prefill")).endpoint
         except AllEndpointsOpen:
             return  # no prefill endpoint admitted: nothing to keep warm
-        request = self._leg_request(endpoint.url, wire.warm_up_body(self.plan), None)
+        assert self.dialect is not None
+        request = self._leg_request(endpoint.url, self.dialect.warm_up_body(self.plan), None)
         request.headers["x-request-id"] = f"{self.request_id}-warm-up"
         headers = tuple((k, v) for k, v in request.headers.multi_items() if k != "host")
         post = Fetch(str(request.url), WARM_UP_TIMEOUT, endpoint.host_name, request.content, headers)
@@ -534,21 +549,21 @@ class Call:
 
     def prefill_request(self) -> httpx.Request:
         """The next prefill attempt, on an endpoint this call has not tried yet if any."""
-        assert self.plan is not None
+        assert self.plan is not None and self.dialect is not None
         if self.prefill_picked:
             self.prefill_picked = False
             base = self.prefill.url
         else:
             base = self.prefill.pick(self._route("prefill"))
         if self._prefill_body is None:
-            self._prefill_body = wire.prefill_body(self.plan)
+            self._prefill_body = self.dialect.prefill_body(self.plan)
         request = self._leg_request(base, self._prefill_body, self._sign(base, self._prefill_body), self.deadline)
         request.headers["accept"] = "application/json"
         return self.prefill.start(request)
 
     def check_prefill(self, response: httpx.Response) -> httpx.Response | None:
         """Judge one prefill attempt, body read: raise to retry, return a response to end the call, or None."""
-        assert self.kind is not None
+        assert self.dialect is not None
         if response.status_code < 300:
             self.prefill.answered()  # one token
         self.prefill.end(response.status_code, None)
@@ -562,7 +577,7 @@ class Call:
             self.error = f"prefill answered HTTP {response.status_code}"
             return self._end_with(response, "prefill")
         cpu_start = time.thread_time()
-        self.prefill_result = wire.read_prefill(self.kind, response.content)
+        self.prefill_result = self.dialect.read_prefill(response.content)
         _dispatch.learn(self)
         self.cpu_seconds += time.thread_time() - cpu_start
         if self.collector is not None and self.prefill_result.ids is not None:
@@ -625,8 +640,15 @@ class Call:
         cpu_start = time.thread_time()
         first = self._decode_body is None
         if self._decode_body is None:
-            self.migration = migrate.arm(self)
-            self._decode_body = self.migration.decode_body(self.plan, self.prefill_result)
+            assert self.dialect is not None
+            refusal = self.dialect.migration_refusal
+            self.migration = (
+                migrate.arm(self) if refusal is None else migrate.CallMigration(self.plan, 0, refusal, None, 0)
+            )
+            if self.migration.armed:
+                self._decode_body = self.migration.decode_body(self.plan, self.prefill_result)
+            else:
+                self._decode_body = self.dialect.decode_body(self.plan, self.prefill_result)
             if self._asks_usage():
                 self._decode_body = usage.with_usage_asked(self._decode_body)
         signed_with = self._sign(base, self._decode_body)  # a fresh nonce per attempt
@@ -641,6 +663,7 @@ class Call:
         return (
             self.collector is not None
             and plan is not None
+            and plan.kind is wire.Kind.CHAT  # the other APIs' streams report usage on their own
             and plan.stream
             and self.outcome is Outcome.DECODE_ONLY
             and "stream_options" not in plan.fields
@@ -709,19 +732,11 @@ class Call:
         is the decode's. A decode-only or fallback call's usage is the decode's, unchanged.
         """
         result = self.prefill_result
-        if self.outcome is not Outcome.DISAGGREGATED or result is None or result.ids is None:
+        if self.outcome is not Outcome.DISAGGREGATED or result is None or self.dialect is None:
             return None
         if response.status_code != 200:
             return None
-        prefill: dict[str, Any] = {"prompt_tokens": result.count}
-        if result.prompt_tokens_details is not None:
-            prefill["prompt_tokens_details"] = orjson.loads(result.prompt_tokens_details)
-        content_type = response.headers.get("content-type", "")
-        if content_type.startswith("text/event-stream"):
-            return usage.UsageMerge(prefill, stream=True)
-        if content_type.startswith("application/json"):
-            return usage.UsageMerge(prefill, stream=False)
-        return None
+        return self.dialect.usage_merge(result, response.headers.get("content-type", ""))
 
     def decode_response(
         self, response: httpx.Response, stream: httpx.SyncByteStream | httpx.AsyncByteStream
@@ -805,7 +820,8 @@ class Call:
                 return None  # each failed this very call: the blocks expire with the lease
             endpoint = min(untried, key=lambda e: e.in_flight)
             base = leg.take(RouteDecision("release", endpoint, rule="breaker_open"))
-        content = wire.release_body(self.plan, result)
+        assert self.dialect is not None
+        content = self.dialect.release_body(self.plan, result)
         request = self._leg_request(base, content, self._sign(base, content))
         request.extensions = {
             **request.extensions,
@@ -908,8 +924,8 @@ class Call:
             prefill_route=str(self.prefill.decision) if self.prefill.decision else None,
             decode_route=str(self.decode.decision) if self.decode.decision else None,
             migrations=self.migration.records() if self.migration is not None else (),
-            remote_prefill=decision.remote_prefill if decision is not None else None,
-            remote_prefill_reason=decision.reason.value if decision is not None else None,
+            remote_prefill=False if self.stored_state else decision.remote_prefill if decision else None,
+            remote_prefill_reason=STORED_STATE if self.stored_state else decision.reason.value if decision else None,
             conversation=estimate.match.value if estimate is not None else None,
             estimated_prompt_tokens=estimate.total_tokens if estimate is not None else None,
             estimated_uncached_tokens=estimate.uncached_tokens if estimate is not None else None,

@@ -166,6 +166,9 @@ class LocalPD:
         decode_kv_connector: overrides ``kv_connector`` for the decode servers only.
         max_model_len: per server; raise it for long-prompt benchmarks.
         server_env: extra environment for every server (e.g. plugin settings).
+        responses_store: start every server with ``VLLM_ENABLE_RESPONSES_API_STORE=1``, so a
+            decode server keeps the Responses it answers (``previous_response_id`` follow-ups);
+            pdclient's prefill legs ask it to store nothing (``store: false``).
         extra_server_args: extra vLLM command-line flags for every server.
         startup_timeout: seconds to wait for all servers to answer (~50 s on an idle
             2-core machine, several minutes when other processes load its cores), and
@@ -194,6 +197,7 @@ class LocalPD:
         startup_timeout: float = 600.0,
         warmup: bool = True,
         cpus: Sequence[int | None] | None = AUTO,
+        responses_store: bool = False,
     ) -> None:
         if prefill_servers < 1 or decode_servers < 1:
             raise PDConfigError(
@@ -215,6 +219,8 @@ class LocalPD:
         self._decode_kv_connector = kv_connector if decode_kv_connector is SAME else decode_kv_connector
         self._max_model_len = max_model_len
         self._server_env = dict(server_env or {})
+        if responses_store:
+            self._server_env.setdefault("VLLM_ENABLE_RESPONSES_API_STORE", "1")
         self._extra_args = tuple(extra_server_args)
         self._startup_timeout = startup_timeout
         self._warmup = warmup

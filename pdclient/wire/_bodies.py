@@ -53,8 +53,12 @@ _encoder = msgspec.json.Encoder()
 
 
 class Kind(enum.Enum):
+    """The API a P/D call speaks; each has its dialect (``pdclient.dialects``)."""
+
     CHAT = "chat"
     COMPLETIONS = "completions"
+    RESPONSES = "responses"
+    MESSAGES = "messages"
 
 
 def route_kind(relative_path: str) -> Kind | None:
@@ -408,6 +412,9 @@ class PrefillResult:
     """Why no ids were taken from the response, when ``ids`` is None."""
     prompt_tokens_details: bytes | None = None
     """The prefill's ``usage.prompt_tokens_details`` JSON object (its cached tokens), when it sent one."""
+    usage: bytes | None = None
+    """The input side of the prefill's ``usage`` as a JSON object, for a dialect whose usage is
+    not chat's (``pdclient.dialects``); chat and completions keep ``prompt_tokens_details``."""
 
     @property
     def holds_remote_kv(self) -> bool:
@@ -552,11 +559,12 @@ def decode_fields(plan: Plan, prefill: PrefillResult | None) -> dict[str, msgspe
         return fields
     ids = prefill.ids if plan.ids_skipped is None else None
     kv = prefill.kv_transfer_params
-    if ids is not None and plan.kind is Kind.CHAT:
-        kv = _with_ids(kv, ids)
-    elif ids is not None:
+    if ids is not None and plan.kind is Kind.COMPLETIONS:
         # vLLM takes a token-id prompt on /completions natively, in every version.
         fields["prompt"] = msgspec.Raw(ids)
+    elif ids is not None:
+        # Chat, and the APIs vLLM renders through chat's preprocess_chat (Responses, Messages).
+        kv = _with_ids(kv, ids)
     if kv is not None and kv.strip() != b"{}":
         fields["kv_transfer_params"] = msgspec.Raw(kv)
     return fields

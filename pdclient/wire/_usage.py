@@ -26,7 +26,7 @@ prefill reported no details. llm-d's sidecar passes the decode's usage through u
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import orjson
@@ -34,6 +34,24 @@ import orjson
 from ._sse import SSEFramer, event_data, split_events
 
 _USAGE_KEY = b'"usage"'
+
+PayloadMerge = Callable[[dict[str, Any], Mapping[str, Any], bool], bool]
+"""How one API merges the prefill's usage into a decode payload, in place: ``(payload,
+prefill, streamed)``, True when it changed it. Chat's (``merge_chat_payload``) is the default;
+the other APIs' live in their dialects (``pdclient.dialects``)."""
+
+
+def merge_chat_payload(payload: dict[str, Any], prefill: Mapping[str, Any], streamed: bool) -> bool:
+    """Chat and completions: the body's ``usage``, or a stream's final usage event (``"choices": []``)."""
+    if not isinstance(payload.get("usage"), dict) or (streamed and payload.get("choices") != []):
+        return False
+    merged = merge_usage(prefill, payload["usage"])
+    if merged == payload["usage"]:
+        return False
+    payload["usage"] = merged
+    return True
+
+
 _FLUSH_UNFRAMED = 1 << 16
 """An SSE body with no event end in this many bytes is passed on as it is."""
 
@@ -79,7 +97,7 @@ def merge_usage(prefill: Mapping[str, Any] | None, decode: Mapping[str, Any]) ->
     return merged
 
 
-def merge_usage_json(body: bytes, prefill: Mapping[str, Any] | None) -> bytes:
+def merge_usage_json(body: bytes, prefill: Mapping[str, Any] | None, merge: PayloadMerge = merge_chat_payload) -> bytes:
     """A non-streamed response body with its usage merged; the same bytes when there is nothing to do."""
     if prefill is None or _USAGE_KEY not in body:
         return body
@@ -87,16 +105,12 @@ def merge_usage_json(body: bytes, prefill: Mapping[str, Any] | None) -> bytes:
         payload = orjson.loads(body)
     except orjson.JSONDecodeError:
         return body
-    if not isinstance(payload, dict) or not isinstance(payload.get("usage"), dict):
+    if not isinstance(payload, dict) or not merge(payload, prefill, False):
         return body
-    merged = merge_usage(prefill, payload["usage"])
-    if merged == payload["usage"]:
-        return body
-    payload["usage"] = merged
     return orjson.dumps(payload)
 
 
-def merge_usage_sse(data: bytes, prefill: Mapping[str, Any] | None) -> bytes:
+def merge_usage_sse(data: bytes, prefill: Mapping[str, Any] | None, merge: PayloadMerge = merge_chat_payload) -> bytes:
     """SSE bytes with the final usage event rewritten; everything else byte for byte.
 
     Only whole events (ended by a blank line) are looked at, and only the final usage
@@ -108,35 +122,30 @@ def merge_usage_sse(data: bytes, prefill: Mapping[str, Any] | None) -> bytes:
     if prefill is None or _USAGE_KEY not in data:
         return data
     events, start = split_events(data)
-    merged = _merged(events, prefill)
+    merged = _merged(events, prefill, merge)
     if merged is None:
         return data
     return merged + data[start:]
 
 
-def _merged(events: list[bytes], prefill: Mapping[str, Any]) -> bytes | None:
+def _merged(events: list[bytes], prefill: Mapping[str, Any], merge: PayloadMerge) -> bytes | None:
     """The events' bytes with the final usage event rewritten; None if none was."""
     out: list[bytes] = []
     changed = False
     for event in events:
-        rewritten = _rewrite_event(event, prefill) if _USAGE_KEY in event else None
+        rewritten = _rewrite_event(event, prefill, merge) if _USAGE_KEY in event else None
         changed = changed or rewritten is not None
         out.append(event if rewritten is None else rewritten)
     return b"".join(out) if changed else None
 
 
-def _rewrite_event(event: bytes, prefill: Mapping[str, Any]) -> bytes | None:
+def _rewrite_event(event: bytes, prefill: Mapping[str, Any], merge: PayloadMerge) -> bytes | None:
     data = event_data(event)
     if data is None:
         return None
     try:
         payload = orjson.loads(data)
     except orjson.JSONDecodeError:
-        return None
-    if not isinstance(payload, dict) or payload.get("choices") != [] or not isinstance(payload.get("usage"), dict):
-        return None
-    merged = merge_usage(prefill, payload["usage"])
-    if merged == payload["usage"]:
         return None
     lines = event.splitlines(keepends=True)
     data_lines = [i for i, line in enumerate(lines) if line.startswith(b"data:")]
@@ -145,7 +154,8 @@ def _rewrite_event(event: bytes, prefill: Mapping[str, Any]) -> bytes | None:
     index = data_lines[0]
     line = lines[index]
     ending = line[len(line.rstrip(b"\r\n")) :]
-    payload["usage"] = merged
+    if not isinstance(payload, dict) or not merge(payload, prefill, True):
+        return None
     lines[index] = b"data: " + orjson.dumps(payload) + ending
     return b"".join(lines)
 
@@ -158,11 +168,12 @@ class UsageMerge:
     held until whole (nothing reads half a JSON body), then rewritten once.
     """
 
-    __slots__ = ("_buffer", "_framer", "_prefill", "stream")
+    __slots__ = ("_buffer", "_framer", "_merge", "_prefill", "stream")
 
-    def __init__(self, prefill: Mapping[str, Any], *, stream: bool) -> None:
+    def __init__(self, prefill: Mapping[str, Any], *, stream: bool, merge: PayloadMerge = merge_chat_payload) -> None:
         self._prefill = prefill
         self.stream = stream
+        self._merge = merge
         self._buffer = b""
         self._framer = SSEFramer()
 
@@ -175,7 +186,7 @@ class UsageMerge:
         if len(events) == 1 and _USAGE_KEY not in events[0]:
             out = events[0]  # most network reads of a stream: one event, no usage
         else:
-            out = _merged(events, self._prefill) or b"".join(events)
+            out = _merged(events, self._prefill, self._merge) or b"".join(events)
         if self._framer.pending >= _FLUSH_UNFRAMED:
             out += self._framer.rest()
         return out
@@ -183,9 +194,9 @@ class UsageMerge:
     def end(self) -> bytes:
         """The rest, once the body is whole."""
         if self.stream:
-            return merge_usage_sse(self._framer.rest(), self._prefill)
+            return merge_usage_sse(self._framer.rest(), self._prefill, self._merge)
         rest, self._buffer = self._buffer, b""
-        return merge_usage_json(rest, self._prefill)
+        return merge_usage_json(rest, self._prefill, self._merge)
 
 
 _ASK_USAGE = b',"stream_options":{"include_usage":true}}'

@@ -6,6 +6,9 @@ name. Three independent parts, each described where it lives:
 
 - reuse (``_reuse.py``): on vLLM 0.20 - 0.26, honor ``kv_transfer_params["prompt_token_ids"]``
   on the chat path as vLLM 0.27+ does natively; on 0.27+ do nothing.
+- prompt ids (``_prompt_ids.py``): a prefill whose ``kv_transfer_params`` ask for
+  ``return_prompt_token_ids`` returns the prompt's ids in the ``kv_transfer_params`` of its
+  answer, on every route (Responses and Messages included), on every supported vLLM.
 - guard (``_guard.py``, ``wire/_signing.py``): with ``PDCLIENT_REUSE_SECRET`` set, 403 for any
   request that carries ``kv_transfer_params`` without a valid ``X-PDClient-Signature``
   (spec v2: an HMAC of the whole request, with expiry and nonce).
@@ -16,7 +19,8 @@ name. Three independent parts, each described where it lives:
   with ``PDCLIENT_NIXL_KV_CPUS`` (a CPU list), vLLM's NIXL worker keeps its thread there
   instead of moving it to the machine's last core.
 
-With none of these variables set on vLLM 0.27+, the plugin changes nothing.
+With none of these variables set on vLLM 0.27+, the plugin changes nothing for a request
+that does not ask for its prompt ids.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from typing import Any, TypeVar
 from ._signing import DEFAULT_MAX_AGE, SIGNATURE_HEADER, signature, verify
 
 __all__ = ["SIGNATURE_HEADER", "register", "signature", "verify"]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 logger = logging.getLogger("vllm.plugins.pdclient_reuse")
 
@@ -140,6 +144,8 @@ def _register() -> None:
     else:
         applied["reuse"] = _apply_reuse(seam[1])
 
+    applied["prompt ids"] = _apply_prompt_ids()
+
     if rate <= 0:
         applied["drift check"] = f"off ({VERIFY_RATE_ENV} unset or 0)"
     elif seam is None:
@@ -197,6 +203,19 @@ def _apply_reuse(cls: type) -> str:
     if harmony:
         _patch(cls, "_make_request_with_harmony", lambda f: _reuse.wrap_make_request_with_harmony(f, tokens_input))
     return f"patched {cls.__name__}.preprocess_chat{' and Harmony path' if harmony else ''} (vLLM < 0.27 has no reuse)"
+
+
+def _apply_prompt_ids() -> str:
+    try:
+        from vllm.v1.core.sched.scheduler import Scheduler
+    except ImportError:
+        return "skipped (no vllm.v1.core.sched.scheduler.Scheduler in this vLLM)"
+    if not callable(getattr(Scheduler, "_connector_finished", None)):
+        return "skipped (Scheduler._connector_finished missing: seam changed)"
+    from . import _prompt_ids
+
+    _patch(Scheduler, "_connector_finished", _prompt_ids.wrap_connector_finished, layer="prompt ids")
+    return f"on (kv_transfer_params.{_prompt_ids.FLAG} adds {_prompt_ids.KEY} to the prefill's kv_transfer_params)"
 
 
 def _apply_verify(cls: type, rate: float) -> str:

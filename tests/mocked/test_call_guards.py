@@ -105,6 +105,8 @@ PATHS = [
     f"{DECODE}/completions",
     f"{DECODE}/chat%2Fcompletions",
     f"{DECODE}/responses",
+    f"{DECODE}/messages",
+    f"{DECODE}/messages/count_tokens",
     f"{ROOT}/invocations",
     f"{ROOT}/inference/v1/generate",
     f"{DECODE}/chat/completions/",
@@ -147,7 +149,7 @@ BODIES = {
 }
 
 
-@pytest.mark.parametrize("path", ["/embeddings", "/responses", "/chat/completions"])
+@pytest.mark.parametrize("path", ["/embeddings", "/responses", "/messages", "/chat/completions"])
 @pytest.mark.parametrize("case", list(BODIES))
 async def test_kv_transfer_params_is_refused_in_every_encoding_of_the_body(
     mode: str, upstream: Upstream, case: str, path: str
@@ -155,7 +157,7 @@ async def test_kv_transfer_params_is_refused_in_every_encoding_of_the_body(
     content, headers = BODIES[case]
     client = Client(mode)
     response = await client.post(f"{DECODE}{path}", content=content, headers=headers)
-    if path == "/chat/completions" and case in ("utf-16", "nan-elsewhere"):
+    if path != "/embeddings" and case in ("utf-16", "nan-elsewhere"):
         assert_refused(response, "not a JSON object")  # a P/D call's body is read by pdclient: refused too
     else:
         assert_refused(response, "kv_transfer_params is written by pdclient")

@@ -51,8 +51,11 @@ def pd() -> Iterator[PDServers]:
     if attach:
         prefill_url, decode_url = attach.split(",")
         environ = {PREFILL_ENV: prefill_url, DECODE_ENV: decode_url}
-    # Tool calling on, so the framework and example tests can share this one pair.
+    # Tool calling on, so the framework and example tests can share this one pair; the
+    # Responses store on, for previous_response_id follow-ups (nothing else reads it).
     with pair_from_env_or_local(
-        environ=environ, extra_server_args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+        environ=environ,
+        extra_server_args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes"),
+        responses_store=True,
     ) as servers:
         yield servers

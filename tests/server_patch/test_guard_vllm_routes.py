@@ -36,6 +36,8 @@ class Handlers:
     def __init__(self) -> None:
         self.chat: list[Any] = []
         self.generate: list[Any] = []
+        self.responses: list[Any] = []
+        self.messages: list[Any] = []
 
     async def create_chat_completion(self, request: Any, raw_request: Any) -> AsyncIterator[str]:
         self.chat.append(request)
@@ -44,6 +46,19 @@ class Handlers:
     async def serve_tokens(self, request: Any, raw_request: Any) -> AsyncIterator[str]:
         self.generate.append(request)
         return self._done()
+
+    async def create_responses(self, request: Any, raw_request: Any) -> AsyncIterator[Any]:
+        self.responses.append(request)
+        return self._nothing()
+
+    async def create_messages(self, request: Any, raw_request: Any) -> AsyncIterator[str]:
+        self.messages.append(request)
+        return self._done()
+
+    @staticmethod
+    async def _nothing() -> AsyncIterator[Any]:
+        return
+        yield
 
     @staticmethod
     async def _done() -> AsyncIterator[str]:
@@ -75,6 +90,8 @@ def vllm_app(vllm_version: str) -> Iterator[Any]:
         handlers = Handlers()
         app.state.openai_serving_chat = handlers
         app.state.serving_tokens = handlers
+        app.state.openai_serving_responses = handlers
+        app.state.anthropic_serving_messages = handlers
         return app, handlers
 
     try:
@@ -171,3 +188,34 @@ def test_root_path_behind_a_stripping_proxy(vllm_app: Any) -> None:
     (response,) = send(app, [(CHAT, body, signed("/prefix" + CHAT, body))])
     assert response.status_code == 200, response.text
     assert len(seen.chat) == 1
+
+
+RESPONSES = "/v1/responses"
+MESSAGES = "/v1/messages"
+ROUTE_BODIES = {
+    RESPONSES: {"model": "smol", "input": "Hi", "max_output_tokens": 1, "store": False},
+    MESSAGES: {"model": "smol", "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]},
+}
+PREFILL_KV = {"do_remote_decode": True, "do_remote_prefill": False, "return_prompt_token_ids": True}
+
+
+@pytest.mark.parametrize("path", [RESPONSES, MESSAGES])
+def test_responses_and_messages_need_a_signature_for_kv_transfer_params(vllm_app: Any, path: str) -> None:
+    app, seen = vllm_app(SECRET)
+    records = seen.responses if path == RESPONSES else seen.messages
+    plain = json.dumps(ROUTE_BODIES[path]).encode()
+    forwarded = json.dumps({**ROUTE_BODIES[path], "kv_transfer_params": KV}).encode()
+    prefill = json.dumps({**ROUTE_BODIES[path], "kv_transfer_params": PREFILL_KV}).encode()
+    responses = send(
+        app,
+        [
+            (path, plain, {}),  # no kv_transfer_params: not the guard's business
+            (path, forwarded, {}),  # forwarded ids and a remote host, unsigned
+            (path, prefill, {}),  # a prefill leg, unsigned
+            (path, forwarded, signed(CHAT, forwarded)),  # signed for another route
+            (path, forwarded, signed(path, forwarded)),
+            (path, prefill, signed(path, prefill)),
+        ],
+    )
+    assert [r.status_code for r in responses] == [200, 403, 403, 403, 200, 200], [r.text for r in responses]
+    assert [r.kv_transfer_params for r in records] == [None, KV, PREFILL_KV]

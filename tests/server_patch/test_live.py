@@ -161,7 +161,7 @@ def own_ids(server: Server) -> dict[str, list[int]]:
 
 
 def test_plugin_logged_what_it_applied(server: Server) -> None:
-    lines = [line for line in server.log.read_text().splitlines() if "pdclient_reuse 0.1.0 on vLLM 0.32" in line]
+    lines = [line for line in server.log.read_text().splitlines() if "pdclient_reuse 0.2.0 on vLLM 0.32" in line]
     # The API server process is where reuse, guard and drift check act; vLLM prefixes its
     # lines "(MainProcess" or "(APIServer" depending on when logging was configured.
     (api_line,) = [line for line in lines if line.startswith(("(MainProcess", "(APIServer"))]
@@ -270,3 +270,46 @@ def _wait_for(condition: Any, timeout: float = 30) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")
         time.sleep(0.5)
+
+
+RESPONSES = "/v1/responses"
+MESSAGES = "/v1/messages"
+
+
+def route_body(path: str, kv: Any = None) -> dict[str, Any]:
+    """HELLO as a Responses or a Messages request (greedy, a few tokens)."""
+    if path == RESPONSES:
+        body: dict[str, Any] = {"model": "smol", "input": HELLO, "max_output_tokens": 4, "temperature": 0}
+        body["store"] = False
+    else:
+        body = {"model": "smol", "messages": HELLO, "max_tokens": 4, "temperature": 0}
+    return body if kv is None else {**body, "kv_transfer_params": kv}
+
+
+def input_tokens(body: dict[str, Any]) -> int:
+    return int(body["usage"]["input_tokens"])
+
+
+@pytest.mark.parametrize("path", [RESPONSES, MESSAGES])
+def test_responses_and_messages_guarded_and_ids_reused(
+    server: Server, own_ids: dict[str, list[int]], path: str
+) -> None:
+    status, plain = server.post(route_body(path), path=path)
+    assert status == 200, plain
+    assert input_tokens(plain) == len(own_ids["hello"])  # the route renders HELLO as chat does
+    forwarded = route_body(path, {"prompt_token_ids": own_ids["other"]})
+    assert refused(*server.post(forwarded, path=path), "no x-pdclient-signature header")
+    status, body = server.post(forwarded, path=path, signed=True)
+    assert status == 200, body
+    assert input_tokens(body) == len(own_ids["other"])  # the engine ran the forwarded ids
+    status, body = server.post(route_body(path, {"prompt_token_ids": [-1]}), path=path, signed=True)
+    assert status == 400, body
+
+
+@pytest.mark.parametrize("path", [RESPONSES, MESSAGES])
+def test_return_prompt_token_ids_on_a_server_without_a_kv_connector(server: Server, path: str) -> None:
+    # A plain server (no NIXL): the flag is accepted and nothing comes back, as for any kv_transfer_params.
+    kv = {"do_remote_decode": True, "do_remote_prefill": False, "return_prompt_token_ids": True}
+    status, body = server.post(route_body(path, kv), path=path, signed=True)
+    assert status == 200, body
+    assert not body.get("kv_transfer_params"), body
