@@ -1,6 +1,6 @@
 """On a real LocalPD pair: the patched prefill returns the prompt's ids for Responses and Messages.
 
-    flock /tmp/pdclient-vllm.lock python tools/check_prompt_ids_pair.py
+    flock /tmp/pdclient-vllm.lock python tools/check_prompt_ids_pair.py [--unpatched]
 
 For /v1/responses and /v1/messages, streamed and not, a prefill leg whose
 ``kv_transfer_params`` ask for ``return_prompt_token_ids`` must answer them in its
@@ -9,6 +9,10 @@ conversation (``POST /tokenize`` with the messages); a decode leg given them mus
 what a decode leg without them answers, and what the decode server alone answers. Prints
 one line per check and exits 1 if any fails. Starts its own pair (~1-2 min here): the
 server patch from this checkout is (re)installed into the server env first.
+
+``--unpatched``: the same pair with vLLM told to load no plugin (``VLLM_PLUGINS``), as a
+server without the patch: the flag must be accepted, the answers carry no ids, and the
+handoff (without ids) must still answer as the decode server alone.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ def last_event_data(stream_text: str) -> list[dict[str, Any]]:
 
 
 def main() -> int:
+    unpatched = "--unpatched" in sys.argv[1:]
     failures = 0
 
     def check(what: str, ok: bool, detail: str = "") -> None:
@@ -62,7 +67,8 @@ def main() -> int:
         failures += not ok
         print(f"{'ok  ' if ok else 'FAIL'} {what}{': ' + detail if detail else ''}", flush=True)
 
-    with LocalPD() as pd, httpx.Client(timeout=300) as http:
+    env = {"VLLM_PLUGINS": "no-such-plugin"} if unpatched else None  # an allowlist naming none
+    with LocalPD(server_env=env) as pd, httpx.Client(timeout=300) as http:
         prefill, decode = pd.prefill_url.removesuffix("/v1"), pd.decode_url.removesuffix("/v1")
         conversation = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}]
         tokenized = http.post(
@@ -75,16 +81,24 @@ def main() -> int:
                 leg["store"] = False
             answer = http.post(f"{prefill}{path}", json=leg).json()
             kv = answer.get("kv_transfer_params") or {}
-            check(
-                f"{path} prefill returns prompt_token_ids",
-                kv.get("prompt_token_ids") == tokenized,
-                f"{len(kv.get('prompt_token_ids') or [])} ids, keys {sorted(kv)}",
-            )
+            if unpatched:
+                check(
+                    f"{path} unpatched prefill accepts the flag, answers no ids",
+                    "prompt_token_ids" not in kv and bool(kv),
+                    f"keys {sorted(kv)}",
+                )
+                kv["prompt_token_ids"] = tokenized  # what a router would have forwarded, had it got them
+            else:
+                check(
+                    f"{path} prefill returns prompt_token_ids",
+                    kv.get("prompt_token_ids") == tokenized,
+                    f"{len(kv.get('prompt_token_ids') or [])} ids, keys {sorted(kv)}",
+                )
             caller = make(pd.model, 16)
             with_ids = http.post(f"{decode}{path}", json={**caller, "kv_transfer_params": kv}).json()
             # A second prefill for the decode without ids: each handoff's KV is read once.
             kv2 = http.post(f"{prefill}{path}", json=leg).json()["kv_transfer_params"]
-            kv2.pop("prompt_token_ids")
+            kv2.pop("prompt_token_ids", None)
             without_ids = http.post(f"{decode}{path}", json={**caller, "kv_transfer_params": kv2}).json()
             alone = http.post(f"{decode}{path}", json=caller).json()
             texts = [text_of(path, a) for a in (with_ids, without_ids, alone)]
@@ -101,7 +115,7 @@ def main() -> int:
                 ids = final[-1]["response"].get("kv_transfer_params", {}).get("prompt_token_ids") if final else None
                 check(
                     f"{path} stream: response.completed carries them",
-                    ids == tokenized,
+                    ids == (None if unpatched else tokenized),
                     f"{len(ids or [])} ids in response.completed.response.kv_transfer_params",
                 )
                 # This streamed prefill's KV is never read: release it as a router would.

@@ -1,8 +1,8 @@
-"""pdclient's vLLM plugin: reuse forwarded prompt ids, guard the channel, catch drift.
+"""pdclient's vLLM plugin: reuse forwarded prompt ids, return them from a prefill, guard the channel, catch drift.
 
 Loaded by vLLM from the ``vllm.general_plugins`` entry point ``pdclient_reuse`` in every
 vLLM process (API server, engine core, workers); ``VLLM_PLUGINS`` allowlists it by that
-name. Three independent parts, each described where it lives:
+name. Independent parts, each described where it lives:
 
 - reuse (``_reuse.py``): on vLLM 0.20 - 0.26, honor ``kv_transfer_params["prompt_token_ids"]``
   on the chat path as vLLM 0.27+ does natively; on 0.27+ do nothing.
