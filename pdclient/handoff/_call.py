@@ -640,15 +640,7 @@ class Call:
         cpu_start = time.thread_time()
         first = self._decode_body is None
         if self._decode_body is None:
-            assert self.dialect is not None
-            refusal = self.dialect.migration_refusal
-            self.migration = (
-                migrate.arm(self) if refusal is None else migrate.CallMigration(self.plan, 0, refusal, None, 0)
-            )
-            if self.migration.armed:
-                self._decode_body = self.migration.decode_body(self.plan, self.prefill_result)
-            else:
-                self._decode_body = self.dialect.decode_body(self.plan, self.prefill_result)
+            self._decode_body = self.armed_decode_body(self.prefill_result)
             if self._asks_usage():
                 self._decode_body = usage.with_usage_asked(self._decode_body)
         signed_with = self._sign(base, self._decode_body)  # a fresh nonce per attempt
@@ -947,6 +939,16 @@ class Call:
     def leg_request(self, base: str, content: bytes) -> httpx.Request:
         """A leg's request on ``base`` with a body pdclient built, signed if a secret is set."""
         return self._leg_request(base, content, self._sign(base, content))
+
+    def armed_decode_body(self, prefill: wire.PrefillResult | None) -> bytes:
+        """The decode body for ``prefill``'s KV, with the call's migration armed where its
+        dialect allows one (a stream that may move carries what its continuation needs)."""
+        assert self.plan is not None and self.dialect is not None
+        refusal = self.dialect.migration_refusal
+        self.migration = migrate.arm(self) if refusal is None else migrate.CallMigration(self.plan, 0, refusal, None, 0)
+        if self.migration.armed:
+            return self.migration.decode_body(self.plan, prefill)
+        return self.dialect.decode_body(self.plan, prefill)
 
     def reset_decode_body(self) -> None:
         """The decode body is built anew at the next attempt (a concurrent decode fell back)."""

@@ -46,7 +46,6 @@ from typing import TYPE_CHECKING
 
 import orjson
 
-from ..migration import _core as migrate
 from ..pools import AllEndpointsOpen
 from ..wire import _bodies as wire
 
@@ -208,9 +207,8 @@ def concurrent_decode(call: Call) -> ConcurrentDecode | None:
         base = call.decode.pick(call.route_for("decode"))
     except AllEndpointsOpen:
         return None  # the sequential path answers a decode outage
-    call.migration = migrate.arm(call)
     pushed = wire.PrefillResult(ids=None, count=0, kv_transfer_params=coordinates.decode_kv_params(call.request_id))
-    body = call.migration.decode_body(plan, pushed)
+    body = call.armed_decode_body(pushed)
     request = call.decode.start(call.leg_request(base, body))
     call.dispatch = CONCURRENT
     return ConcurrentDecode(coordinates, request)

@@ -373,3 +373,21 @@ async def test_count_tokens_passes_through(mode: str, pair: FakePair) -> None:
     assert pair.passed == ["/v1/messages/count_tokens"] and pair.prefill_bodies == []
     assert all(t.outcome is Outcome.PASSTHROUGH for t in traces)
     await _maybe(client.close())
+
+
+async def test_a_concurrent_responses_decode_is_the_dialects_body(mode: str, pair: FakePair) -> None:
+    """Both legs at once (push mode): the decode sent with the prefill is the body a sequential
+    Responses decode gets (never chat's continuation body), and its stream is not armed to move."""
+    traces: list[PDTrace] = []
+    t = Twin(mode, decode_base_url=[DECODE, DECODE2], dispatch="concurrent", on_trace=traces.append)
+    for _ in range(2):  # the first call learns the prefill server's coordinates
+        stream = await t.call(t.client.responses.create, model="m", input="Say hi", max_output_tokens=50, stream=True)
+        events = list(stream) if mode == "sync" else [e async for e in stream]
+        assert [e.delta for e in events if e.type == "response.output_text.delta"] == TEXT
+    assert [trace.dispatch for trace in traces] == ["sequential", "concurrent"]
+    sequential, concurrent = pair.decode_bodies
+    kv = concurrent.pop("kv_transfer_params")
+    assert kv["do_remote_prefill"] is True and kv["remote_block_ids"] == [] and "prompt_token_ids" not in kv
+    sequential.pop("kv_transfer_params")
+    assert concurrent == sequential
+    await t.close()
