@@ -30,7 +30,8 @@ aborts it in vLLM; the decode server's ``push_registration_timeout`` is only the
 and the call goes on as the failure policy says; a decode that fails or answers an error
 is sent again sequentially once the prefill answered (that decode takes the KV and frees
 the prefill's blocks, or gets the error a sequential call would); a caller that leaves
-cancels both legs, and vLLM frees the blocks of an aborted request on each side.
+cancels both legs (measured on the real pair: vLLM 0.32's decode server keeps the blocks of
+an aborted decode whose registration went out, past 30 s; the cause in vLLM is not traced yet).
 
 In concurrent mode the decode server renders the prompt itself (no ids are forwarded: they
 are not known yet), so both servers must run the same model and chat template. The
