@@ -391,3 +391,33 @@ async def test_a_concurrent_responses_decode_is_the_dialects_body(mode: str, pai
     sequential.pop("kv_transfer_params")
     assert concurrent == sequential
     await t.close()
+
+
+@pytest.mark.parametrize("route", ["responses", "messages"])
+def test_auto_follow_ups_run_decode_only_where_the_conversation_is(route: str) -> None:
+    """``auto`` reads Responses input items and Messages turns as a conversation: the first turn
+    is a handoff, each short follow-up runs decode-only on the endpoint that holds it."""
+    pair = FakePair()
+    traces: list[PDTrace] = []
+    options = PDOptions(PREFILL, [DECODE, DECODE2], remote_prefill="auto", on_trace=traces.append)
+    http = httpx.Client(transport=PDTransport(options=options))
+    turns: list[dict[str, Any]] = [{"role": "user", "content": "Tell me about the Roman empire in detail. " * 40}]
+    with respx.mock(assert_all_called=False) as router:
+        for base in (PREFILL, DECODE, DECODE2):
+            router.post(f"{base}/{route}").mock(side_effect=pair.prefill if base == PREFILL else pair.decode)
+        for question in ("And then?", "Why?", ""):
+            if route == "responses":
+                text = (
+                    openai.OpenAI(base_url=DECODE, api_key="-", http_client=http)
+                    .responses.create(model="m", input=turns)
+                    .output_text
+                )
+            else:
+                client = anthropic.Anthropic(base_url=DECODE.removesuffix("/v1"), api_key="-", http_client=http)
+                block = client.messages.create(model="m", max_tokens=20, messages=turns).content[0]
+                text = block.text if isinstance(block, anthropic.types.TextBlock) else ""
+            if question:
+                turns += [{"role": "assistant", "content": text}, {"role": "user", "content": question}]
+    assert [t.outcome for t in traces] == [Outcome.DISAGGREGATED, Outcome.DECODE_ONLY, Outcome.DECODE_ONLY]
+    assert len({t.decode_url for t in traces}) == 1
+    assert len(pair.prefill_bodies) == 1
