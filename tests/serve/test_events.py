@@ -159,7 +159,15 @@ async def test_decode_unreachable_after_the_prefill_releases_its_kv(stub: StubSe
     """The first decode endpoint refuses the connection (its breaker opens at once); the
     release, a one-token decode pulling the prefill's blocks, goes to the other one."""
     decode = [closed_port_url(), stub.url]
-    config = config_for(stub.url, decode, observers=[recorder], decode_attempts=1, breaker_failures=1)
+    # Least outstanding with ties takes the first endpoint (rendezvous would pick by the ports' hash).
+    config = config_for(
+        stub.url,
+        decode,
+        observers=[recorder],
+        decode_attempts=1,
+        breaker_failures=1,
+        decode_routing="least_outstanding",
+    )
     with running_proxy(config) as proxy:
         async with httpx.AsyncClient(base_url=proxy.base_url) as http:
             response = await http.post("/chat/completions", json=CHAT, headers={"x-request-id": "u"})
