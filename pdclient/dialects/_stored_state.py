@@ -96,17 +96,18 @@ def names_a_response(relative_path: str) -> bool:
 def _tag_payload(raw: bytes, response: object, tag: str) -> bytes | None:
     """``raw`` (JSON holding ``response``) with the response's ids tagged; None if none changed.
 
-    Each id is replaced where it stands as a whole JSON string (a quote cannot open or
-    close inside another string), so every other byte stays as the server sent it. An id
-    the search cannot find as written (escapes vLLM never writes) stays as it is: a call
-    naming it is routed as an untagged one is."""
+    Each id is replaced where it stands as its field's value (``"id": "resp_..."``), so
+    every other byte stays as the server sent it. An id the search cannot find as written
+    (escapes vLLM never writes) stays as it is: a call naming it is routed as an untagged
+    one is."""
     if not isinstance(response, dict):
         return None
     out = raw
     for name in _ID_FIELDS:
         own = response.get(name)
         if isinstance(own, str) and (new := tagged(own, tag)) != own:
-            out = out.replace(orjson.dumps(own), orjson.dumps(new))
+            field = re.compile(rb'("%s"\s*:\s*)%s' % (name.encode("ascii"), re.escape(orjson.dumps(own))))
+            out = field.sub(lambda match: match.group(1) + orjson.dumps(new), out)
     return None if out == raw else out
 
 

@@ -57,10 +57,10 @@ def test_paths_naming_a_response() -> None:
 
 def test_answers_are_tagged_and_otherwise_byte_identical() -> None:
     tag = endpoint_tag(D1)
-    body = b'{"id": "resp_1", "text": "resp_1", "previous_response_id": "resp_0", "quoted": "\\"resp_1\\""}'
-    want = body.replace(b'"resp_1",', f'"resp_1.pd{tag}",'.encode(), 1)
+    body = b'{"id": "resp_1", "text": "resp_1", "previous_response_id":"resp_0", "output": [{"id": "resp_1x"}]}'
+    want = body.replace(b'"id": "resp_1"', f'"id": "resp_1.pd{tag}"'.encode())
     want = want.replace(b'"resp_0"', f'"resp_0.pd{tag}"'.encode())
-    assert tag_json(body, tag) == want.replace(b'"text": "resp_1"', f'"text": "resp_1.pd{tag}"'.encode())
+    assert tag_json(body, tag) == want  # the text and the items' ids as sent
     for unchanged in (b"", b"not json", b"[1]", b'{"id": 3}', b'{"error": {"message": "x"}}'):
         assert tag_json(unchanged, tag) == unchanged
     delta = b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","delta":"resp_1"}\n\n'
