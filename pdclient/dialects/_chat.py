@@ -31,6 +31,11 @@ class _Classic:
     def stored_state(self, plan: wire.Plan) -> str | None:
         return None
 
+    tags_answer_ids = False
+
+    def stored_at(self, plan: wire.Plan) -> str | None:
+        return None
+
     def prefill_body(self, plan: wire.Plan) -> bytes:
         return wire.prefill_body(plan)
 

@@ -36,6 +36,15 @@ class Dialect(Protocol):
         server never has it."""
         ...
 
+    tags_answer_ids: bool
+    """Whether its answers carry ids a later call names as stored state: they get their decode
+    endpoint's tag on the way out (``_stored_state``)."""
+
+    def stored_at(self, plan: wire.Plan) -> str | None:
+        """The decode endpoint's tag the call's stored-state id carries, if any, taken off the
+        plan's field in place: the server gets its own id."""
+        ...
+
     def prefill_body(self, plan: wire.Plan) -> bytes: ...
 
     def warm_up_body(self, plan: wire.Plan) -> bytes: ...

@@ -111,6 +111,11 @@ class Messages:
     def stored_state(self, plan: wire.Plan) -> str | None:
         return None
 
+    tags_answer_ids = False
+
+    def stored_at(self, plan: wire.Plan) -> str | None:
+        return None
+
     def prefill_body(self, plan: wire.Plan) -> bytes:
         fields = _one_token(plan.fields)
         fields["kv_transfer_params"] = rendered.prefill_kv(plan)

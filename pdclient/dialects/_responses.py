@@ -10,7 +10,9 @@
 - a broken decode stream never moves: its events carry no token ids to continue from;
 - a call building on stored state (``previous_response_id``, ``conversation``) runs
   decode-only: the server that answered before holds that state, the prefill server never
-  does. Without a store the caller gets the decode server's own 404.
+  does. Without a store the caller gets the decode server's own 404. Its answers' ids carry
+  their decode endpoint's tag, and a ``previous_response_id`` carrying one is pinned there
+  (``_stored_state``).
 """
 
 from __future__ import annotations
@@ -18,9 +20,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import msgspec
+import orjson
+
 from ..wire import _bodies as wire
 from ..wire import _usage as usage
 from . import _rendered as rendered
+from . import _stored_state as stored
 from ._dialect import merge_for
 
 _ROLES = frozenset({"system", "developer", "user", "assistant"})
@@ -103,6 +109,17 @@ class Responses:
             if rendered.value(plan.fields, name) is not None:
                 return name
         return None
+
+    tags_answer_ids = True
+
+    def stored_at(self, plan: wire.Plan) -> str | None:
+        own = rendered.value(plan.fields, "previous_response_id")
+        if not isinstance(own, str):
+            return None  # absent, or not an id: the server answers it as it is
+        own, tag = stored.split(own)
+        if tag is not None:
+            plan.fields["previous_response_id"] = msgspec.Raw(orjson.dumps(own))
+        return tag
 
     def prefill_body(self, plan: wire.Plan) -> bytes:
         fields = _one_output_token(plan.fields)

@@ -43,7 +43,7 @@ from .._observe import Observers
 from .._options import DEFAULT_ROUTING, PDOptions, call_override_refusal
 from .._trace import Outcome, PDTrace
 from ..conversations import SHAPE_FIELDS, AnswerCollector, Decision, Estimate, Match, Reason, decide_remote_prefill
-from ..dialects import Dialect, dialect_for
+from ..dialects import Dialect, IdTags, dialect_for, endpoint_for, endpoint_tag, names_a_response, untag_path
 from ..fleet import WARM_UP_TIMEOUT, Fetch, Fleet, request_overrides
 from ..migration import _core as migrate
 from ..pools import AllEndpointsOpen, Endpoint, EndpointPool
@@ -270,6 +270,12 @@ class Call:
             dialect_for(self.relative_path) if base is not None and request.method == "POST" else None
         )
         """The API this P/D call speaks (``pdclient.dialects``); None for a pass-through."""
+        self.stored_tag: str | None = None
+        """The decode endpoint's tag the stored response this call names carries (``dialects._stored_state``)."""
+        if self.dialect is None and base is not None:
+            self.relative_path, self.stored_tag = untag_path(self.relative_path)
+        self.id_tags: IdTags | None = None
+        """Tags the answer's response ids with its decode endpoint's, on their way to the caller."""
         self.kind = self.dialect.kind if self.dialect is not None else None
         self.route = self.kind.value if self.kind else "passthrough"
         self.plan: wire.Plan | None = None
@@ -414,6 +420,7 @@ class Call:
         self.stored_state = self.dialect.stored_state(plan)
         if self.stored_state is not None:
             self.outcome = Outcome.DECODE_ONLY  # the state is where it was stored, never on a prefill server
+            self.stored_tag = self.dialect.stored_at(plan)
             return False
         mode = plan.options.remote_prefill or options.remote_prefill
         chat = plan.messages is not None  # a conversation, in chat messages (``Dialect.plan``)
@@ -491,6 +498,8 @@ class Call:
         (the merge holds a partial SSE event until its end, a JSON body until it is whole)."""
         if self.usage_merge is not None:
             data = self.usage_merge.feed(data)
+        if self.id_tags is not None:
+            data = self.id_tags.feed(data)
         if data and self.collector is not None:
             self.collector.feed(data)
         if self.usage_strip is not None:
@@ -505,6 +514,8 @@ class Call:
     def caller_rest(self) -> bytes:
         """What the usage merge still holds, once the decode body is whole (the streams call this)."""
         rest = self.usage_merge.end() if self.usage_merge is not None else b""
+        if self.id_tags is not None:
+            rest = self.id_tags.feed(rest) + self.id_tags.end()
         if rest and self.collector is not None:
             self.collector.feed(rest)
         if self.usage_strip is not None:
@@ -631,6 +642,11 @@ class Call:
                 pinned = self.decode.pin(held, "held")
             elif home is not None and not self.decode.attempt:
                 pinned = self.decode.pin(home.endpoint.url, home.rule or "key", home.policy)
+            elif self.stored_tag is not None and not self.decode.attempt:
+                # Only the endpoint that stored the response has it; an endpoint no longer in
+                # the pool leaves the call routed as any other, and that server answers.
+                stored_at = endpoint_for(self.stored_tag, (e.url for e in self.context.fleet.decode.endpoints))
+                pinned = self.decode.pin(stored_at, STORED_STATE) if stored_at is not None else None
             if held is not None and pinned is None:
                 self._hand_off_instead()
                 raise HandoffInstead
@@ -746,12 +762,26 @@ class Call:
         self.usage_merge = self._usage_merge_for(response)
         asked = self._decode_body is not None and self._asks_usage() and response.status_code == 200
         self.usage_strip = usage.UsageStrip() if asked else None
-        # The merged usage changes a JSON body's length.
-        recounted = self.usage_merge is not None and not self.usage_merge.stream
+        self.id_tags = self._id_tags_for(response)
+        # The merged usage and the tagged ids change a JSON body's length.
+        recounted = any(m is not None and not m.stream for m in (self.usage_merge, self.id_tags))
         headers = _without_trace_headers(response.headers, _CONTENT_LENGTH if recounted else ())
         if self.kind is not None:
             headers += _raw_headers(self.trace().to_headers())
         return httpx.Response(response.status_code, headers=headers, stream=stream, extensions=response.extensions)
+
+    def _id_tags_for(self, response: httpx.Response) -> IdTags | None:
+        """How a Responses answer from a pool's decode endpoint gets that endpoint's tag in its ids."""
+        endpoint = self.decode.endpoint
+        answers = self.dialect.tags_answer_ids if self.dialect is not None else names_a_response(self.relative_path)
+        if not answers or endpoint is None or response.status_code != 200:
+            return None
+        content_type = response.headers.get("content-type", "")
+        if content_type.startswith("text/event-stream"):
+            return IdTags(endpoint_tag(endpoint.url), stream=True)
+        if content_type.startswith("application/json"):
+            return IdTags(endpoint_tag(endpoint.url), stream=False)
+        return None
 
     def decode_unavailable(self, error: AllEndpointsOpen) -> httpx.Response:
         self.outcome = Outcome.FAILED

@@ -17,6 +17,8 @@ import pytest
 
 from pdclient import PDOptions, PDTrace, PDTransport
 from pdclient._trace import Outcome
+from pdclient.dialects import endpoint_tag
+from pdclient.dialects._stored_state import split
 from pdclient.local import PDServers
 from tests.serve.process import ServeProcess, metric_samples
 
@@ -57,10 +59,13 @@ def test_responses_create_and_stream_are_handoffs(pair: Pair, plain: openai.Open
     assert answer.output_text == reference
     assert "".join(deltas) == reference
     handed_off(traces, 2, "responses")
+    # The id carries its decode endpoint's tag; the servers know it by their own id.
+    own, tag = split(answer.id)
+    assert tag == endpoint_tag(traces[0].decode_url or "")
     # Both servers store responses (the session pair runs with the store on); the prefill
     # leg asked for nothing to be stored, so only the decode server knows the answer.
-    assert httpx.get(f"{pair.decode_url}/responses/{answer.id}", timeout=10).status_code == 200
-    assert httpx.get(f"{pair.prefill_url}/responses/{answer.id}", timeout=10).status_code == 404
+    assert httpx.get(f"{pair.decode_url}/responses/{own}", timeout=10).status_code == 200
+    assert httpx.get(f"{pair.prefill_url}/responses/{own}", timeout=10).status_code == 404
 
 
 def test_a_previous_response_id_follow_up_runs_where_the_response_is(pair: Pair, plain: openai.OpenAI) -> None:
@@ -69,11 +74,14 @@ def test_a_previous_response_id_follow_up_runs_where_the_response_is(pair: Pair,
     with pair.client(on_trace=traces.append) as client:
         first = client.responses.create(input=QUESTION, **request)  # type: ignore[call-overload]
         follow_up = client.responses.create(previous_response_id=first.id, input="One more.", **request)  # type: ignore[call-overload]
-    reference = plain.responses.create(previous_response_id=first.id, input="One more.", **request)  # type: ignore[call-overload]
+    own, _ = split(first.id)  # the decode server alone knows the response by its own id
+    reference = plain.responses.create(previous_response_id=own, input="One more.", **request)  # type: ignore[call-overload]
     assert follow_up.output_text == reference.output_text
     handed_off(traces[:1], 1, "responses")
     trace = traces[1]
     assert trace.outcome is Outcome.DECODE_ONLY and trace.remote_prefill_reason == "stored_state", trace
+    assert trace.decode_url == traces[0].decode_url and trace.decode_route == "conversation/stored_state", trace
+    assert follow_up.previous_response_id == first.id
 
 
 # -- Messages ------------------------------------------------------------------------------------

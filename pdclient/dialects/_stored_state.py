@@ -1,0 +1,171 @@
+"""Which decode endpoint holds a stored response: a tag in the response id, no shared state.
+
+vLLM keeps a stored response (``VLLM_ENABLE_RESPONSES_API_STORE=1``) in the memory of
+the server that answered it, so a later call naming it (``previous_response_id``,
+``GET /responses/{id}``, ``POST /responses/{id}/cancel``) must reach that server. Every
+Responses answer from a decode endpoint gets its ids tagged on the way out
+(``resp_<id>.pd<tag>``), and a tagged id coming in is stripped before it is forwarded
+(the server sees its own id) and names the endpoint to pin. The tag is a hash of the
+endpoint's URL as configured (credentials redacted), so every process and replica
+computes the same one with nothing shared; a tag no configured endpoint has any more
+(the pool changed) routes as an untagged id does, and that server answers (its 404).
+
+The ids stay opaque strings to the openai and Agents SDKs: ASCII letters, digits, ``_``
+and ``.``, valid in a URL path segment as they are.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import re
+from collections.abc import Iterable
+from functools import lru_cache
+from typing import Any
+
+import orjson
+
+from ..wire import _call_options as call_options
+from ..wire import _sse as sse
+
+TAG_LENGTH = 10
+"""Base32 characters of the tag: 50 bits, ample to tell a pool's endpoints apart."""
+_SEPARATOR = ".pd"
+_KEY = b"pdclient decode endpoint of a stored response\x00"
+"""Fixed, so that every process derives the same tag; it keeps the tag from being a bare hash of the URL."""
+_TAGGED = re.compile(rf"\.pd([a-z2-7]{{{TAG_LENGTH}}})\Z")
+_RESPONSE_PATH = re.compile(r"/responses/([^/]+)(/cancel|/input_items)?/?\Z")
+"""The pass-through routes that name a stored response (vLLM 0.32 serves GET and ``/cancel``)."""
+_RESPONSE_KEY = b'"response"'
+_ID_FIELDS = ("id", "previous_response_id")
+_FLUSH_UNFRAMED = 1 << 16
+"""An SSE body with no event end in this many bytes is passed on as it is."""
+
+
+@lru_cache(maxsize=256)
+def endpoint_tag(url: str) -> str:
+    """The tag of a decode endpoint's URL: the same in every process that configures it alike."""
+    digest = hashlib.sha256(_KEY + call_options.redact_url(url).encode("utf-8")).digest()
+    return base64.b32encode(digest).decode("ascii")[:TAG_LENGTH].lower()
+
+
+def _check(response_id: object) -> str:
+    if not isinstance(response_id, str):
+        raise TypeError(f"a response id is a string, got {type(response_id).__name__}")
+    return response_id
+
+
+def split(response_id: str) -> tuple[str, str | None]:
+    """The server's own id and the endpoint tag it carries, if it carries one."""
+    match = _TAGGED.search(_check(response_id))
+    if match is None or match.start() == 0:
+        return response_id, None
+    return response_id[: match.start()], match.group(1)
+
+
+def tagged(response_id: str, tag: str) -> str:
+    """``response_id`` carrying ``tag``; an empty or already tagged id comes back unchanged."""
+    if not _check(response_id) or split(response_id)[1] is not None:
+        return response_id
+    return f"{response_id}{_SEPARATOR}{tag}"
+
+
+def endpoint_for(tag: str | None, urls: Iterable[str]) -> str | None:
+    """The URL among ``urls`` (the pool now) whose tag is ``tag``; None if none is."""
+    if tag is None:
+        return None
+    return next((url for url in urls if endpoint_tag(url) == tag), None)
+
+
+def untag_path(relative_path: str) -> tuple[str, str | None]:
+    """A pass-through path naming a stored response, its id's tag stripped, and the tag."""
+    match = _RESPONSE_PATH.match(relative_path)
+    if match is None:
+        return relative_path, None
+    own, tag = split(match.group(1))
+    if tag is None:
+        return relative_path, None
+    return relative_path[: match.start(1)] + own + relative_path[match.end(1) :], tag
+
+
+def names_a_response(relative_path: str) -> bool:
+    """Whether a pass-through path's answer is a stored response (its ids get the tag)."""
+    return _RESPONSE_PATH.match(relative_path) is not None
+
+
+def _tag_payload(raw: bytes, response: object, tag: str) -> bytes | None:
+    """``raw`` (JSON holding ``response``) with the response's ids tagged; None if none changed.
+
+    Each id is replaced where it stands as its field's value (``"id": "resp_..."``), so
+    every other byte stays as the server sent it. An id the search cannot find as written
+    (escapes vLLM never writes) stays as it is: a call naming it is routed as an untagged
+    one is."""
+    if not isinstance(response, dict):
+        return None
+    out = raw
+    for name in _ID_FIELDS:
+        own = response.get(name)
+        if isinstance(own, str) and (new := tagged(own, tag)) != own:
+            field = re.compile(rb'("%s"\s*:\s*)%s' % (name.encode("ascii"), re.escape(orjson.dumps(own))))
+            out = field.sub(lambda match: match.group(1) + orjson.dumps(new), out)
+    return None if out == raw else out
+
+
+def tag_json(body: bytes, tag: str) -> bytes:
+    """A non-streamed Responses body with its ids tagged; the same bytes when there are none."""
+    try:
+        payload: Any = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return body
+    out = _tag_payload(body, payload, tag)
+    return body if out is None else out
+
+
+def tag_event(event: bytes, tag: str) -> bytes:
+    """One SSE event with its ``response``'s ids tagged (``response.created``, ``.completed``, ...)."""
+    if _RESPONSE_KEY not in event:
+        return event
+    data = sse.event_data(event)
+    if data is None:
+        return event
+    try:
+        payload: Any = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return event
+    if not isinstance(payload, dict):
+        return event
+    out = _tag_payload(event, payload.get("response"), tag)
+    return event if out is None else out
+
+
+class IdTags:
+    """A Responses answer on its way to the caller, its response ids tagged with its endpoint's.
+
+    Streamed: passed on in whole SSE events, as they complete, each byte as sent but the
+    ids. JSON: held until whole, then tagged once.
+    """
+
+    __slots__ = ("_buffer", "_framer", "_tag", "stream")
+
+    def __init__(self, tag: str, *, stream: bool) -> None:
+        self._tag = tag
+        self.stream = stream
+        self._buffer = b""
+        self._framer = sse.SSEFramer()
+
+    def feed(self, data: bytes) -> bytes:
+        """The body bytes just read; returns what goes to the caller now."""
+        if not self.stream:
+            self._buffer += data
+            return b""
+        out = b"".join(tag_event(event, self._tag) for event in self._framer.feed(data))
+        if self._framer.pending >= _FLUSH_UNFRAMED:
+            out += self._framer.rest()
+        return out
+
+    def end(self) -> bytes:
+        """The rest, once the body is whole."""
+        if self.stream:
+            return tag_event(self._framer.rest(), self._tag)
+        rest, self._buffer = self._buffer, b""
+        return tag_json(rest, self._tag)
