@@ -13,10 +13,10 @@ import orjson
 
 from ..wire import _bodies as wire
 from ..wire import _usage as usage
-from ._dialect import merge_for
+from ._dialect import Dialect, merge_for
 
 
-class _Classic:
+class _Classic(Dialect):
     """Chat completions or completions (``kind`` says which)."""
 
     migration_refusal: str | None = None
@@ -27,14 +27,6 @@ class _Classic:
 
     def plan(self, content: bytes, tenant: str | None) -> wire.Plan:
         return wire.plan_call(self.kind, content, tenant)
-
-    def stored_state(self, plan: wire.Plan) -> str | None:
-        return None
-
-    tags_answer_ids = False
-
-    def stored_at(self, plan: wire.Plan) -> str | None:
-        return None
 
     def prefill_body(self, plan: wire.Plan) -> bytes:
         return wire.prefill_body(plan)

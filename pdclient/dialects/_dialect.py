@@ -16,7 +16,10 @@ from ..wire import _usage as usage
 
 
 class Dialect(Protocol):
-    """One API's bodies, ids, usage and stream end, as pure functions on bytes."""
+    """One API's bodies, ids, usage and stream end, as pure functions on bytes.
+
+    A dialect subclasses this protocol and inherits the defaults of its optional hooks (an API
+    with no server-stored state); the rest it must define."""
 
     kind: wire.Kind
     path: str
@@ -34,16 +37,16 @@ class Dialect(Protocol):
         """The field naming state a server stored (a previous response, a conversation), if the
         call refers to any: such a call runs decode-only, where that state is; the prefill
         server never has it."""
-        ...
+        return None
 
-    tags_answer_ids: bool
+    tags_answer_ids: bool = False
     """Whether its answers carry ids a later call names as stored state: they get their decode
     endpoint's tag on the way out (``_stored_state``)."""
 
     def stored_at(self, plan: wire.Plan) -> str | None:
         """The decode endpoint's tag the call's stored-state id carries, if any, taken off the
         plan's field in place: the server gets its own id."""
-        ...
+        return None
 
     def prefill_body(self, plan: wire.Plan) -> bytes: ...
 

@@ -24,7 +24,7 @@ import orjson
 from ..wire import _bodies as wire
 from ..wire import _usage as usage
 from . import _rendered as rendered
-from ._dialect import merge_for
+from ._dialect import Dialect, merge_for
 
 _INPUT_SIDE = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
 _MEDIA_BLOCKS = frozenset({"image", "document"})
@@ -100,21 +100,13 @@ def _one_token(fields: wire.Fields) -> wire.Fields:
     return short
 
 
-class Messages:
+class Messages(Dialect):
     kind = wire.Kind.MESSAGES
     path = "/messages"
     migration_refusal: str | None = "the Messages API (its events carry no token ids to continue from)"
 
     def plan(self, content: bytes, tenant: str | None) -> wire.Plan:
         return rendered.plan_with_conversation(self.kind, content, tenant, conversation)
-
-    def stored_state(self, plan: wire.Plan) -> str | None:
-        return None
-
-    tags_answer_ids = False
-
-    def stored_at(self, plan: wire.Plan) -> str | None:
-        return None
 
     def prefill_body(self, plan: wire.Plan) -> bytes:
         fields = _one_token(plan.fields)

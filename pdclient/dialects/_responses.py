@@ -27,7 +27,7 @@ from ..wire import _bodies as wire
 from ..wire import _usage as usage
 from . import _rendered as rendered
 from . import _stored_state as stored
-from ._dialect import merge_for
+from ._dialect import Dialect, merge_for
 
 _ROLES = frozenset({"system", "developer", "user", "assistant"})
 _INPUT_SIDE = ("input_tokens", "input_tokens_details")
@@ -96,7 +96,7 @@ def _one_output_token(fields: wire.Fields) -> wire.Fields:
     return short
 
 
-class Responses:
+class Responses(Dialect):
     kind = wire.Kind.RESPONSES
     path = "/responses"
     migration_refusal: str | None = "the Responses API (its events carry no token ids to continue from)"
