@@ -155,16 +155,20 @@ def root(url: str) -> str:
     return url.removesuffix("/v1")
 
 
-def pdclient_serve(prefill: str, decode: str, logs: Path, workers: int = 1) -> contextlib.AbstractContextManager[Proc]:
+def pdclient_serve(
+    prefill: str, decode: str, logs: Path, workers: int = 1, tree: Path | None = None, name: str | None = None
+) -> contextlib.AbstractContextManager[Proc]:
+    """``pdclient serve`` from this checkout, or from ``tree`` (another revision's checkout)."""
     port = free_port()
     command = [
         sys.executable, "-m", "pdclient", "serve", "--prefill", prefill, "--decode", decode,
         "--port", str(port), "--workers", str(workers), "--log-level", "info",
         "--remote-prefill", "always",  # as the routers: every call a handoff (the stubs' calls repeat one prompt)
     ]  # fmt: skip
-    name = "pdclient serve" if workers == 1 else f"pdclient serve x{workers}"
+    name = name or ("pdclient serve" if workers == 1 else f"pdclient serve x{workers}")
     base = f"http://127.0.0.1:{port}"
-    return started(command, name, base + "/health", base + "/v1", logs)
+    env = {**os.environ, "PYTHONPATH": str(tree or REPO)}
+    return started(command, name, base + "/health", base + "/v1", logs, env=env)
 
 
 def vllm_router(prefill: str, decode: str, logs: Path) -> contextlib.AbstractContextManager[Proc]:
@@ -487,8 +491,26 @@ def stub_counts(prefill: str, decode: str) -> dict[str, int]:
     return counts
 
 
+@contextlib.contextmanager
+def _tree(revision: str) -> Iterator[Path]:
+    """``revision`` checked out in a temporary worktree."""
+    with tempfile.TemporaryDirectory(prefix="pdclient-bench-") as scratch:
+        path = Path(scratch) / "tree"
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "-q", "--detach", str(path), revision], check=True)
+        try:
+            yield path
+        finally:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(path)], check=True)
+
+
 def run_stubs(args: argparse.Namespace) -> int:
     levels = [int(x) for x in args.concurrency.split(",")]
+    arms = [a.strip() for a in args.arms.split(",")]
+    unknown = [a for a in arms if a not in STUB_ARMS]
+    if unknown or "direct" not in arms or "vllm-router" not in arms:
+        raise SystemExit(f"--arms: {unknown or arms} (from {', '.join(STUB_ARMS)}; direct and vllm-router always)")
+    if args.against:
+        arms.append(f"pdclient serve x2 @{args.against}")
     logs = Path(tempfile.mkdtemp(prefix="bench-proxies-"))
     log(f"load before: {os.getloadavg()}; peer logs in {logs}")
     words = Prompts(random.Random(args.seed)).make(int(args.prompt_tokens * 0.75))
@@ -499,18 +521,26 @@ def run_stubs(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         prefill = stack.enter_context(stub(args.prompt_tokens))
         decode = stack.enter_context(stub(args.prompt_tokens))
+        starts: dict[str, Callable[[], contextlib.AbstractContextManager[Proc]]] = {
+            "pdclient serve": lambda: pdclient_serve(prefill, decode, logs),
+            "pdclient serve x2": lambda: pdclient_serve(prefill, decode, logs, workers=2),
+            "vllm-router": lambda: vllm_router(prefill, decode, logs),
+            "toy proxy": lambda: toy_proxy(prefill, decode, logs),
+        }
+        if args.against:
+            other = stack.enter_context(_tree(args.against))
+            starts[arms[-1]] = lambda: pdclient_serve(prefill, decode, logs, workers=2, tree=other, name=arms[-1])
         procs: dict[str, Proc | None] = {"direct": None}
-        procs["pdclient serve"] = stack.enter_context(pdclient_serve(prefill, decode, logs))
-        procs["pdclient serve x2"] = stack.enter_context(pdclient_serve(prefill, decode, logs, workers=2))
-        procs["vllm-router"] = stack.enter_context(vllm_router(prefill, decode, logs))
-        procs["toy proxy"] = stack.enter_context(toy_proxy(prefill, decode, logs))
+        for arm in arms[1:] if arms[0] == "direct" else arms:
+            if arm != "direct":
+                procs[arm] = stack.enter_context(starts[arm]())
         urls = {arm: (decode if proc is None else proc.url) for arm, proc in procs.items()}
-        for arm in STUB_ARMS:  # warm-up: connections, first-call costs
+        for arm in arms:  # warm-up: connections, first-call costs
             asyncio.run(load(urls[arm], body, 8, 2.0))
         for level in levels:
             for r in range(args.rounds):
-                shift = r % len(STUB_ARMS)
-                for arm in STUB_ARMS[shift:] + STUB_ARMS[:shift]:
+                shift = r % len(arms)
+                for arm in arms[shift:] + arms[:shift]:
                     proc = procs[arm]
                     cpu = proc.cpu_seconds() if proc else 0.0
                     before = stub_counts(prefill, decode)
@@ -523,7 +553,7 @@ def run_stubs(args: argparse.Namespace) -> int:
                     )
                 log(f"concurrency {level}: round {r + 1}/{args.rounds}")
     log(f"load after: {os.getloadavg()}")
-    text, summary = report_stubs(batches)
+    text, summary = report_stubs(batches, arms)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "proxies_stubs.json").write_text(
@@ -541,7 +571,7 @@ def run_stubs(args: argparse.Namespace) -> int:
     return 0
 
 
-def report_stubs(batches: Sequence[StubBatch]) -> tuple[str, dict[str, Any]]:
+def report_stubs(batches: Sequence[StubBatch], arms: Sequence[str]) -> tuple[str, dict[str, Any]]:
     lines = [
         f"\n{'arm':<18} {'conc':>4} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>9} {'added p99':>9} "
         f"{'calls/s':>8} {'CPU ms/call':>11} {'cores':>5}  stub requests per call"
@@ -550,7 +580,7 @@ def report_stubs(batches: Sequence[StubBatch]) -> tuple[str, dict[str, Any]]:
     for level in sorted({b.concurrency for b in batches}):
         base = [x for b in batches if b.arm == "direct" and b.concurrency == level for x in b.latencies_ms]
         base50, base99 = quantile(base, 0.5), quantile(base, 0.99)
-        for arm in STUB_ARMS:
+        for arm in arms:
             mine = [b for b in batches if b.arm == arm and b.concurrency == level]
             lat = [x for b in mine for x in b.latencies_ms]
             calls = sum(b.calls for b in mine)
@@ -579,12 +609,16 @@ def report_stubs(batches: Sequence[StubBatch]) -> tuple[str, dict[str, Any]]:
                 f"{arm:<18} {level:>4} {row['p50_ms']:8.2f} {row['p99_ms']:8.2f} {row['added_p50_ms']:9.2f} "
                 f"{row['added_p99_ms']:9.2f} {row['calls_per_s']:8.0f} {cpu_text}  {requests}"
             )
-        router = summary[str(level)]["vllm-router"]["added_p50_ms"]
-        for arm in ("pdclient serve", "pdclient serve x2"):
-            mine = summary[str(level)][arm]["added_p50_ms"]
-            ratio = mine / router if router > 0 else float("inf")
-            summary[str(level)][arm]["added_p50_vs_router"] = ratio
-            lines.append(f"  concurrency {level}: {arm} added p50 / vllm-router's = {ratio:.2f}")
+        router = summary[str(level)]["vllm-router"]
+        for arm in (a for a in arms if a.startswith("pdclient serve")):
+            row = summary[str(level)][arm]
+            p50 = row["added_p50_ms"] / router["added_p50_ms"] if router["added_p50_ms"] > 0 else float("inf")
+            p99 = row["p99_ms"] / router["p99_ms"]
+            row["added_p50_vs_router"], row["p99_vs_router"] = p50, p99
+            lines.append(
+                f"  concurrency {level}: {arm} / vllm-router: added p50 {p50:.2f}, p99 {p99:.2f}"
+                + _paired(batches, level, arm)
+            )
     lines.append(
         "\nlatency: request written -> last byte of the streamed answer; added: minus the direct arm's at the "
         "same concurrency (the direct arm runs at several times the throughput, so its tail is the stub's, and an "
@@ -593,13 +627,31 @@ def report_stubs(batches: Sequence[StubBatch]) -> tuple[str, dict[str, Any]]:
     return "\n".join(lines), summary
 
 
+def _paired(batches: Sequence[StubBatch], level: int, arm: str) -> str:
+    """The same ratios per round (each round's batches ran back to back), median over the rounds."""
+    by = {(b.arm, b.round): b for b in batches if b.concurrency == level}
+    base = {r: quantile(b.latencies_ms, 0.5) for (a, r), b in by.items() if a == "direct"}
+    p50s, p99s = [], []
+    for r in sorted(base):
+        mine, router = by.get((arm, r)), by.get(("vllm-router", r))
+        if mine is None or router is None or quantile(router.latencies_ms, 0.5) <= base[r]:
+            continue
+        p50s.append((quantile(mine.latencies_ms, 0.5) - base[r]) / (quantile(router.latencies_ms, 0.5) - base[r]))
+        p99s.append(quantile(mine.latencies_ms, 0.99) / quantile(router.latencies_ms, 0.99))
+    if not p50s:
+        return ""
+    p50, p99 = statistics.median(p50s), statistics.median(p99s)
+    return f" (per round, median of {len(p50s)}: added p50 {p50:.2f}, p99 {p99:.2f})"
+
+
 def plot_stubs(summary: dict[str, Any], path: Path) -> str:
     plt = _pyplot()
     if plt is None:
         return "plot skipped: matplotlib is not installed"
     levels = sorted(summary, key=int)
-    arms = [a for a in STUB_ARMS if a != "direct"]
-    colors = dict(zip(arms, ("tab:cyan", "tab:blue", "tab:orange", "tab:gray"), strict=True))
+    arms = [a for a in next(iter(summary.values())) if a != "direct"]
+    palette = {"pdclient serve": "tab:cyan", "pdclient serve x2": "tab:blue", "vllm-router": "tab:orange"}
+    colors = {a: palette.get(a, "tab:gray" if a == "toy proxy" else "tab:purple") for a in arms}
     figure, axes = plt.subplots(1, 3, figsize=(16, 4.6))
     width = 0.8 / len(arms)
     for k, arm in enumerate(arms):
@@ -648,6 +700,10 @@ def main() -> int:
     stubs.add_argument("--rounds", type=int, default=3)
     stubs.add_argument("--prompt-tokens", type=int, default=2048)
     stubs.add_argument("--seconds", type=float, default=8.0, help="length of each arm's batch per round")
+    stubs.add_argument(
+        "--arms", default=",".join(STUB_ARMS), help="a subset of the arms (direct and vllm-router always)"
+    )
+    stubs.add_argument("--against", help="a git revision: adds its `pdclient serve --workers 2` as an arm")
     args = parser.parse_args()
     run: Callable[[argparse.Namespace], int] = run_pair if args.command == "pair" else run_stubs
     return run(args)
