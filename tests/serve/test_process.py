@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import re
 import signal
 import time
@@ -138,3 +139,15 @@ def test_workers_share_their_metrics_and_shut_down_gracefully(stub: StubServer) 
     # Each call's log line names its worker: both served calls, else the sums above prove nothing.
     workers = {m.group(1) for line in serve.lines if (m := CALL_LINE.search(line))}
     assert len(workers) == 2, serve.stderr()
+
+
+def test_a_started_process_is_settled_out_of_full_collections() -> None:
+    """What a started proxy holds leaves the collector's full walks; its garbage is collected first."""
+    from pdclient.serve._run import settle
+
+    try:
+        settle()
+        assert gc.get_freeze_count() > 0
+        assert gc.get_count()[0] < 50  # collected just before, nothing of startup's garbage kept
+    finally:
+        gc.unfreeze()
