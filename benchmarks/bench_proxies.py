@@ -179,6 +179,8 @@ def vllm_router(prefill: str, decode: str, logs: Path) -> contextlib.AbstractCon
     command = [
         str(binary), "--vllm-pd-disaggregation", "--prefill", root(prefill), "--decode", root(decode),
         "--kv-connector", "nixl", "--host", "127.0.0.1", "--port", str(port),
+        # Its metrics listener defaults to port 29000: another router on the machine holds it.
+        "--prometheus-port", str(free_port()),
         # Its INFO level logs every request body; warning is how one would run it.
         "--log-level", "warning",
     ]  # fmt: skip
