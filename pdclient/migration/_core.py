@@ -375,7 +375,7 @@ class CallMigration:
         leg = call.prefill
         leg.pick(RouteRequest(leg="prefill", affinity_key=self.plan.affinity_key, tenant=self.plan.tenant))
         body = continuation.prefill_body()
-        request = call._leg_request(leg.url, body, call._sign(leg.url, body), call.deadline)
+        request = call.requests.signed(leg.url, body, call.deadline)
         request.headers["x-request-id"] = continuation.request_id
         request.headers["accept"] = "application/json"
         return leg.start(request)
@@ -401,7 +401,7 @@ class CallMigration:
         route = RouteRequest(leg="decode", affinity_key=self.plan.affinity_key, tenant=self.plan.tenant)
         leg.pick(route, exclude=self._broken_endpoints(call))
         body = continuation.decode_body()
-        request = call._leg_request(leg.url, body, call._sign(leg.url, body))
+        request = call.requests.signed(leg.url, body)
         request.headers["x-request-id"] = continuation.request_id
         return request
 

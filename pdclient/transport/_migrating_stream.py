@@ -120,7 +120,7 @@ class _Body:
         if self._first:
             self._first = False
             self._call.first_byte()
-        return self._call.to_caller(out)
+        return self._call.caller_body.feed(out)
 
     def _end(self) -> bytes:
         """The body's last bytes, once the decode's events are over: the assembled body, and
@@ -133,8 +133,8 @@ class _Body:
             except CannotAssemble as exc:
                 raise self._unassembled(exc) from None
             self._call.first_byte()
-            out = self._call.to_caller(body)
-        return out + self._call.caller_rest()
+            out = self._call.caller_body.feed(body)
+        return out + self._call.caller_body.rest()
 
     def _unassembled(self, error: CannotAssemble) -> Exception:
         # The caller's 200 is on its way already: the body it cannot have is an error of its reading.
