@@ -456,12 +456,12 @@ class Call:
             self.failed_leg = "decode"
         # Before the caller reads a byte; a continuation after a migration keeps them (same prompt side).
         content_type, body = response.headers.get("content-type", ""), self.caller_body
-        body.merge = usage_merge_for(self.dialect, self.outcome, self.prefill_result, status, content_type)
+        merge = usage_merge_for(self.dialect, self.outcome, self.prefill_result, status, content_type)
         asked = self._decode_body is not None and self._asks_usage() and status == 200
-        body.strip = usage.UsageStrip() if asked else None
         tags = self.dialect.tags_answer_ids if self.dialect is not None else names_a_response(self.relative_path)
         endpoint = self.decode.endpoint.url if self.decode.endpoint is not None else None
-        body.tags = id_tags_for(tags, endpoint, status, content_type)
+        strip = usage.UsageStrip() if asked else None
+        body.begin(content_type, merge, id_tags_for(tags, endpoint, status, content_type), strip)
         headers = without_trace_headers(response.headers, CONTENT_LENGTH if body.recounted else ())
         if self.kind is not None:
             headers += raw_headers(self.trace().to_headers())

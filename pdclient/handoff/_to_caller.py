@@ -10,14 +10,13 @@ usage event pdclient asked for itself taken out again.
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
 
 import httpx
 
 from .._trace import Outcome
 from ..conversations import AnswerCollector
 from ..dialects import Dialect, IdTags, endpoint_tag
-from ..wire import RAW_TRACE_HEADER_PREFIX
+from ..wire import RAW_TRACE_HEADER_PREFIX, USAGE_KEY, SSEFramer, event_json, pass_events
 from ..wire import _bodies as wire
 from ..wire import _usage as usage
 
@@ -51,16 +50,34 @@ def id_tags_for(tags_answer_ids: bool, endpoint_url: str | None, status: int, co
     return None
 
 
-@dataclass(slots=True)
 class CallerBody:
     """The decode body's bytes on their way to the caller (the streams pass every chunk through
     ``feed`` and end with ``rest``): the usage merged, the ids tagged, the answer collected,
-    the asked usage stripped."""
+    the asked usage stripped.
 
-    merge: usage.UsageMerge | None = None
-    tags: IdTags | None = None
-    collector: AnswerCollector | None = None
-    strip: usage.UsageStrip | None = None
+    An event stream is framed once, here (``wire.SSEFramer``), and each whole event's data
+    parsed at most once (``wire.event_json``) for every step that reads it; a JSON body goes
+    through each step's own hold-until-whole.
+    """
+
+    __slots__ = ("_framer", "collector", "merge", "stream", "strip", "tags")
+
+    def __init__(self) -> None:
+        self.merge: usage.UsageMerge | None = None
+        self.tags: IdTags | None = None
+        self.collector: AnswerCollector | None = None
+        self.strip: usage.UsageStrip | None = None
+        self.stream = False
+        self._framer: SSEFramer | None = None
+
+    def begin(
+        self, content_type: str, merge: usage.UsageMerge | None, tags: IdTags | None, strip: usage.UsageStrip | None
+    ) -> None:
+        """The steps for the decode response's body, chosen before the caller reads a byte."""
+        self.merge, self.tags, self.strip = merge, tags, strip
+        self.stream = content_type.startswith("text/event-stream")
+        steps = (merge, tags, self.collector, strip)
+        self._framer = SSEFramer() if self.stream and any(step is not None for step in steps) else None
 
     @property
     def recounted(self) -> bool:
@@ -68,27 +85,47 @@ class CallerBody:
         return any(step is not None and not step.stream for step in (self.merge, self.tags))
 
     def feed(self, data: bytes) -> bytes:
-        """What goes on now (the merge holds a partial SSE event until its end, a JSON body until it is whole)."""
+        """What goes on now (a partial SSE event waits for its end, a JSON body until it is whole)."""
+        if self._framer is not None:
+            return pass_events(self._framer, data, self._event)
+        if self.stream:
+            return data  # no step reads the stream: passed on as it comes
         if self.merge is not None:
             data = self.merge.feed(data)
         if self.tags is not None:
             data = self.tags.feed(data)
         if data and self.collector is not None:
             self.collector.feed(data)
-        if self.strip is not None:
-            data = self.strip.feed(data)
         return data
 
     def rest(self) -> bytes:
         """What the steps still hold, once the decode body is whole."""
+        if self._framer is not None:
+            rest = self._framer.rest()
+            return self._event(rest) if rest else b""
+        if self.stream:
+            return b""
         rest = self.merge.end() if self.merge is not None else b""
         if self.tags is not None:
             rest = self.tags.feed(rest) + self.tags.end()
         if rest and self.collector is not None:
             self.collector.feed(rest)
-        if self.strip is not None:
-            rest = self.strip.feed(rest) + self.strip.end()
         return rest
+
+    def _event(self, raw: bytes) -> bytes:
+        """One whole event through every step, its data parsed once if any step reads it."""
+        collector = self.collector
+        reads = collector is not None or (USAGE_KEY in raw and (self.merge is not None or self.strip is not None))
+        payload = event_json(raw) if reads else None
+        if self.merge is not None:
+            raw = self.merge.event(raw, payload)
+        if self.tags is not None:
+            raw = self.tags.event(raw)
+        if collector is not None:
+            collector.event(payload)
+        if self.strip is not None:
+            raw = self.strip.event(raw, payload)
+        return raw
 
 
 def without_trace_headers(headers: httpx.Headers, dropped: Collection[bytes] = ()) -> list[tuple[bytes, bytes]]:

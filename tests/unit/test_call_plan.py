@@ -340,3 +340,40 @@ def test_the_answers_ids_are_tagged_in_json_and_event_streams_only() -> None:
     assert id_tags_for(True, DECODES[0], 404, "application/json") is None
     assert id_tags_for(True, None, 200, "application/json") is None
     assert id_tags_for(False, DECODES[0], 200, "application/json") is None
+
+
+def test_the_callers_stream_is_framed_once_and_each_event_parsed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pdclient.handoff._to_caller as to_caller
+
+    parsed: list[bytes] = []
+    real = to_caller.event_json
+
+    def counted(raw: bytes) -> object:
+        parsed.append(raw)
+        return real(raw)
+
+    monkeypatch.setattr(to_caller, "event_json", counted)
+    call = make_call(chat("hi"), remote_prefill="never")
+    assert not call.wants_prefill() and call.conversation is not None
+    call.prefill_result = None
+    chunks = [
+        {"id": "c", "choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}]},
+        {"id": "c", "choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": "stop"}]},
+        {"id": "c", "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}},
+    ]
+    body = b"".join(b"data: " + json.dumps(c).encode() + b"\r\n\r\n" for c in chunks) + b"data: [DONE]\r\n\r\n"
+    caller = call.caller_body
+    strip = usage_strip()
+    caller.begin("text/event-stream", None, None, strip)
+    out = b"".join(caller.feed(body[i : i + 5]) for i in range(0, len(body), 5)) + caller.rest()
+    # One parse per event, shared by the collector and the strip (a CRLF cut between two
+    # reads completes its event as a bare LF, which holds no data).
+    assert len([raw for raw in parsed if raw.strip()]) == 4
+    assert b'"usage"' not in out and out.endswith(b"data: [DONE]\r\n\r\n")
+    assert call.conversation.collector.answer() == Answer("Hello", (), 2, False)
+
+
+def usage_strip() -> Any:
+    from pdclient.wire import UsageStrip
+
+    return UsageStrip()
