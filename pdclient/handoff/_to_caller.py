@@ -98,6 +98,13 @@ class CallerBody:
             self.collector.feed(data)
         return data
 
+    def events(self, events: list[bytes]) -> bytes:
+        """Whole events framed already (a tracked stream's, ``migration.Tracker``): through
+        every step without being framed again."""
+        if self._framer is None:
+            return self.feed(b"".join(events))
+        return b"".join([self._event(event) for event in events])
+
     def rest(self) -> bytes:
         """What the steps still hold, once the decode body is whole."""
         if self._framer is not None:

@@ -280,12 +280,12 @@ class CallMigration:
         completion = len(self.tracker.ids)
         return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
 
-    def ending(self) -> bytes:
+    def ending(self) -> list[bytes]:
         """What a stream cut after its answer ended still owes the caller, as vLLM ends one:
         the usage event (if the caller wants one and has not had it), then ``[DONE]``."""
         tracker = self.tracker
         assert tracker is not None
-        out = b""
+        out: list[bytes] = []
         usage = self.usage()
         if self.wants_usage and not tracker.usage_sent and usage is not None:
             event_id, created, model = tracker.header or (None, None, None)
@@ -298,9 +298,9 @@ class CallMigration:
                 "choices": [],
                 "usage": usage,
             }
-            out = b"data: " + orjson.dumps(event) + b"\n\n"
+            out.append(b"data: " + orjson.dumps(event) + b"\n\n")
         if not tracker.done:
-            out += b"data: [DONE]\n\n"
+            out.append(b"data: [DONE]\n\n")
         return out
 
     # -- when a stream breaks ----------------------------------------------------------
@@ -464,6 +464,10 @@ def _record(continuation: Continuation, pause_ms: float | None) -> Migration:
 # -- the SSE body --------------------------------------------------------------------------
 
 
+def _whole(event: bytes) -> list[bytes]:
+    return [event] if event else []
+
+
 class Tracker:
     """An armed call's SSE body, event by event: the ids the caller has, and the bytes it gets."""
 
@@ -513,16 +517,22 @@ class Tracker:
 
     def feed(self, data: bytes) -> bytes:
         """The body bytes just read; returns what goes to the caller now (whole events)."""
+        return b"".join(self.events(data))
+
+    def events(self, data: bytes) -> list[bytes]:
+        """The body bytes just read; returns the events that go to the caller now, each whole
+        and framed once (the caller's body takes them as they are: ``handoff.CallerBody``)."""
         framer = self._framer
-        out = [piece for event in framer.feed(data) if (piece := self._event(event))]
+        out = [piece for event in framer.feed(data) for piece in self._event(event)]
         if framer.pending > MAX_EVENT_BYTES:
             self._stop("the decode's body is not a stream of SSE events")
-            out.append(self._flush() + self._framer.rest())
-        return b"".join(out)
+            out += [*self._flush(), self._framer.rest()]
+        return out
 
-    def end(self) -> bytes:
+    def end(self) -> list[bytes]:
         """The body ended without ``[DONE]``: what is left, as it is."""
-        return self._flush() + self._framer.rest()
+        rest = self._framer.rest()
+        return [*self._flush(), rest] if rest else self._flush()
 
     @property
     def answered(self) -> bool:
@@ -543,22 +553,21 @@ class Tracker:
         if self.stopped is None:
             self.stopped = reason
 
-    def _flush(self) -> bytes:
+    def _flush(self) -> list[bytes]:
         if not self._held:
-            return b""
+            return []
         self.ids.extend(self._held_ids)
         self._held_ids.clear()
-        held = b"".join(self._held)
-        self._held.clear()
+        held, self._held = self._held, []
         return held
 
-    def _event(self, event: bytes) -> bytes:
+    def _event(self, event: bytes) -> list[bytes]:
         payload = event_data(event)
         if payload is None:
-            return event  # a comment, or a field vLLM does not send: as it is
+            return [event]  # a comment, or a field vLLM does not send: as it is
         if len(payload) < 16 and is_done(payload):
             self.done = True
-            return self._flush() + event
+            return [*self._flush(), event]
         original = event
         if not self.want_prompt_ids and _PROMPT_KEY in payload:
             # The first chunk's prompt ids (thousands, with a long prompt) are cut out of the
@@ -571,10 +580,10 @@ class Tracker:
             obj = orjson.loads(payload)
         except orjson.JSONDecodeError:
             self._stop("the decode sent an event that is not JSON")
-            return self._flush() + event
+            return [*self._flush(), event]
         if type(obj) is not dict:
             self._stop("the decode sent an event that is not a JSON object")
-            return self._flush() + event
+            return [*self._flush(), event]
         if self.header is None:
             self.header = (obj.get("id"), obj.get("created"), obj.get("model"))
         choices = obj.get("choices")
@@ -584,7 +593,7 @@ class Tracker:
         if choice is None:
             if type(obj.get("usage")) is dict:
                 self.usage_sent = True
-            return self._flush() + self._output(original, event, obj, None, None)
+            return [*self._flush(), *_whole(self._output(original, event, obj, None, None))]
         ids = choice.get("token_ids")
         finish = choice.get("finish_reason")
         if self.chat:
@@ -608,18 +617,18 @@ class Tracker:
             ids = None
         out = self._output(original, event, obj, choice, delta)
         if not out:
-            return b""
+            return []
         if self.stopped is None and ids and not visible and finish is None:
             self._held.append(out)
             self._held_ids.extend(ids)
-            return b""
+            return []
         flushed = self._flush()
         if ids:
             self.ids.extend(ids)
         if finish is not None:
             index = choice.get("index", 0)
             self.finished[index if type(index) is int else 0] = str(finish)
-        return flushed + out if flushed else out
+        return [*flushed, out] if flushed else [out]
 
     def _output(
         self, original: bytes, event: bytes, obj: dict[str, Any], choice: dict[str, Any] | None, delta: Any
