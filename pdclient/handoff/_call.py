@@ -44,7 +44,7 @@ import openai
 import orjson
 
 from .._observe import Observers
-from .._options import PDOptions, call_override_refusal
+from .._options import PDOptions
 from .._trace import Outcome, PDTrace
 from ..conversations import Decision
 from ..dialects import Dialect, dialect_for, endpoint_for, names_a_response, untag_path
@@ -53,14 +53,22 @@ from ..migration import _core as migrate
 from ..pools import AllEndpointsOpen
 from ..pools import _retry as retry
 from ..routing import TENANT_EXTENSION, RouteDecision, RouteRequest, plan_text
-from ..wire import CALL_OPTIONS_KEY, PREFILL_FAILURE_POLICIES, redact_url
+from ..wire import PREFILL_FAILURE_POLICIES, redact_url
 from ..wire import _bodies as wire
 from ..wire import _usage as usage
 from . import _dispatch
 from ._leg import Leg
-from ._leg_requests import LegRequests, asks_usage, decode_body, new_request_id, streams_upload
-from ._remote_prefill import ConversationTurn, conversation_home, decide, handoff_after_all
-from ._report import STORED_STATE, log_end, trace_of
+from ._leg_requests import (
+    LegRequests,
+    asks_usage,
+    call_options_refusal,
+    decode_body,
+    new_request_id,
+    pass_through_body,
+    streams_upload,
+)
+from ._remote_prefill import ConversationTurn, conversation_home, decide, handoff_after_all, pin_decode
+from ._report import log_end, trace_of
 from ._to_caller import (
     CONTENT_LENGTH,
     READ_BODY_FRAMING,
@@ -182,15 +190,8 @@ class Call:
             self.plan = self.dialect.plan(self.request.content, self.tenant)
         except wire.Refusal as exc:
             return self.refuse(str(exc))
-        options = self.context.options
-        policy = self.plan.options.on_prefill_failure
-        if policy not in (None, *PREFILL_FAILURE_POLICIES) and not options.allow_call_fallback_url:
-            return self.refuse(
-                f"{CALL_OPTIONS_KEY}.on_prefill_failure may be {' or '.join(PREFILL_FAILURE_POLICIES)} here, "
-                "not a fallback URL (allow_call_fallback_url is off)"
-            )
-        overriding = call_override_refusal(self.plan.options, options)
-        return self.refuse(overriding) if overriding is not None else None
+        refused = call_options_refusal(self.plan.options, self.context.options)
+        return self.refuse(refused) if refused is not None else None
 
     @property
     def streams_upload(self) -> bool:
@@ -198,15 +199,9 @@ class Call:
         return streams_upload(self.request)
 
     def check_pass_through(self) -> httpx.Response | None:
-        """A pass-through body, read: a 400 if it could carry a ``kv_transfer_params`` pdclient
-        did not write, or misspelt per-call options; else None, the JSON body's options removed."""
-        headers = self.request.headers
+        """A pass-through body, read (``pass_through_body``): a 400, or None and the body to send."""
         try:
-            wire.check_forwarded_body(
-                self.request.content, headers.get("content-type"), headers.get("content-encoding")
-            )
-            if wire.media_type(headers.get("content-type")) == "application/json":
-                self.pass_through_body = wire.without_call_options(self.request.content)
+            self.pass_through_body = pass_through_body(self.request)
         except wire.Refusal as exc:
             return self.refuse(str(exc))
         return None
@@ -354,24 +349,14 @@ class Call:
         self.phase = Phase.DECODE
         if self.migration is not None and self.migration.pending is not None:
             return self.decode.start(self.migration.continuation_request(self))  # a migrated decode
-        decision, home = self.decision, self.home
+        decision = self.decision
         held = decision.decode_endpoint if decision is not None and not decision.remote_prefill else None
         if self.fallback_url is not None:
             base = self.decode.use(self.fallback_url)
         else:
-            # A decode-only call by decision goes to the endpoint holding its conversation; a
-            # handoff's decode goes to the conversation's rendezvous endpoint when it admits,
-            # so the next turn finds it from any process.
-            pinned = None
-            if held is not None and not self.decode.attempt:
-                pinned = self.decode.pin(held, "held")
-            elif home is not None and not self.decode.attempt:
-                pinned = self.decode.pin(home.endpoint.url, home.rule or "key", home.policy)
-            elif self.stored_tag is not None and not self.decode.attempt:
-                # Only the endpoint that stored the response has it; an endpoint no longer in
-                # the pool leaves the call routed as any other, and that server answers.
-                stored_at = endpoint_for(self.stored_tag, (e.url for e in self.context.fleet.decode.endpoints))
-                pinned = self.decode.pin(stored_at, STORED_STATE) if stored_at is not None else None
+            pool = self.context.fleet.decode
+            stored_at = endpoint_for(self.stored_tag, (e.url for e in pool.endpoints)) if self.stored_tag else None
+            pinned = pin_decode(self.decode, held, self.home, stored_at)
             if held is not None and pinned is None:
                 assert decision is not None
                 self.decision = handoff_after_all(decision, self.context.options.conversations)

@@ -19,11 +19,12 @@ from typing import Any
 
 import httpx
 
+from .._options import PDOptions, call_override_refusal
 from ..dialects import Dialect
 from ..fleet import WARM_UP_TIMEOUT, Fetch
 from ..migration import CallMigration
 from ..pools import Endpoint
-from ..wire import HOP_BY_HOP, SIGNATURE_HEADER, signature
+from ..wire import CALL_OPTIONS_KEY, HOP_BY_HOP, PREFILL_FAILURE_POLICIES, SIGNATURE_HEADER, CallOptions, signature
 from ..wire import _bodies as wire
 from ..wire import _usage as usage
 
@@ -88,6 +89,30 @@ def streams_upload(request: httpx.Request) -> bool:
     except httpx.RequestNotRead:
         return True
     return False
+
+
+def pass_through_body(request: httpx.Request) -> bytes | None:
+    """A pass-through request's body, read, as it goes on: a JSON body without pdclient's
+    per-call options, None for any other (the caller's stream is forwarded). Raises
+    ``wire.Refusal`` for a body that could carry a ``kv_transfer_params`` pdclient did not
+    write, or misspelt per-call options."""
+    headers = request.headers
+    wire.check_forwarded_body(request.content, headers.get("content-type"), headers.get("content-encoding"))
+    if wire.media_type(headers.get("content-type")) == "application/json":
+        return wire.without_call_options(request.content)
+    return None
+
+
+def call_options_refusal(given: CallOptions, options: PDOptions) -> str | None:
+    """Why a P/D call's per-call options are refused here, or None: a fallback URL the client
+    does not allow, or an option it does not let a call override."""
+    policy = given.on_prefill_failure
+    if policy not in (None, *PREFILL_FAILURE_POLICIES) and not options.allow_call_fallback_url:
+        return (
+            f"{CALL_OPTIONS_KEY}.on_prefill_failure may be {' or '.join(PREFILL_FAILURE_POLICIES)} here, "
+            "not a fallback URL (allow_call_fallback_url is off)"
+        )
+    return call_override_refusal(given, options)
 
 
 class LegRequests:

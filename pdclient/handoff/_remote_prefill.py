@@ -31,6 +31,8 @@ from ..conversations import (
 from ..pools import AllEndpointsOpen, EndpointPool
 from ..routing import RouteDecision, RouteRequest, conversation_routing, policy_decision
 from ..wire import _bodies as wire
+from ._leg import Leg
+from ._report import STORED_STATE
 
 
 def conversation_home(pool: EndpointPool, options: PDOptions, route: RouteRequest) -> RouteDecision | None:
@@ -71,6 +73,23 @@ def handoff_after_all(decision: Decision, settings: ConversationSettings) -> Dec
     if not after_all.remote_prefill:  # a prompt estimated at no tokens at all
         return Decision(True, Reason.UNCACHED_RATIO_AT_OR_ABOVE, None, estimate)
     return after_all
+
+
+def pin_decode(leg: Leg, held: str | None, home: RouteDecision | None, stored_at: str | None) -> str | None:
+    """The endpoint a decode's first attempt is pinned to, if it admits (later attempts are
+    routed): a decode-only call's goes to the endpoint holding its conversation (``held``);
+    a handoff's to the conversation's rendezvous endpoint (``home``), so the next turn finds
+    it from any process; a stored response's to the endpoint that stored it (``stored_at``:
+    one no longer in the pool leaves the call routed as any other, and that server answers)."""
+    if leg.attempt:
+        return None
+    if held is not None:
+        return leg.pin(held, "held")
+    if home is not None:
+        return leg.pin(home.endpoint.url, home.rule or "key", home.policy)
+    if stored_at is not None:
+        return leg.pin(stored_at, STORED_STATE)
+    return None
 
 
 class ConversationTurn:
