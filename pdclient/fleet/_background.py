@@ -8,7 +8,7 @@ the result, without doing any I/O itself::
     core.apply(job, outcome, now)              what came back (Fetched or LookedUp)
 
 so the cores are unit-tested with a fake clock and hand-made outcomes. One loop runs them
-(``_Driver._serve``, on asyncio with one ``httpx.AsyncClient``): every due job is a task
+(``_Driver._serve``, on anyio with one ``httpx.AsyncClient``): every due job is a task
 of its own whose outcome is applied the moment it ends, so a server that hangs or drips
 its answer holds up only its own job, never the other members' probes or scrapes. A
 fetch has a deadline for the whole exchange, its body included (``Fetch.timeout``):
@@ -17,13 +17,12 @@ otherwise never time out. Two drivers host that loop:
 
 - ``BackgroundThread``: sync clients. One daemon thread running an event loop of its own,
   so a sync program gets the same concurrency and deadlines without a loop of its own.
-- ``BackgroundTask``: async clients. One asyncio task, started on first use from the
-  running loop.
+- ``BackgroundTask``: async clients. One task of the running loop, started on first use:
+  an asyncio task, or under trio a system task of the run (it ends with the run).
 
 ``Background`` is one fleet's work (``fleet._fleet.Fleet.background``): its cores and the
 driver that runs them, chosen on first use: a task when an async client's first call
-comes from a running asyncio loop, else a thread (sync clients, and async ones under
-trio). Nothing here starts by itself: a ``Background`` exists only when a feature that
+comes from a running event loop (asyncio or trio), else a thread. Nothing here starts by itself: a ``Background`` exists only when a feature that
 needs one is on, its driver starts on the client's first call and stops on ``close()``
 / ``aclose()`` (or when the fleet is garbage-collected unclosed).
 """
