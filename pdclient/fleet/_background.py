@@ -22,9 +22,10 @@ otherwise never time out. Two drivers host that loop:
 
 ``Background`` is one fleet's work (``fleet._fleet.Fleet.background``): its cores and the
 driver that runs them, chosen on first use: a task when an async client's first call
-comes from a running event loop (asyncio or trio), else a thread. Nothing here starts by itself: a ``Background`` exists only when a feature that
-needs one is on, its driver starts on the client's first call and stops on ``close()``
-/ ``aclose()`` (or when the fleet is garbage-collected unclosed).
+comes from a running event loop (asyncio or trio), else a thread. Nothing here starts by
+itself: a ``Background`` exists only when a feature that needs one is on, its driver
+starts on the client's first call and stops on ``close()`` / ``aclose()`` (or when the
+fleet is garbage-collected unclosed).
 """
 
 from __future__ import annotations

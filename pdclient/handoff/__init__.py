@@ -9,7 +9,7 @@ from ._leg import Leg
 from ._leg_requests import LegRequests, asks_usage, decode_body, leg_url, new_request_id, request_with_content
 from ._move import STREAM_ERRORS, Move, OpenDecode, ReadRefusal, Release, SendPrefill, Step, move
 from ._release import RELEASE_TIMEOUT, release_request
-from ._remote_prefill import ConversationTurn, conversation_home, decide, handoff_after_all
+from ._remote_prefill import ConversationTurn, conversation_home, handoff_after_all, remote_prefill_decision
 from ._report import CALL_RECORD, STORED_STATE
 from ._to_caller import CallerBody, id_tags_for, usage_merge_for
 
@@ -34,7 +34,6 @@ __all__ = [
     "Step",
     "asks_usage",
     "conversation_home",
-    "decide",
     "decode_body",
     "dispatch",
     "handoff_after_all",
@@ -43,6 +42,7 @@ __all__ = [
     "move",
     "new_request_id",
     "release_request",
+    "remote_prefill_decision",
     "request_with_content",
     "usage_merge_for",
 ]

@@ -67,7 +67,7 @@ from ._leg_requests import (
     pass_through_body,
     streams_upload,
 )
-from ._remote_prefill import ConversationTurn, conversation_home, decide, handoff_after_all, pin_decode
+from ._remote_prefill import ConversationTurn, conversation_home, handoff_after_all, pin_decode, remote_prefill_decision
 from ._report import log_end, trace_of
 from ._to_caller import (
     CONTENT_LENGTH,
@@ -254,7 +254,7 @@ class Call:
         estimate = None
         if mode == "auto" and self.conversation is not None:
             estimate = self.conversation.estimate([e.url for e in fleet.decode.endpoints if e.admits()], self.home)
-        self.decision = decide(mode, estimate, options.conversations, self.home)
+        self.decision = remote_prefill_decision(mode, estimate, options.conversations, self.home)
         if self.decision.remote_prefill:
             return True
         self.outcome = Outcome.DECODE_ONLY

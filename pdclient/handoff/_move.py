@@ -18,7 +18,6 @@ import httpx
 
 from ..migration import CallMigration, CannotMove, Continuation, Route
 from ..pools import AllEndpointsOpen
-from ..routing import RouteRequest
 from ._call import Call
 from ._leg import Leg
 
@@ -132,8 +131,7 @@ def _release(call: Call, migration: CallMigration, continuation: Continuation) -
         return None
     leg = Leg(call, "release", call.context.fleet.decode)
     try:
-        plan = migration.plan
-        base = leg.pick(RouteRequest(leg="decode", affinity_key=plan.affinity_key, tenant=plan.tenant))
+        base = leg.pick(call.route_for("decode"))
     except AllEndpointsOpen:
         return None
     request = call.requests.signed(base, content)

@@ -49,7 +49,7 @@ def conversation_home(pool: EndpointPool, options: PDOptions, route: RouteReques
         return None
 
 
-def decide(
+def remote_prefill_decision(
     mode: str, estimate: Estimate | None, settings: ConversationSettings, home: RouteDecision | None
 ) -> Decision:
     """``decide_remote_prefill``, its decode endpoint the conversation's home when the memory

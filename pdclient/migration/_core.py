@@ -51,7 +51,6 @@ import orjson
 
 from .._trace import Migration
 from ..pools import Endpoint
-from ..routing import RouteRequest
 from ..wire import SSEFramer, event_data, is_done
 from ..wire import _bodies as wire
 
@@ -373,7 +372,7 @@ class CallMigration:
     def prefill_request(self, call: Call, continuation: Continuation) -> httpx.Request:
         """The continuation's prefill leg (route prefill+decode): another prefill attempt of the call."""
         leg = call.prefill
-        leg.pick(RouteRequest(leg="prefill", affinity_key=self.plan.affinity_key, tenant=self.plan.tenant))
+        leg.pick(call.route_for("prefill"))
         body = continuation.prefill_body()
         request = call.requests.signed(leg.url, body, call.deadline)
         request.headers["x-request-id"] = continuation.request_id
@@ -398,8 +397,7 @@ class CallMigration:
         continuation = self.pending
         assert continuation is not None
         leg = call.decode
-        route = RouteRequest(leg="decode", affinity_key=self.plan.affinity_key, tenant=self.plan.tenant)
-        leg.pick(route, exclude=self._broken_endpoints(call))
+        leg.pick(call.route_for("decode"), exclude=self._broken_endpoints(call))
         body = continuation.decode_body()
         request = call.requests.signed(leg.url, body)
         request.headers["x-request-id"] = continuation.request_id

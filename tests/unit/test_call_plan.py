@@ -25,10 +25,10 @@ from pdclient.handoff import (
     HandoffInstead,
     LegRequests,
     asks_usage,
-    decide,
     dispatch,
     handoff_after_all,
     id_tags_for,
+    remote_prefill_decision,
     usage_merge_for,
 )
 from pdclient.routing import RouteDecision
@@ -145,10 +145,12 @@ def test_decide_takes_the_conversation_home_when_the_memory_names_no_endpoint() 
     options = PDOptions(prefill_base_url=PREFILL, decode_base_url=DECODES)
     endpoint = Fleet(options, asynchronous=False).decode.endpoints[1]
     home = RouteDecision("rendezvous", endpoint, rule="key")
-    assert decide("always", None, SETTINGS, home).decode_endpoint == DECODES[1]
-    assert decide("always", None, SETTINGS, None).decode_endpoint is None
+    assert remote_prefill_decision("always", None, SETTINGS, home).decode_endpoint == DECODES[1]
+    assert remote_prefill_decision("always", None, SETTINGS, None).decode_endpoint is None
     cached = Estimate(1000, 10, DECODES[0], Match.EXTENDS_ANSWER)
-    assert decide("auto", cached, SETTINGS, home) == Decision(False, Reason.MOSTLY_CACHED, DECODES[0], cached)
+    assert remote_prefill_decision("auto", cached, SETTINGS, home) == Decision(
+        False, Reason.MOSTLY_CACHED, DECODES[0], cached
+    )
 
 
 def test_a_handoff_after_all_counts_the_whole_prompt_as_uncached() -> None:
