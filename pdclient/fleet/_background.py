@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import sys
 import threading
 import time
 import weakref
@@ -44,7 +45,6 @@ from typing import Generic, Protocol, TypeVar
 import anyio
 import anyio.to_thread
 import httpx
-import sniffio
 
 from .._errors import PDConfigError
 
@@ -287,6 +287,25 @@ class _Driver:
             return self._failed(action, exc)
 
 
+def running_library() -> str | None:
+    """``"asyncio"`` or ``"trio"`` when called from a running event loop of theirs, else None
+    (as anyio tells them apart, without sniffio: anyio no longer depends on it)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:
+        return "asyncio"
+    trio = sys.modules.get("trio")
+    if trio is not None:
+        try:
+            trio.lowlevel.current_trio_token()
+        except RuntimeError:
+            return None
+        return "trio"
+    return None
+
+
 class EventLoop:
     """The running event loop (asyncio's or trio's), as the one thing the drivers need of it:
     running a callback on it from any thread, soon, without waiting."""
@@ -294,10 +313,8 @@ class EventLoop:
     __slots__ = ("_call_soon", "_thread", "token")
 
     def __init__(self) -> None:
-        if sniffio.current_async_library() == "trio":
-            import trio  # only ever under trio, where it is installed
-
-            token: object = trio.lowlevel.current_trio_token()
+        if running_library() == "trio":
+            token: object = sys.modules["trio"].lowlevel.current_trio_token()
             self._call_soon: Callable[[Callable[[], object]], object] = token.run_sync_soon  # type: ignore[attr-defined]
         else:
             token = asyncio.get_running_loop()
@@ -310,7 +327,7 @@ class EventLoop:
         """Whether the caller runs on this loop."""
         try:
             return EventLoop().token is self.token
-        except (RuntimeError, sniffio.AsyncLibraryNotFoundError):
+        except RuntimeError:
             return False
 
     def call_soon(self, callback: Callable[[], object]) -> None:
@@ -427,10 +444,10 @@ class BackgroundTask(_Driver):
         # A task left on another loop (an earlier asyncio.run, trio.run) is dead with that loop.
         self._stop, self._wake, self._done = False, Wake(), anyio.Event()
         self._scope = anyio.CancelScope()
-        if sniffio.current_async_library() == "trio":
-            import trio
-
-            trio.lowlevel.spawn_system_task(self._run, self._scope, self._wake, self._done, name=self.name)
+        if running_library() == "trio":
+            sys.modules["trio"].lowlevel.spawn_system_task(
+                self._run, self._scope, self._wake, self._done, name=self.name
+            )
             self._task = None
         else:
             run = self._run(self._scope, self._wake, self._done)
@@ -531,13 +548,8 @@ class Background:
             driver.wake()
 
     def _new_driver(self) -> BackgroundThread | BackgroundTask:
-        if self.asynchronous:
-            try:
-                sniffio.current_async_library()
-            except sniffio.AsyncLibraryNotFoundError:  # no loop at all: a thread serves any caller
-                pass
-            else:
-                return BackgroundTask(self.cores, resolver=self._resolver, name=self.name)
+        if self.asynchronous and running_library() is not None:  # no loop at all: a thread serves any caller
+            return BackgroundTask(self.cores, resolver=self._resolver, name=self.name)
         return BackgroundThread(self.cores, resolver=self._resolver, name=self.name)
 
     def close(self, *, wait: bool = True) -> None:
