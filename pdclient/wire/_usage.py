@@ -31,7 +31,7 @@ from typing import Any
 
 import orjson
 
-from ._sse import SSEFramer, event_data, pass_events, split_events
+from ._sse import SSEFramer, event_json, pass_events, split_events
 
 USAGE_KEY = b'"usage"'
 
@@ -136,14 +136,7 @@ def _merged(events: list[bytes], prefill: Mapping[str, Any], merge: PayloadMerge
 
 
 def _rewrite_event(event: bytes, prefill: Mapping[str, Any], merge: PayloadMerge) -> bytes | None:
-    data = event_data(event)
-    if data is None:
-        return None
-    try:
-        payload = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return None
-    return _rewritten(event, payload, prefill, merge)
+    return _rewritten(event, event_json(event), prefill, merge)
 
 
 def _rewritten(event: bytes, payload: object, prefill: Mapping[str, Any], merge: PayloadMerge) -> bytes | None:
@@ -222,13 +215,7 @@ def _is_usage_event(event: bytes, payload: object = None) -> bool:
     if USAGE_KEY not in event:
         return False
     if payload is None:
-        data = event_data(event)
-        if data is None:
-            return False
-        try:
-            payload = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            return False
+        payload = event_json(event)
     return isinstance(payload, dict) and payload.get("choices") == [] and isinstance(payload.get("usage"), dict)
 
 

@@ -107,13 +107,19 @@ def remembered(fleet: Fleet, body: dict[str, Any], endpoint: str) -> None:
     fleet.memory.remember(first.plan.affinity_key, turn.body(), Answer("fine", (), 3), endpoint, prompt_tokens=600)
 
 
-def test_auto_sends_a_cached_conversation_decode_only_to_the_endpoint_holding_it() -> None:
+def follow_up_of_a_remembered_turn() -> Call:
+    """The next turn of a conversation whose first turn the memory holds on the second decode endpoint."""
     options = PDOptions(prefill_base_url=PREFILL, decode_base_url=DECODES, remote_prefill="auto")
     fleet = Fleet(options, asynchronous=False)
     question = "a long first question " * 200
     remembered(fleet, chat(question), DECODES[1])
     call = make_call(chat(question, "fine", "and?"), fleet=fleet, remote_prefill="auto")
     assert not call.wants_prefill()
+    return call
+
+
+def test_auto_sends_a_cached_conversation_decode_only_to_the_endpoint_holding_it() -> None:
+    call = follow_up_of_a_remembered_turn()
     assert call.outcome is Outcome.DECODE_ONLY and call.decision is not None
     assert (call.decision.reason, call.decision.decode_endpoint) == (Reason.MOSTLY_CACHED, DECODES[1])
     decode = call.decode_request()
@@ -125,13 +131,8 @@ def test_auto_sends_a_cached_conversation_decode_only_to_the_endpoint_holding_it
 
 
 def test_a_held_conversation_whose_endpoint_is_gone_becomes_a_handoff() -> None:
-    options = PDOptions(prefill_base_url=PREFILL, decode_base_url=DECODES, remote_prefill="auto")
-    fleet = Fleet(options, asynchronous=False)
-    question = "a long first question " * 200
-    remembered(fleet, chat(question), DECODES[1])
-    call = make_call(chat(question, "fine", "and?"), fleet=fleet, remote_prefill="auto")
-    assert not call.wants_prefill()
-    held = next(e for e in fleet.decode.endpoints if e.url == DECODES[1])
+    call = follow_up_of_a_remembered_turn()
+    held = next(e for e in call.context.fleet.decode.endpoints if e.url == DECODES[1])
     held.acquire()  # the endpoint is taken by this very call's first attempt, then tried
     call.decode.tried.append(held)
     with pytest.raises(HandoffInstead):
