@@ -370,10 +370,10 @@ class Call:
         first = self._decode_body is None
         if self._decode_body is None:
             self._decode_body = self.armed_decode_body(self.prefill_result, asks_usage=self._asks_usage())
-        request = self.requests.signed(base, self._decode_body)  # a fresh nonce per attempt
+        signed_with = self.requests.sign(base, self._decode_body)  # a fresh nonce per attempt
         if first:
             self.cpu_seconds += time.thread_time() - cpu_start
-        return self.decode.start(request)
+        return self.decode.start(self.requests.build(base, self._decode_body, signed_with))
 
     def armed_decode_body(self, prefill: wire.PrefillResult | None, *, asks_usage: bool = False) -> bytes:
         """The decode body for ``prefill``'s KV, the call's migration armed where its dialect allows one."""
