@@ -643,12 +643,13 @@ _MAX_JSON_ANSWER = 8 * 1024 * 1024
 
 
 class AnswerCollector:
-    """The answer a caller received, from the decode body's bytes as they were handed on.
+    """The answer a caller received, from the decode body as it was handed on.
 
-    Streamed (SSE): whole events are parsed as they complete, and only the answer is
-    kept (its text, its tool calls, whether it had reasoning, the final usage).
-    Non-streamed: the JSON body is kept (up to 8 MB) and parsed at the end. ``answer()``
-    is None unless the answer is whole (a ``finish_reason`` seen) and has one choice.
+    Streamed (SSE): the stream's one framer hands each whole event's parsed data to
+    ``event`` (``wire.event_json``), and only the answer is kept (its text, its tool
+    calls, whether it had reasoning, the final usage). Non-streamed: the JSON body is
+    ``feed``-ed, kept (up to 8 MB) and parsed at the end. ``answer()`` is None unless the
+    answer is whole (a ``finish_reason`` seen) and has one choice.
     """
 
     def __init__(self, *, stream: bool) -> None:
@@ -667,24 +668,12 @@ class AnswerCollector:
         (its prefix-cache hits; servers run with ``--enable-prompt-tokens-details``)."""
 
     def feed(self, data: bytes) -> None:
+        """Bytes of a non-streamed answer's JSON body."""
         if self._spoiled or not data:
             return
         self._buffer += data
-        if not self._stream:
-            if len(self._buffer) > _MAX_JSON_ANSWER:
-                self._spoil()
-            return
-        if b"\r" in self._buffer:
-            self._buffer = bytearray(bytes(self._buffer).replace(b"\r\n", b"\n"))
-        while not self._spoiled:
-            end = self._buffer.find(b"\n\n")
-            if end < 0:
-                if len(self._buffer) > _MAX_JSON_ANSWER:
-                    self._spoil()
-                return
-            event = bytes(self._buffer[:end])
-            del self._buffer[: end + 2]
-            self._event(event)
+        if len(self._buffer) > _MAX_JSON_ANSWER:
+            self._spoil()
 
     def answer(self) -> Answer | None:
         """The whole answer, or None (cut, abandoned, several choices, not parsable)."""
@@ -702,29 +691,22 @@ class AnswerCollector:
         self._buffer = bytearray()
         self._content = []
 
-    def _event(self, event: bytes) -> None:
-        for line in event.split(b"\n"):
-            if not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
-                continue
-            try:
-                chunk = orjson.loads(payload)
-            except orjson.JSONDecodeError:
-                self._spoil()
+    def event(self, chunk: object) -> None:
+        """One streamed event's data, parsed (None: an event without data, or ``[DONE]``);
+        anything but a JSON object spoils the answer."""
+        if self._spoiled or chunk is None:
+            return
+        if not isinstance(chunk, dict):
+            self._spoil()
+            return
+        self._usage(chunk.get("usage"))
+        for choice in chunk.get("choices") or ():
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                self._spoil()  # n > 1: which one goes on is the caller's choice
                 return
-            if not isinstance(chunk, dict):
-                self._spoil()
-                return
-            self._usage(chunk.get("usage"))
-            for choice in chunk.get("choices") or ():
-                if not isinstance(choice, dict) or choice.get("index", 0) != 0:
-                    self._spoil()  # n > 1: which one goes on is the caller's choice
-                    return
-                self._delta(choice.get("delta"))
-                if choice.get("finish_reason") is not None:
-                    self._finished = True
+            self._delta(choice.get("delta"))
+            if choice.get("finish_reason") is not None:
+                self._finished = True
 
     def _delta(self, delta: object) -> None:
         if not isinstance(delta, dict):

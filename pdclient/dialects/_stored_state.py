@@ -38,8 +38,6 @@ _RESPONSE_PATH = re.compile(r"/responses/([^/]+)(/cancel|/input_items)?/?\Z")
 """The pass-through routes that name a stored response (vLLM 0.32 serves GET and ``/cancel``)."""
 _RESPONSE_KEY = b'"response"'
 _ID_FIELDS = ("id", "previous_response_id")
-_FLUSH_UNFRAMED = 1 << 16
-"""An SSE body with no event end in this many bytes is passed on as it is."""
 
 
 @lru_cache(maxsize=256)
@@ -158,10 +156,11 @@ class IdTags:
         if not self.stream:
             self._buffer += data
             return b""
-        out = b"".join(tag_event(event, self._tag) for event in self._framer.feed(data))
-        if self._framer.pending >= _FLUSH_UNFRAMED:
-            out += self._framer.rest()
-        return out
+        return sse.pass_events(self._framer, data, self.event)
+
+    def event(self, raw: bytes) -> bytes:
+        """One whole event of the stream, its response's ids tagged."""
+        return tag_event(raw, self._tag)
 
     def end(self) -> bytes:
         """The rest, once the body is whole."""

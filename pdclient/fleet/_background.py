@@ -8,7 +8,7 @@ the result, without doing any I/O itself::
     core.apply(job, outcome, now)              what came back (Fetched or LookedUp)
 
 so the cores are unit-tested with a fake clock and hand-made outcomes. One loop runs them
-(``_Driver._serve``, on asyncio with one ``httpx.AsyncClient``): every due job is a task
+(``_Driver._serve``, on anyio with one ``httpx.AsyncClient``): every due job is a task
 of its own whose outcome is applied the moment it ends, so a server that hangs or drips
 its answer holds up only its own job, never the other members' probes or scrapes. A
 fetch has a deadline for the whole exchange, its body included (``Fetch.timeout``):
@@ -17,15 +17,15 @@ otherwise never time out. Two drivers host that loop:
 
 - ``BackgroundThread``: sync clients. One daemon thread running an event loop of its own,
   so a sync program gets the same concurrency and deadlines without a loop of its own.
-- ``BackgroundTask``: async clients. One asyncio task, started on first use from the
-  running loop.
+- ``BackgroundTask``: async clients. One task of the running loop, started on first use:
+  an asyncio task, or under trio a system task of the run (it ends with the run).
 
 ``Background`` is one fleet's work (``fleet._fleet.Fleet.background``): its cores and the
 driver that runs them, chosen on first use: a task when an async client's first call
-comes from a running asyncio loop, else a thread (sync clients, and async ones under
-trio). Nothing here starts by itself: a ``Background`` exists only when a feature that
-needs one is on, its driver starts on the client's first call and stops on ``close()``
-/ ``aclose()`` (or when the fleet is garbage-collected unclosed).
+comes from a running event loop (asyncio or trio), else a thread. Nothing here starts by
+itself: a ``Background`` exists only when a feature that needs one is on, its driver
+starts on the client's first call and stops on ``close()`` / ``aclose()`` (or when the
+fleet is garbage-collected unclosed).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import sys
 import threading
 import time
 import weakref
@@ -41,6 +42,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
+import anyio
 import anyio.to_thread
 import httpx
 
@@ -180,10 +182,9 @@ async def fetch(http: httpx.AsyncClient, action: Fetch) -> Fetched:
     """``action``'s status and body, or its error; within ``action.timeout`` from the
     connection to the body's last byte: a server that drips its answer fails at the
     deadline as one that never answers does."""
-    try:
-        return await asyncio.wait_for(_fetch(http, action), action.timeout)
-    except asyncio.TimeoutError:
-        return Fetched(None, error=f"TimeoutError: no whole answer within {action.timeout:g} s")
+    with anyio.move_on_after(action.timeout):
+        return await _fetch(http, action)
+    return Fetched(None, error=f"TimeoutError: no whole answer within {action.timeout:g} s")
 
 
 async def _fetch(http: httpx.AsyncClient, action: Fetch) -> Fetched:
@@ -207,8 +208,9 @@ def lookup_sync(resolver: Resolver, action: Lookup) -> LookedUp:
 
 
 async def lookup_async(resolver: Resolver, action: Lookup) -> LookedUp:
-    # getaddrinfo blocks: off the event loop, as asyncio's own loop.getaddrinfo does.
-    return await asyncio.to_thread(lookup_sync, resolver, action)
+    # getaddrinfo blocks: off the event loop, as asyncio's own loop.getaddrinfo does; a
+    # lookup stuck in the resolver is left to its thread when the driver stops.
+    return await anyio.to_thread.run_sync(lookup_sync, resolver, action, abandon_on_cancel=True)
 
 
 class _Driver:
@@ -261,25 +263,18 @@ class _Driver:
         wake = min((core.next_due() for core in self.cores), default=float("inf"))
         return min(self._max_sleep, max(0.0, wake - self._clock()))
 
-    async def _serve(self, stopped: Callable[[], bool], wake: asyncio.Event) -> None:
+    async def _serve(self, stopped: Callable[[], bool], wake: Wake) -> None:
         """Start every due job as a task of its own, then sleep until the next is due, a job
         ends or ``wake`` is set; until ``stopped()``. The jobs still out are cancelled then."""
-        jobs: set[asyncio.Task[None]] = set()
-        async with self._http() as http:
-            try:
-                while not stopped():
-                    wake.clear()  # before asking: work added from now on wakes the wait below
-                    for core, job in self._due():
-                        task = asyncio.ensure_future(self._job(http, core, job, wake))
-                        jobs.add(task)
-                        task.add_done_callback(jobs.discard)
-                    await _sleep(wake, self._sleep_seconds())
-            finally:  # before the client closes under them
-                for task in list(jobs):
-                    task.cancel()
-                await asyncio.gather(*jobs, return_exceptions=True)
+        async with self._http() as http, anyio.create_task_group() as jobs:  # jobs end before the client
+            while not stopped():
+                wake.clear()  # before asking: work added from now on wakes the wait below
+                for core, job in self._due():
+                    jobs.start_soon(self._job, http, core, job, wake)
+                await wake.wait(self._sleep_seconds())
+            jobs.cancel_scope.cancel()
 
-    async def _job(self, http: httpx.AsyncClient, core: Core, job: Job, wake: asyncio.Event) -> None:
+    async def _job(self, http: httpx.AsyncClient, core: Core, job: Job, wake: Wake) -> None:
         self._apply(core, job, await self._perform(http, job.action))
         wake.set()  # its member may be due again: the loop plans its sleep anew
 
@@ -292,29 +287,79 @@ class _Driver:
             return self._failed(action, exc)
 
 
-async def _sleep(wake: asyncio.Event, seconds: float) -> None:
-    """Until ``wake`` is set or ``seconds`` have passed. Not ``asyncio.wait_for``: before
-    Python 3.12 it returns, instead of raising, when it is cancelled as the event is set
-    (a job that ends as the loop is cancelled), and the loop would go on."""
-    waiter = asyncio.ensure_future(wake.wait())
+def running_library() -> str | None:
+    """``"asyncio"`` or ``"trio"`` when called from a running event loop of theirs, else None
+    (as anyio tells them apart, without sniffio: anyio no longer depends on it)."""
     try:
-        await asyncio.wait([waiter], timeout=seconds)
-    finally:
-        waiter.cancel()
-
-
-def _on_loop(loop: asyncio.AbstractEventLoop, callback: Callable[[], object]) -> None:
-    """Run ``callback`` on ``loop``: now when called from it, else through the loop's own
-    thread-safe queue (nothing when the loop is closed: its tasks died with it)."""
-    try:
-        current = asyncio.get_running_loop()
+        asyncio.get_running_loop()
     except RuntimeError:
-        current = None
-    if current is loop:
-        callback()
-        return
-    with contextlib.suppress(RuntimeError):
-        loop.call_soon_threadsafe(callback)
+        pass
+    else:
+        return "asyncio"
+    trio = sys.modules.get("trio")
+    if trio is not None:
+        try:
+            trio.lowlevel.current_trio_token()
+        except RuntimeError:
+            return None
+        return "trio"
+    return None
+
+
+class EventLoop:
+    """The running event loop (asyncio's or trio's), as the one thing the drivers need of it:
+    running a callback on it from any thread, soon, without waiting."""
+
+    __slots__ = ("_call_soon", "_thread", "token")
+
+    def __init__(self) -> None:
+        if running_library() == "trio":
+            token: object = sys.modules["trio"].lowlevel.current_trio_token()
+            self._call_soon: Callable[[Callable[[], object]], object] = token.run_sync_soon  # type: ignore[attr-defined]
+        else:
+            token = asyncio.get_running_loop()
+            self._call_soon = token.call_soon_threadsafe
+        self.token = token
+        """Which loop it is (a loop that ended is never the running one again)."""
+        self._thread = threading.get_ident()
+
+    def is_current(self) -> bool:
+        """Whether the caller runs on this loop."""
+        try:
+            return EventLoop().token is self.token
+        except RuntimeError:
+            return False
+
+    def call_soon(self, callback: Callable[[], object]) -> None:
+        """``callback`` on this loop: now when called from it, else queued (nothing if the loop ended)."""
+        if threading.get_ident() == self._thread and self.is_current():
+            callback()
+            return
+        with contextlib.suppress(RuntimeError):  # asyncio's loop closed, trio's run over
+            self._call_soon(callback)
+
+
+class Wake:
+    """An event the driver sleeps on, set from any thread (a job queued, the driver stopped)
+    and cleared by the loop before it asks its cores for work: an anyio ``Event`` anew per sleep."""
+
+    __slots__ = ("_event", "loop")
+
+    def __init__(self) -> None:
+        self.loop = EventLoop()
+        self._event = anyio.Event()
+
+    def set(self) -> None:
+        self.loop.call_soon(self._event.set)
+
+    def clear(self) -> None:
+        if self._event.is_set():
+            self._event = anyio.Event()
+
+    async def wait(self, seconds: float) -> None:
+        """Until the event is set or ``seconds`` have passed."""
+        with anyio.move_on_after(seconds):
+            await self._event.wait()
 
 
 class BackgroundThread(_Driver):
@@ -322,8 +367,8 @@ class BackgroundThread(_Driver):
 
     def _init_state(self) -> None:
         self._stop = threading.Event()
-        self._wake: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
-        """The thread's loop and its wake event, once the loop runs."""
+        self._wake: Wake | None = None
+        """The thread's wake event (on its loop), once the loop runs."""
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
@@ -344,7 +389,7 @@ class BackgroundThread(_Driver):
         """Ask the cores for work now, not at the end of the current sleep (from any thread)."""
         awake = self._wake
         if awake is not None:
-            _on_loop(awake[0], awake[1].set)
+            awake.set()
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the thread and wait for it (the jobs in progress are cancelled)."""
@@ -353,7 +398,7 @@ class BackgroundThread(_Driver):
             self._stop.set()
             awake, self._wake = self._wake, None
         if awake is not None:
-            _on_loop(awake[0], awake[1].set)
+            awake.set()
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
 
@@ -367,64 +412,79 @@ class BackgroundThread(_Driver):
             loop.close()
 
     async def _main(self, stop: threading.Event) -> None:
-        wake = asyncio.Event()
+        wake = Wake()
         with self._lock:
             if stop.is_set():  # closed before the loop ran
                 return
-            self._wake = (asyncio.get_running_loop(), wake)
+            self._wake = wake
         await self._serve(stop.is_set, wake)
 
 
 class BackgroundTask(_Driver):
-    """Runs the cores in one asyncio task with one ``httpx.AsyncClient`` (async clients)."""
+    """Runs the cores in one task of the running event loop, asyncio's or trio's (a trio system
+    task), with one ``httpx.AsyncClient`` (async clients)."""
 
     def _init_state(self) -> None:
-        self._stop: asyncio.Event | None = None
-        self._wake: asyncio.Event | None = None
+        self._stop = False
+        self._wake: Wake | None = None
+        self._scope: anyio.CancelScope | None = None
+        self._done: anyio.Event | None = None
         self._task: asyncio.Task[None] | None = None
+        """The asyncio task (None under trio, where it is a system task)."""
 
     @property
     def running(self) -> bool:
-        return self._task is not None and not self._task.done()
+        return self._done is not None and not self._done.is_set()
 
     def start(self) -> None:
         """Start the task on the running loop unless it runs there already (call from the loop)."""
-        loop = asyncio.get_running_loop()
-        if self._task is not None and not self._task.done() and self._task.get_loop() is loop:
+        wake = self._wake
+        if self.running and wake is not None and wake.loop.is_current():
             return
-        # A task left on another loop (an earlier asyncio.run) is dead with that loop.
-        self._stop, self._wake = asyncio.Event(), asyncio.Event()
-        self._task = loop.create_task(self._run(self._stop, self._wake), name=self.name)
+        # A task left on another loop (an earlier asyncio.run, trio.run) is dead with that loop.
+        self._stop, self._wake, self._done = False, Wake(), anyio.Event()
+        self._scope = anyio.CancelScope()
+        if running_library() == "trio":
+            sys.modules["trio"].lowlevel.spawn_system_task(
+                self._run, self._scope, self._wake, self._done, name=self.name
+            )
+            self._task = None
+        else:
+            run = self._run(self._scope, self._wake, self._done)
+            self._task = asyncio.get_running_loop().create_task(run, name=self.name)
 
     def wake(self) -> None:
         """Ask the cores for work now, not at the end of the current sleep (from any thread)."""
-        task, wake = self._task, self._wake
-        if task is not None and not task.done() and wake is not None:
-            _on_loop(task.get_loop(), wake.set)
+        wake = self._wake
+        if wake is not None and self.running:
+            wake.set()
 
     def cancel(self) -> None:
         """Stop the task without waiting for it; from any thread (its loop runs the cancel)."""
-        task, self._task = self._task, None
-        if task is not None and not task.done():
-            _on_loop(task.get_loop(), task.cancel)
+        scope, wake, self._scope = self._scope, self._wake, None
+        if scope is not None and wake is not None:
+            wake.loop.call_soon(scope.cancel)
 
     async def aclose(self) -> None:
-        """Stop the task and wait for it."""
-        task, self._task = self._task, None
-        if self._stop is not None and self._wake is not None:
-            self._stop.set()
-            self._wake.set()
-        if task is None or task.done():
+        """Stop the task and wait for it (a task of another loop is only cancelled)."""
+        scope, wake, done, self._scope = self._scope, self._wake, self._done, None
+        self._stop = True
+        if scope is None or wake is None or done is None or done.is_set():
             return
-        if task.get_loop() is not asyncio.get_running_loop():
-            task.cancel()  # another loop's task: it cannot be awaited from here
+        if not wake.loop.is_current():
+            wake.loop.call_soon(scope.cancel)  # another loop's task: it cannot be awaited from here
             return
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        scope.cancel()
+        await done.wait()
 
-    async def _run(self, stop: asyncio.Event, wake: asyncio.Event) -> None:
-        await self._serve(stop.is_set, wake)
+    async def _run(self, scope: anyio.CancelScope, wake: Wake, done: anyio.Event) -> None:
+        try:
+            with scope:
+                await self._serve(lambda: self._stop or scope.cancel_called, wake)
+        except Exception:  # a trio system task's error would end the caller's whole run
+            logger.exception("pdclient background: %s failed", self.name)
+        finally:
+            done.set()
 
 
 class Background:
@@ -488,13 +548,8 @@ class Background:
             driver.wake()
 
     def _new_driver(self) -> BackgroundThread | BackgroundTask:
-        if self.asynchronous:
-            try:
-                asyncio.get_running_loop()
-            except RuntimeError:  # trio (or no loop at all): a thread serves any caller
-                pass
-            else:
-                return BackgroundTask(self.cores, resolver=self._resolver, name=self.name)
+        if self.asynchronous and running_library() is not None:  # no loop at all: a thread serves any caller
+            return BackgroundTask(self.cores, resolver=self._resolver, name=self.name)
         return BackgroundThread(self.cores, resolver=self._resolver, name=self.name)
 
     def close(self, *, wait: bool = True) -> None:

@@ -210,7 +210,7 @@ def concurrent_decode(call: Call) -> ConcurrentDecode | None:
         return None  # the sequential path answers a decode outage
     pushed = wire.PrefillResult(ids=None, count=0, kv_transfer_params=coordinates.decode_kv_params(call.request_id))
     body = call.armed_decode_body(pushed)
-    request = call.decode.start(call.leg_request(base, body))
+    request = call.decode.start(call.requests.signed(base, body))
     call.dispatch = CONCURRENT
     return ConcurrentDecode(coordinates, request)
 

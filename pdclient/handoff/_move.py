@@ -18,8 +18,8 @@ import httpx
 
 from ..migration import CallMigration, CannotMove, Continuation, Route
 from ..pools import AllEndpointsOpen
-from ..routing import RouteRequest
-from ._call import Call, Leg
+from ._call import Call
+from ._leg import Leg
 
 STREAM_ERRORS = (httpx.TransportError, httpx.DecodingError)
 """What a decode stream raises when it breaks (a reset, a server gone, a read timeout)."""
@@ -131,10 +131,9 @@ def _release(call: Call, migration: CallMigration, continuation: Continuation) -
         return None
     leg = Leg(call, "release", call.context.fleet.decode)
     try:
-        plan = migration.plan
-        base = leg.pick(RouteRequest(leg="decode", affinity_key=plan.affinity_key, tenant=plan.tenant))
+        base = leg.pick(call.route_for("decode"))
     except AllEndpointsOpen:
         return None
-    request = call._leg_request(base, content, call._sign(base, content))
+    request = call.requests.signed(base, content)
     request.headers["x-request-id"] = continuation.request_id
     return Release(leg, leg.start(request))

@@ -51,7 +51,6 @@ import orjson
 
 from .._trace import Migration
 from ..pools import Endpoint
-from ..routing import RouteRequest
 from ..wire import SSEFramer, event_data, is_done
 from ..wire import _bodies as wire
 
@@ -280,12 +279,12 @@ class CallMigration:
         completion = len(self.tracker.ids)
         return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
 
-    def ending(self) -> bytes:
+    def ending(self) -> list[bytes]:
         """What a stream cut after its answer ended still owes the caller, as vLLM ends one:
         the usage event (if the caller wants one and has not had it), then ``[DONE]``."""
         tracker = self.tracker
         assert tracker is not None
-        out = b""
+        out: list[bytes] = []
         usage = self.usage()
         if self.wants_usage and not tracker.usage_sent and usage is not None:
             event_id, created, model = tracker.header or (None, None, None)
@@ -298,9 +297,9 @@ class CallMigration:
                 "choices": [],
                 "usage": usage,
             }
-            out = b"data: " + orjson.dumps(event) + b"\n\n"
+            out.append(b"data: " + orjson.dumps(event) + b"\n\n")
         if not tracker.done:
-            out += b"data: [DONE]\n\n"
+            out.append(b"data: [DONE]\n\n")
         return out
 
     # -- when a stream breaks ----------------------------------------------------------
@@ -373,9 +372,9 @@ class CallMigration:
     def prefill_request(self, call: Call, continuation: Continuation) -> httpx.Request:
         """The continuation's prefill leg (route prefill+decode): another prefill attempt of the call."""
         leg = call.prefill
-        leg.pick(RouteRequest(leg="prefill", affinity_key=self.plan.affinity_key, tenant=self.plan.tenant))
+        leg.pick(call.route_for("prefill"))
         body = continuation.prefill_body()
-        request = call._leg_request(leg.url, body, call._sign(leg.url, body), call.deadline)
+        request = call.requests.signed(leg.url, body, call.deadline)
         request.headers["x-request-id"] = continuation.request_id
         request.headers["accept"] = "application/json"
         return leg.start(request)
@@ -398,10 +397,9 @@ class CallMigration:
         continuation = self.pending
         assert continuation is not None
         leg = call.decode
-        route = RouteRequest(leg="decode", affinity_key=self.plan.affinity_key, tenant=self.plan.tenant)
-        leg.pick(route, exclude=self._broken_endpoints(call))
+        leg.pick(call.route_for("decode"), exclude=self._broken_endpoints(call))
         body = continuation.decode_body()
-        request = call._leg_request(leg.url, body, call._sign(leg.url, body))
+        request = call.requests.signed(leg.url, body)
         request.headers["x-request-id"] = continuation.request_id
         return request
 
@@ -464,6 +462,10 @@ def _record(continuation: Continuation, pause_ms: float | None) -> Migration:
 # -- the SSE body --------------------------------------------------------------------------
 
 
+def _whole(event: bytes) -> list[bytes]:
+    return [event] if event else []
+
+
 class Tracker:
     """An armed call's SSE body, event by event: the ids the caller has, and the bytes it gets."""
 
@@ -513,16 +515,22 @@ class Tracker:
 
     def feed(self, data: bytes) -> bytes:
         """The body bytes just read; returns what goes to the caller now (whole events)."""
+        return b"".join(self.events(data))
+
+    def events(self, data: bytes) -> list[bytes]:
+        """The body bytes just read; returns the events that go to the caller now, each whole
+        and framed once (the caller's body takes them as they are: ``handoff.CallerBody``)."""
         framer = self._framer
-        out = [piece for event in framer.feed(data) if (piece := self._event(event))]
+        out = [piece for event in framer.feed(data) for piece in self._event(event)]
         if framer.pending > MAX_EVENT_BYTES:
             self._stop("the decode's body is not a stream of SSE events")
-            out.append(self._flush() + self._framer.rest())
-        return b"".join(out)
+            out += [*self._flush(), self._framer.rest()]
+        return out
 
-    def end(self) -> bytes:
+    def end(self) -> list[bytes]:
         """The body ended without ``[DONE]``: what is left, as it is."""
-        return self._flush() + self._framer.rest()
+        rest = self._framer.rest()
+        return [*self._flush(), rest] if rest else self._flush()
 
     @property
     def answered(self) -> bool:
@@ -543,22 +551,21 @@ class Tracker:
         if self.stopped is None:
             self.stopped = reason
 
-    def _flush(self) -> bytes:
+    def _flush(self) -> list[bytes]:
         if not self._held:
-            return b""
+            return []
         self.ids.extend(self._held_ids)
         self._held_ids.clear()
-        held = b"".join(self._held)
-        self._held.clear()
+        held, self._held = self._held, []
         return held
 
-    def _event(self, event: bytes) -> bytes:
+    def _event(self, event: bytes) -> list[bytes]:
         payload = event_data(event)
         if payload is None:
-            return event  # a comment, or a field vLLM does not send: as it is
+            return [event]  # a comment, or a field vLLM does not send: as it is
         if len(payload) < 16 and is_done(payload):
             self.done = True
-            return self._flush() + event
+            return [*self._flush(), event]
         original = event
         if not self.want_prompt_ids and _PROMPT_KEY in payload:
             # The first chunk's prompt ids (thousands, with a long prompt) are cut out of the
@@ -571,10 +578,10 @@ class Tracker:
             obj = orjson.loads(payload)
         except orjson.JSONDecodeError:
             self._stop("the decode sent an event that is not JSON")
-            return self._flush() + event
+            return [*self._flush(), event]
         if type(obj) is not dict:
             self._stop("the decode sent an event that is not a JSON object")
-            return self._flush() + event
+            return [*self._flush(), event]
         if self.header is None:
             self.header = (obj.get("id"), obj.get("created"), obj.get("model"))
         choices = obj.get("choices")
@@ -584,7 +591,7 @@ class Tracker:
         if choice is None:
             if type(obj.get("usage")) is dict:
                 self.usage_sent = True
-            return self._flush() + self._output(original, event, obj, None, None)
+            return [*self._flush(), *_whole(self._output(original, event, obj, None, None))]
         ids = choice.get("token_ids")
         finish = choice.get("finish_reason")
         if self.chat:
@@ -608,18 +615,18 @@ class Tracker:
             ids = None
         out = self._output(original, event, obj, choice, delta)
         if not out:
-            return b""
+            return []
         if self.stopped is None and ids and not visible and finish is None:
             self._held.append(out)
             self._held_ids.extend(ids)
-            return b""
+            return []
         flushed = self._flush()
         if ids:
             self.ids.extend(ids)
         if finish is not None:
             index = choice.get("index", 0)
             self.finished[index if type(index) is int else 0] = str(finish)
-        return flushed + out if flushed else out
+        return [*flushed, out] if flushed else [out]
 
     def _output(
         self, original: bytes, event: bytes, obj: dict[str, Any], choice: dict[str, Any] | None, delta: Any

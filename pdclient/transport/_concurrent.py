@@ -18,8 +18,7 @@ import threading
 import anyio
 import httpx
 
-from ..handoff import Call
-from ..handoff._call import RELEASE_TIMEOUT
+from ..handoff import RELEASE_TIMEOUT, Call
 from ._leg_client import AsyncLegClient, LegClient
 
 _CONNECTED = "connection.connect_tcp.complete"

@@ -106,21 +106,21 @@ class _Body:
         self._broke(error)
         return move(self._call, self._migration, error, self._received)
 
-    def _pass_on(self, out: bytes) -> bytes:
+    def _pass_on(self, events: list[bytes]) -> bytes:
         """Events the tracker passed on: the caller's now (a stream), or the body's (assembled)."""
-        if not out:
+        if not events:
             return b""
         self._migration.delivered(time.perf_counter())
         if self._assembler is not None:
             try:
-                self._assembler.feed(out)
+                self._assembler.feed(b"".join(events))
             except CannotAssemble as exc:
                 raise self._unassembled(exc) from None
             return b""
         if self._first:
             self._first = False
             self._call.first_byte()
-        return self._call.to_caller(out)
+        return self._call.caller_body.events(events)
 
     def _end(self) -> bytes:
         """The body's last bytes, once the decode's events are over: the assembled body, and
@@ -133,8 +133,8 @@ class _Body:
             except CannotAssemble as exc:
                 raise self._unassembled(exc) from None
             self._call.first_byte()
-            out = self._call.to_caller(body)
-        return out + self._call.caller_rest()
+            out = self._call.caller_body.feed(body)
+        return out + self._call.caller_body.rest()
 
     def _unassembled(self, error: CannotAssemble) -> Exception:
         # The caller's 200 is on its way already: the body it cannot have is an error of its reading.
@@ -163,15 +163,14 @@ class MigratingDecodeStream(_Body, DecodeStream):
                 for chunk in chunks:
                     self._received += len(chunk)
                     reads += 1
-                    out = tracker.feed(chunk)
+                    out = tracker.events(chunk)
                     if tracker.done:
                         # The answer is whole: read the body's end so the connection is reused.
-                        for rest in _until_error(chunks):
-                            out += rest
+                        out += [rest for rest in _until_error(chunks) if rest]
                         self._drained = True
                         self._call.decode_streamed(reads)
-                    if out := self._pass_on(out):
-                        yield out
+                    if sent := self._pass_on(out):
+                        yield sent
                     if self._drained:
                         break
                 else:
@@ -237,14 +236,13 @@ class AsyncMigratingDecodeStream(_Body, AsyncDecodeStream):
                 async for chunk in chunks:
                     self._received += len(chunk)
                     reads += 1
-                    out = tracker.feed(chunk)
+                    out = tracker.events(chunk)
                     if tracker.done:
-                        async for rest in _until_error_async(chunks):
-                            out += rest
+                        out += [rest async for rest in _until_error_async(chunks) if rest]
                         self._drained = True
                         self._call.decode_streamed(reads)
-                    if out := self._pass_on(out):
-                        yield out
+                    if sent := self._pass_on(out):
+                        yield sent
                     if self._drained:
                         break
                 else:

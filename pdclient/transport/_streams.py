@@ -44,12 +44,12 @@ class DecodeStream(httpx.SyncByteStream):
                         chunk += rest
                     self._drained = True
                     self._call.decode_streamed(reads)
-                if out := self._call.to_caller(chunk):
+                if out := self._call.caller_body.feed(chunk):
                     yield out
         except STREAM_ERRORS as exc:
             raise self._call.broken_stream(exc, received) from exc
         self._drained = True
-        if held := self._call.caller_rest():
+        if held := self._call.caller_body.rest():
             yield held
 
     def close(self) -> None:
@@ -87,12 +87,12 @@ class AsyncDecodeStream(httpx.AsyncByteStream):
                         chunk += rest
                     self._drained = True
                     self._call.decode_streamed(reads)
-                if out := self._call.to_caller(chunk):
+                if out := self._call.caller_body.feed(chunk):
                     yield out
         except STREAM_ERRORS as exc:
             raise self._call.broken_stream(exc, received) from exc
         self._drained = True
-        if held := self._call.caller_rest():
+        if held := self._call.caller_body.rest():
             yield held
 
     async def aclose(self) -> None:

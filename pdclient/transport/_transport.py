@@ -22,7 +22,7 @@ from .._errors import PDConfigError
 from .._observe import Observers, TraceCallback
 from .._options import PDOptions
 from ..fleet import Fleet
-from ..handoff import Call, CallContext, HandoffInstead, Leg, dispatch
+from ..handoff import Call, CallContext, HandoffInstead, Leg, dispatch, release_request
 from ..pools import AllEndpointsOpen, URLArg
 from ..pools import _retry as retry
 from ..wire import Refusal
@@ -204,10 +204,10 @@ class PDTransport(_TransportBase, httpx.BaseTransport):
     def _release(self, call: Call) -> None:
         """The handoff was abandoned between the legs: free the prefill's KV blocks now,
         before the exception goes on (a background thread would die with the process)."""
-        self._send_release(call.release_request())
+        self._send_release(release_request(call))
 
     def _send_release(self, pending: tuple[Leg, httpx.Request] | None) -> None:
-        """Send a KV release leg (``Call.release_request``, or a moved stream's), if there is one."""
+        """Send a KV release leg (``handoff.release_request``, or a moved stream's), if there is one."""
         if pending is None:
             return
         leg, request = pending
@@ -362,7 +362,7 @@ class AsyncPDTransport(_TransportBase, httpx.AsyncBaseTransport):
 
     async def _release(self, call: Call) -> None:
         """Async twin of ``PDTransport._release``."""
-        await self._send_release(call.release_request())
+        await self._send_release(release_request(call))
 
     async def _send_release(self, pending: tuple[Leg, httpx.Request] | None) -> None:
         """Async twin of ``PDTransport._send_release``: shielded, so a cancelled caller still sends it."""

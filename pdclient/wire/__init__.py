@@ -36,8 +36,19 @@ from ._call_options import (
 from ._headers import FAILED_LEG_HEADER, HOP_BY_HOP, RAW_TRACE_HEADER_PREFIX, TRACE_HEADER_PREFIX
 from ._parts import TEXT_PART_TYPES, has_media, is_text_part
 from ._signing import DEFAULT_TTL, SECRET_ENV, SIGNATURE_HEADER, signature
-from ._sse import SSEFramer, ends_event_stream, event_data, is_done, split_events, stream_tail
+from ._sse import (
+    FLUSH_UNFRAMED,
+    SSEFramer,
+    ends_event_stream,
+    event_data,
+    event_json,
+    is_done,
+    pass_events,
+    split_events,
+    stream_tail,
+)
 from ._usage import (
+    USAGE_KEY,
     UsageMerge,
     UsageStrip,
     merge_usage,
@@ -69,7 +80,9 @@ __all__ = [
     "SECRET_ENV",
     "SIGNATURE_HEADER",
     "UploadScan",
+    "FLUSH_UNFRAMED",
     "SSEFramer",
+    "USAGE_KEY",
     "UsageMerge",
     "UsageStrip",
     "affinity_key",
@@ -82,6 +95,7 @@ __all__ = [
     "decode_body",
     "ends_event_stream",
     "event_data",
+    "event_json",
     "is_done",
     "kv_params_in_json",
     "merge_usage",
@@ -97,6 +111,7 @@ __all__ = [
     "release_body",
     "route_kind",
     "signature",
+    "pass_events",
     "split_events",
     "stream_tail",
     "without_call_options",

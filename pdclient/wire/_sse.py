@@ -14,6 +14,9 @@ only passes bytes on).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+
+import orjson
 
 DONE = b"[DONE]"
 """The data of the last event of an OpenAI-style stream."""
@@ -23,6 +26,9 @@ _DONE_TAIL = 32
 # Two line ends in a row; a CR followed by LF is one line end, never two.
 _BLANK_LINE = re.compile(rb"(?:\r\n|\r(?!\n)|\n)(?:\r\n|\r|\n)")
 _LINE_END = re.compile(rb"\r\n|\r|\n")
+
+FLUSH_UNFRAMED = 1 << 16
+"""An SSE body with no event end in this many bytes is passed on as it is."""
 
 
 def event_data(raw: bytes) -> bytes | None:
@@ -103,3 +109,25 @@ def ends_event_stream(chunk: bytes) -> bool:
 def stream_tail(previous: bytes, chunk: bytes) -> bytes:
     """The body's last bytes after ``chunk`` (a network read may end inside ``data: [DONE]``)."""
     return (previous + chunk[-_DONE_TAIL:])[-_DONE_TAIL:]
+
+
+def pass_events(framer: SSEFramer, data: bytes, each: Callable[[bytes], bytes]) -> bytes:
+    """The events ``data`` completed, each as ``each`` rewrites it (b"": left out), then the
+    bytes of a body with no event end in ``FLUSH_UNFRAMED`` bytes as they are: the one way
+    a step that passes a stream on in whole events frames it."""
+    out = b"".join([each(event) for event in framer.feed(data)])
+    if framer.pending >= FLUSH_UNFRAMED:
+        out += framer.rest()
+    return out
+
+
+def event_json(raw: bytes) -> object:
+    """One event's data as JSON, parsed once for every step that reads it: None for an event
+    without data or the stream's ``[DONE]``; the data's bytes when they are not JSON."""
+    data = event_data(raw)
+    if data is None or is_done(data):
+        return None
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return data

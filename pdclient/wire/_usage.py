@@ -31,9 +31,9 @@ from typing import Any
 
 import orjson
 
-from ._sse import SSEFramer, event_data, split_events
+from ._sse import SSEFramer, event_json, pass_events, split_events
 
-_USAGE_KEY = b'"usage"'
+USAGE_KEY = b'"usage"'
 
 PayloadMerge = Callable[[dict[str, Any], Mapping[str, Any], bool], bool]
 """How one API merges the prefill's usage into a decode payload, in place: ``(payload,
@@ -50,10 +50,6 @@ def merge_chat_payload(payload: dict[str, Any], prefill: Mapping[str, Any], stre
         return False
     payload["usage"] = merged
     return True
-
-
-_FLUSH_UNFRAMED = 1 << 16
-"""An SSE body with no event end in this many bytes is passed on as it is."""
 
 
 def prefill_usage(payload: object) -> dict[str, Any] | None:
@@ -99,7 +95,7 @@ def merge_usage(prefill: Mapping[str, Any] | None, decode: Mapping[str, Any]) ->
 
 def merge_usage_json(body: bytes, prefill: Mapping[str, Any] | None, merge: PayloadMerge = merge_chat_payload) -> bytes:
     """A non-streamed response body with its usage merged; the same bytes when there is nothing to do."""
-    if prefill is None or _USAGE_KEY not in body:
+    if prefill is None or USAGE_KEY not in body:
         return body
     try:
         payload = orjson.loads(body)
@@ -119,7 +115,7 @@ def merge_usage_sse(data: bytes, prefill: Mapping[str, Any] | None, merge: Paylo
     A caller handing over the stream's last chunk (the one with ``data: [DONE]``, which
     vLLM sends right after the usage event) gets the event when it is whole in it.
     """
-    if prefill is None or _USAGE_KEY not in data:
+    if prefill is None or USAGE_KEY not in data:
         return data
     events, start = split_events(data)
     merged = _merged(events, prefill, merge)
@@ -133,20 +129,18 @@ def _merged(events: list[bytes], prefill: Mapping[str, Any], merge: PayloadMerge
     out: list[bytes] = []
     changed = False
     for event in events:
-        rewritten = _rewrite_event(event, prefill, merge) if _USAGE_KEY in event else None
+        rewritten = _rewrite_event(event, prefill, merge) if USAGE_KEY in event else None
         changed = changed or rewritten is not None
         out.append(event if rewritten is None else rewritten)
     return b"".join(out) if changed else None
 
 
 def _rewrite_event(event: bytes, prefill: Mapping[str, Any], merge: PayloadMerge) -> bytes | None:
-    data = event_data(event)
-    if data is None:
-        return None
-    try:
-        payload = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return None
+    return _rewritten(event, event_json(event), prefill, merge)
+
+
+def _rewritten(event: bytes, payload: object, prefill: Mapping[str, Any], merge: PayloadMerge) -> bytes | None:
+    """The event with its payload merged (in place) and written back; None when unchanged."""
     lines = event.splitlines(keepends=True)
     data_lines = [i for i, line in enumerate(lines) if line.startswith(b"data:")]
     if len(data_lines) != 1:
@@ -182,14 +176,16 @@ class UsageMerge:
         if not self.stream:
             self._buffer += data
             return b""
-        events = self._framer.feed(data)
-        if len(events) == 1 and _USAGE_KEY not in events[0]:
-            out = events[0]  # most network reads of a stream: one event, no usage
-        else:
-            out = _merged(events, self._prefill, self._merge) or b"".join(events)
-        if self._framer.pending >= _FLUSH_UNFRAMED:
-            out += self._framer.rest()
-        return out
+        return pass_events(self._framer, data, self.event)
+
+    def event(self, raw: bytes, payload: object = None) -> bytes:
+        """One whole event of the stream, the final usage event rewritten; ``payload``: its
+        data already parsed (``sse.event_json``), else it is parsed here if it holds a usage."""
+        if USAGE_KEY not in raw:
+            return raw
+        if payload is None:
+            return _rewrite_event(raw, self._prefill, self._merge) or raw
+        return _rewritten(raw, payload, self._prefill, self._merge) or raw
 
     def end(self) -> bytes:
         """The rest, once the body is whole."""
@@ -213,17 +209,13 @@ def with_usage_asked(body: bytes) -> bytes:
     return stripped[:-1] + _ASK_USAGE
 
 
-def _is_usage_event(event: bytes) -> bool:
-    """Whether an SSE event is the final usage report (``"choices": []`` and a ``usage`` object)."""
-    if _USAGE_KEY not in event:
+def _is_usage_event(event: bytes, payload: object = None) -> bool:
+    """Whether an SSE event is the final usage report (``"choices": []`` and a ``usage`` object);
+    ``payload``: its data already parsed, else it is parsed here if it holds a usage."""
+    if USAGE_KEY not in event:
         return False
-    data = event_data(event)
-    if data is None:
-        return False
-    try:
-        payload = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return False
+    if payload is None:
+        payload = event_json(event)
     return isinstance(payload, dict) and payload.get("choices") == [] and isinstance(payload.get("usage"), dict)
 
 
@@ -239,10 +231,11 @@ class UsageStrip:
         self._framer = SSEFramer()
 
     def feed(self, data: bytes) -> bytes:
-        out = b"".join(event for event in self._framer.feed(data) if not _is_usage_event(event))
-        if self._framer.pending >= _FLUSH_UNFRAMED:
-            out += self._framer.rest()
-        return out
+        return pass_events(self._framer, data, self.event)
+
+    def event(self, raw: bytes, payload: object = None) -> bytes:
+        """One whole event: b"" if it is the usage pdclient asked for, else as it came."""
+        return b"" if _is_usage_event(raw, payload) else raw
 
     def end(self) -> bytes:
         rest = self._framer.rest()

@@ -17,8 +17,7 @@ import httpx
 import openai
 import pytest
 
-from pdclient import ConversationSettings, Outcome, PDConfigError, PDObserver, PDOptions, PDTrace
-from pdclient._observe import CallView
+from pdclient import CallView, ConversationSettings, Outcome, PDConfigError, PDObserver, PDOptions, PDTrace
 from tests.fake_vllm import DECODE, DECODE2, PREFILL, FakeVLLM, VLLMAnswers, echo, ids_of_conversation
 from tests.twins import Twin
 

@@ -21,8 +21,7 @@ import openai
 import pytest
 import respx
 
-from pdclient import AsyncPDTransport, PDOptions, PDTrace, PDTransport
-from pdclient._trace import Outcome
+from pdclient import AsyncPDTransport, Outcome, PDOptions, PDTrace, PDTransport
 from tests.fake_vllm import DECODE, DECODE2, NIXL_PARAMS, PREFILL, CutStream
 from tests.twins import Twin
 

@@ -9,9 +9,8 @@ import httpx
 import openai
 import pytest
 
-from pdclient import PDOptions, PDTrace
-from pdclient._errors import PDConfigError
-from pdclient.handoff._dispatch import Coordinates, usable
+from pdclient import PDConfigError, PDOptions, PDTrace
+from pdclient.handoff import dispatch
 from tests.fake_vllm import NIXL_PARAMS, FakeVLLM
 from tests.twins import Twin, status_error
 
@@ -43,15 +42,15 @@ def test_options_are_checked() -> None:
 
 
 def test_which_coordinates_each_mode_uses() -> None:
-    push = Coordinates.from_kv_params(json.dumps({**NIXL_PARAMS, "transfer_mode": "push"}).encode())
-    pull = Coordinates.from_kv_params(json.dumps({**NIXL_PARAMS, "transfer_mode": "pull"}).encode())
-    unsaid = Coordinates.from_kv_params(json.dumps(NIXL_PARAMS).encode())
+    push = dispatch.Coordinates.from_kv_params(json.dumps({**NIXL_PARAMS, "transfer_mode": "push"}).encode())
+    pull = dispatch.Coordinates.from_kv_params(json.dumps({**NIXL_PARAMS, "transfer_mode": "pull"}).encode())
+    unsaid = dispatch.Coordinates.from_kv_params(json.dumps(NIXL_PARAMS).encode())
     assert push is not None and pull is not None and unsaid is not None
-    assert [usable("auto", c) for c in (push, pull, unsaid, None)] == [True, False, False, False]
-    assert [usable("concurrent", c) for c in (push, pull, unsaid, None)] == [True, False, True, False]
-    assert not usable("sequential", push)
+    assert [dispatch.usable("auto", c) for c in (push, pull, unsaid, None)] == [True, False, False, False]
+    assert [dispatch.usable("concurrent", c) for c in (push, pull, unsaid, None)] == [True, False, True, False]
+    assert not dispatch.usable("sequential", push)
     for odd in (b"", b"[]", b"{", json.dumps({**NIXL_PARAMS, "remote_port": "5600"}).encode()):
-        assert Coordinates.from_kv_params(odd) is None
+        assert dispatch.Coordinates.from_kv_params(odd) is None
 
 
 async def test_first_call_learns_the_coordinates_then_both_legs_go_at_once(mode: str, fake: FakeVLLM) -> None:

@@ -16,8 +16,7 @@ import httpx
 import openai
 import pytest
 
-from pdclient import PDConfigError, PDObserver, PDOptions, PDTrace
-from pdclient._observe import CallView, LegView
+from pdclient import CallView, LegView, PDConfigError, PDObserver, PDOptions, PDTrace
 from pdclient.migration import _core as migrate
 from tests.fake_vllm import ANSWER_ID, DECODE, DECODE2, EOS_ID, PREFILL, FakeVLLM, VLLMAnswers, ids_of_last_message
 from tests.twins import Twin

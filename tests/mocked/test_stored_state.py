@@ -18,8 +18,7 @@ import openai
 import pytest
 import respx
 
-from pdclient import PDTrace
-from pdclient._trace import Outcome
+from pdclient import Outcome, PDTrace
 from pdclient.dialects import endpoint_tag
 from tests.fake_vllm import DECODE, DECODE2, NIXL_PARAMS, PREFILL
 from tests.twins import Twin

@@ -15,8 +15,7 @@ import httpx
 import openai
 import pytest
 
-from pdclient import PDOptions, PDTrace, PDTransport
-from pdclient._trace import Outcome
+from pdclient import Outcome, PDOptions, PDTrace, PDTransport
 from pdclient.dialects import endpoint_tag
 from pdclient.dialects._stored_state import split
 from pdclient.local import PDServers

@@ -16,8 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from pdclient import PDTrace
-from pdclient._observe import CallView, LegView, PDObserver
+from pdclient import CallView, LegView, PDObserver, PDTrace
 from tests.stubserver import Fault, StubServer, closed_port_url
 
 from .conftest import MESSAGES, RunningProxy, config_for, running_proxy, wait_for

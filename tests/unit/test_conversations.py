@@ -22,7 +22,7 @@ from pdclient.conversations import (
     decide_remote_prefill,
     rendered_chars,
 )
-from pdclient.wire import Kind, affinity_key
+from pdclient.wire import Kind, SSEFramer, affinity_key, event_json
 
 D1 = "http://decode-1:8200/v1"
 D2 = "http://decode-2:8200/v1"
@@ -563,9 +563,15 @@ def chunk(delta: dict[str, Any], finish: str | None = None, index: int = 0) -> d
 
 
 def collect(data: bytes, *, stream: bool = True, split: int = 7) -> AnswerCollector:
+    """The collector fed as a call's decode body feeds it: events framed once, their data parsed."""
     collector = AnswerCollector(stream=stream)
+    framer = SSEFramer()
     for at in range(0, len(data), split):  # events cut anywhere, as the network does
-        collector.feed(data[at : at + split])
+        if not stream:
+            collector.feed(data[at : at + split])
+            continue
+        for event in framer.feed(data[at : at + split]):
+            collector.event(event_json(event))
     return collector
 
 

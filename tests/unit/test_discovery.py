@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdclient._errors import PDConfigError
+from pdclient import PDConfigError
 from pdclient.fleet import (
     DiscoverySettings,
     DnsDiscovery,

@@ -337,17 +337,46 @@ def test_async_background_follows_a_new_loop() -> None:
     assert second.done() or second.cancelled()
 
 
-def test_async_background_under_trio_is_a_thread() -> None:
+def test_async_background_under_trio_is_a_task_of_its_run() -> None:
     trio = pytest.importorskip("trio")
-    background = Background([Ticks()], asynchronous=True)
+    core = Ticks()
+    background = Background([core], asynchronous=True)
 
     async def use() -> None:
         background.start()
-        assert isinstance(background.driver, BackgroundThread) and background.running
+        driver = background.driver
+        assert isinstance(driver, BackgroundTask) and background.running
+        assert not [t for t in threading.enumerate() if t.name == "pdclient-background"], "no thread under trio"
+        with trio.fail_after(5):
+            while core.applied < 2:
+                await trio.sleep(0.01)
+        driver.wake()  # from the run's own thread
         await background.aclose()
+        assert not driver.running
 
     trio.run(use)
     assert background.driver is None
+
+
+def test_a_trio_run_that_ends_without_aclose_ends_its_task_and_the_next_run_gets_one() -> None:
+    trio = pytest.importorskip("trio")
+    core = Ticks()
+    background = Background([core], asynchronous=True)
+
+    async def use() -> BackgroundTask:
+        background.start()
+        driver = background.driver
+        assert isinstance(driver, BackgroundTask)
+        before = core.applied
+        with trio.fail_after(5):
+            while core.applied < before + 2:
+                await trio.sleep(0.01)
+        return driver
+
+    first = trio.run(use)
+    assert not first.running, "its system task was cancelled with the run"
+    assert trio.run(use) is first and not first.running, "the same driver, started again in the new run"
+    background.close()
 
 
 def test_a_fleet_dropped_unclosed_stops_its_thread() -> None:

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from pdclient._errors import PDConfigError
+from pdclient import PDConfigError
 from pdclient.fleet import Fetch, Fetched, HealthProber, HealthSettings, LookedUp, ProbeState, step, verdict
 from pdclient.pools import BreakerSettings, EndpointPool
 from pdclient.routing import LeastOutstanding, RouteRequest

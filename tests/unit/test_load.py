@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pdclient._errors import PDConfigError
+from pdclient import PDConfigError
 from pdclient.fleet import (
     Fetch,
     Fetched,

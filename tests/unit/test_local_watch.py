@@ -137,7 +137,7 @@ def test_each_kv_connector_name_gives_its_vllm_config(tmp_path: Path, name: str,
 
 
 def test_an_unknown_kv_connector_names_the_known_ones(tmp_path: Path) -> None:
-    from pdclient._errors import PDSetupError
+    from pdclient import PDSetupError
 
     with pytest.raises(PDSetupError, match=r"unknown kv_connector 'push'.*'nixl-push'"):
         VLLMServer(

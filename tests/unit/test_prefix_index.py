@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from pdclient._errors import PDConfigError
+from pdclient import PDConfigError
 from pdclient.fleet import LoadSample
 from pdclient.pools import BreakerSettings, Endpoint, EndpointPool, route_decision
 from pdclient.routing import (

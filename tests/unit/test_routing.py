@@ -9,8 +9,7 @@ from collections.abc import Sequence
 import httpx
 import pytest
 
-from pdclient import PDOptions
-from pdclient._errors import PDConfigError
+from pdclient import PDConfigError, PDOptions
 from pdclient.pools import (
     AllEndpointsOpen,
     BreakerSettings,

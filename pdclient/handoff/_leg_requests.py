@@ -1,0 +1,239 @@
+"""The requests of a call's legs: the caller's request on another base, filtered and signed.
+
+A leg's request is the caller's method, path, query and headers on the leg's endpoint,
+with the hop-by-hop headers left out and the call's request id set (both legs carry the
+same one). A body pdclient built is signed for servers whose server patch guards
+``kv_transfer_params`` (``wire.signature``), so a forged or replayed id array is refused.
+The bodies come from the call's dialect; this module only chooses which one a leg sends
+(``decode_body``: armed for migration, asking for the usage the memory learns from).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+
+from .._options import PDOptions, call_override_refusal
+from ..dialects import Dialect
+from ..fleet import WARM_UP_TIMEOUT, Fetch
+from ..migration import CallMigration
+from ..pools import Endpoint
+from ..wire import CALL_OPTIONS_KEY, HOP_BY_HOP, PREFILL_FAILURE_POLICIES, SIGNATURE_HEADER, CallOptions, signature
+from ..wire import _bodies as wire
+from ..wire import _usage as usage
+
+# Hop-by-hop or derived headers that must not be copied onto a leg's new request (the
+# request id is set anew, as the call's).
+_DROPPED_REQUEST_HEADERS = HOP_BY_HOP | {b"host", b"content-length", b"x-request-id"}
+# How the caller framed its body: kept when its body stream goes on unread (a leg without
+# them would declare no body, and h11 refuses to send one).
+_BODY_FRAMING = frozenset({b"content-length", b"transfer-encoding"})
+_METHODS_WITH_BODY = frozenset({"POST", "PUT", "PATCH"})  # httpx declares even an empty one
+
+
+class _RequestIds:
+    """Request ids no other call of any process has: a random 64-bit prefix per process
+    (anew in a forked child) and a counter. ``uuid4`` asks the kernel for randomness per
+    id, ~0.1 ms each on these machines, a few per cent of the proxy's CPU per call."""
+
+    def __init__(self) -> None:
+        self.reset()
+        os.register_at_fork(after_in_child=self.reset)
+
+    def reset(self) -> None:
+        self._prefix = f"pd-{os.urandom(8).hex()}-"
+        self._counter = itertools.count()
+
+    def next(self) -> str:
+        return f"{self._prefix}{next(self._counter):x}"
+
+
+new_request_id = _RequestIds().next
+
+
+@functools.lru_cache(maxsize=1024)
+def leg_url(base: str, path: str, query: bytes) -> httpx.URL:
+    """A leg's URL, parsed once per endpoint, path and query (httpx URLs are immutable)."""
+    return httpx.URL(base + path, query=query or None)
+
+
+def request_with_content(
+    method: str, url: httpx.URL, headers: list[tuple[bytes, bytes]], content: bytes, extensions: dict[str, Any]
+) -> httpx.Request:
+    """A request whose body is known, as ``httpx.Request(content=...)`` builds it.
+
+    Given the body as a stream, httpx takes the headers as they are: ``content=`` would
+    scan them again for each header it might add (~0.1 ms a request in ``pdclient
+    serve``). So ``headers`` are complete but for the length, added here as httpx adds it.
+    """
+    if content or method in _METHODS_WITH_BODY:
+        headers = [*headers, (b"content-length", str(len(content)).encode("ascii"))]
+    request = httpx.Request(method, url, headers=headers, stream=httpx.ByteStream(content), extensions=extensions)
+    request.read()  # ``request.content`` is there to read, as with ``content=``
+    return request
+
+
+def streams_upload(request: httpx.Request) -> bool:
+    """A multipart upload not read yet: it goes on unread, scanned as it passes
+    (``wire.UploadScan``). Any other body is read and checked before it is sent."""
+    if wire.media_type(request.headers.get("content-type")) != wire.MULTIPART:
+        return False
+    try:
+        request.content  # noqa: B018 (whether it was read: a server passing bodies on reads them)
+    except httpx.RequestNotRead:
+        return True
+    return False
+
+
+def pass_through_body(request: httpx.Request) -> bytes | None:
+    """A pass-through request's body, read, as it goes on: a JSON body without pdclient's
+    per-call options, None for any other (the caller's stream is forwarded). Raises
+    ``wire.Refusal`` for a body that could carry a ``kv_transfer_params`` pdclient did not
+    write, or misspelt per-call options."""
+    headers = request.headers
+    wire.check_forwarded_body(request.content, headers.get("content-type"), headers.get("content-encoding"))
+    if wire.media_type(headers.get("content-type")) == "application/json":
+        return wire.without_call_options(request.content)
+    return None
+
+
+def call_options_refusal(given: CallOptions, options: PDOptions) -> str | None:
+    """Why a P/D call's per-call options are refused here, or None: a fallback URL the client
+    does not allow, or an option it does not let a call override."""
+    policy = given.on_prefill_failure
+    if policy not in (None, *PREFILL_FAILURE_POLICIES) and not options.allow_call_fallback_url:
+        return (
+            f"{CALL_OPTIONS_KEY}.on_prefill_failure may be {' or '.join(PREFILL_FAILURE_POLICIES)} here, "
+            "not a fallback URL (allow_call_fallback_url is off)"
+        )
+    return call_override_refusal(given, options)
+
+
+class LegRequests:
+    """The requests of one call's legs, on whichever base each attempt goes to."""
+
+    __slots__ = ("_path", "_request", "_request_id", "_secret")
+
+    def __init__(self, request: httpx.Request, request_id: str, relative_path: str, secret: str | None) -> None:
+        self._request = request
+        self._request_id = request_id
+        self._path = relative_path
+        self._secret = secret
+
+    def sign(self, base: str, content: bytes) -> str | None:
+        """The leg's signature for servers whose server patch guards kv_transfer_params, if a
+        secret is set (a fresh nonce each time: one per attempt)."""
+        if not self._secret:
+            return None
+        return signature(self._secret, self._request.method, httpx.URL(base + self._path).path, content)
+
+    def signed(self, base: str, content: bytes, deadline: float | None = None) -> httpx.Request:
+        """A leg's request on ``base`` with a body pdclient built, signed if a secret is set."""
+        return self.build(base, content, self.sign(base, content), deadline)
+
+    def build(
+        self, base: str, content: bytes | None, signed_with: str | None = None, deadline: float | None = None
+    ) -> httpx.Request:
+        """A leg's request: the caller's method, path, query and headers, on ``base``.
+
+        ``content`` None forwards the caller's body stream as it is (pass-through: a
+        multipart upload is never read into memory here).
+        """
+        caller = self._request
+        url = caller.url
+        if self._path:
+            url = leg_url(base, self._path, url.query)
+        # One pass over the caller's raw headers: httpx's Headers.pop scans them per name.
+        raw = caller.headers.raw
+        headers = [(k, v) for k, v in raw if k.lower() not in _DROPPED_REQUEST_HEADERS]
+        # The caller's own id goes on as the bytes it came as (decoded with the headers' encoding).
+        headers += [(b"x-request-id", self._request_id.encode(caller.headers.encoding)), (b"host", url.netloc)]
+        if signed_with is not None:
+            headers.append((SIGNATURE_HEADER.encode("ascii"), signed_with.encode("ascii")))
+        extensions = _timeout_within(caller.extensions, deadline)
+        if content is None:
+            headers += [(k, v) for k, v in raw if k.lower() in _BODY_FRAMING]
+            stream = _ScannedUpload(caller.stream) if streams_upload(caller) else caller.stream
+            return httpx.Request(caller.method, url, headers=headers, stream=stream, extensions=extensions)
+        return request_with_content(caller.method, url, headers, content, extensions)
+
+    def warm_up(self, endpoint: Endpoint, content: bytes) -> Fetch:
+        """A decode-only call's prompt as a plain one-token call to a prefill endpoint
+        (``fleet._warm``): unsigned (no ``kv_transfer_params``), under an id of its own."""
+        request = self.build(endpoint.url, content)
+        request.headers["x-request-id"] = f"{self._request_id}-warm-up"
+        headers = tuple((k, v) for k, v in request.headers.multi_items() if k != "host")
+        return Fetch(str(request.url), WARM_UP_TIMEOUT, endpoint.host_name, request.content, headers)
+
+
+def decode_body(
+    dialect: Dialect,
+    plan: wire.Plan,
+    prefill: wire.PrefillResult | None,
+    migration: CallMigration,
+    *,
+    asks_usage: bool = False,
+) -> bytes:
+    """The decode body for ``prefill``'s KV (None: decode-only, or the prefill failed): the one
+    a stream that may move sends (what its continuation needs) when ``migration`` is armed,
+    else the dialect's; ``asks_usage`` adds the usage event the caller did not ask for."""
+    body = migration.decode_body(plan, prefill) if migration.armed else dialect.decode_body(plan, prefill)
+    return usage.with_usage_asked(body) if asks_usage else body
+
+
+def asks_usage(plan: wire.Plan, *, collecting: bool, decode_only: bool) -> bool:
+    """Whether a decode-only chat stream asks its server for the usage the caller did not:
+    the prompt's length and cache hits, the truth the conversation estimates learn from."""
+    return (
+        collecting
+        and decode_only
+        and plan.kind is wire.Kind.CHAT  # the other APIs' streams report usage on their own
+        and plan.stream
+        and "stream_options" not in plan.fields
+    )
+
+
+class _ScannedUpload(httpx.SyncByteStream, httpx.AsyncByteStream):
+    """A multipart upload on its way to the server, unread: each chunk is scanned
+    (``wire.UploadScan``) before it is sent, so a refused one never reaches the server
+    whole (its form is never parsed) and the transport answers the ``Refusal`` with a 400.
+    Iterated again (a retry), it scans the caller's stream again from its start."""
+
+    def __init__(self, stream: httpx.SyncByteStream | httpx.AsyncByteStream) -> None:
+        self._stream = stream
+
+    def __iter__(self) -> Iterator[bytes]:
+        scan = wire.UploadScan()
+        for chunk in self._stream:  # type: ignore[union-attr]
+            scan.feed(chunk)
+            yield chunk
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        scan = wire.UploadScan()
+        async for chunk in self._stream:  # type: ignore[union-attr]
+            scan.feed(chunk)
+            yield chunk
+
+    def close(self) -> None:
+        if isinstance(self._stream, httpx.SyncByteStream):
+            self._stream.close()
+
+    async def aclose(self) -> None:
+        if isinstance(self._stream, httpx.AsyncByteStream):
+            await self._stream.aclose()
+
+
+def _timeout_within(extensions: dict[str, Any], deadline: float | None) -> dict[str, Any]:
+    """A copy of request extensions whose timeouts end no later than ``deadline`` (None: unchanged)."""
+    if deadline is None:
+        return dict(extensions)
+    remaining = max(0.001, deadline - time.monotonic())
+    timeouts = extensions.get("timeout") or {}
+    clipped = {k: remaining if v is None else min(v, remaining) for k, v in timeouts.items()}
+    return {**extensions, "timeout": clipped}

@@ -1,0 +1,158 @@
+"""Whether a call gets a remote prefill (``remote_prefill``), and what its conversation teaches.
+
+``always``: yes. ``never``: no, the caller's body goes to a routed decode endpoint.
+``auto``: a chat call is estimated against the conversation its affinity key names
+(``ConversationMemory``, one per fleet) and goes decode-only, to the decode endpoint that
+answered the previous turn, when ``decide_remote_prefill`` says its prefix is cached
+there; a completions call (nothing remembered) gets its prefill. Around the call, its
+``ConversationTurn`` reads the conversation once, teaches the memory the servers' own
+token counts, and remembers a whole answer as the next turn's prefix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import orjson
+
+from .._options import DEFAULT_ROUTING, PDOptions
+from ..conversations import (
+    SHAPE_FIELDS,
+    AnswerCollector,
+    ConversationMemory,
+    ConversationSettings,
+    Decision,
+    Estimate,
+    Match,
+    Reason,
+    decide_remote_prefill,
+)
+from ..pools import AllEndpointsOpen, EndpointPool
+from ..routing import RouteDecision, RouteRequest, conversation_routing, policy_decision
+from ..wire import _bodies as wire
+from ._leg import Leg
+from ._report import STORED_STATE
+
+
+def conversation_home(pool: EndpointPool, options: PDOptions, route: RouteRequest) -> RouteDecision | None:
+    """The decode endpoint a conversation's turns go to in every process (rendezvous on its
+    affinity key, with a load bound: ``routing.Rendezvous``); None if none is admitted, or
+    when the decode leg's own policy places it (this process's memory then finds it)."""
+    chosen = options.decode_routing is not None or options.routing != DEFAULT_ROUTING
+    policy = conversation_routing(pool.policy, chosen=chosen)
+    if policy is None:
+        return None
+    try:
+        return policy_decision(policy, pool.candidates(), route)
+    except AllEndpointsOpen:
+        return None
+
+
+def remote_prefill_decision(
+    mode: str, estimate: Estimate | None, settings: ConversationSettings, home: RouteDecision | None
+) -> Decision:
+    """``decide_remote_prefill``, its decode endpoint the conversation's home when the memory
+    names none: every replica sends this conversation's turns to the same decode endpoint."""
+    decision = decide_remote_prefill(mode, estimate, settings)
+    if decision.decode_endpoint is None and home is not None:
+        decision = dataclasses.replace(decision, decode_endpoint=home.endpoint.url)
+    return decision
+
+
+def handoff_after_all(decision: Decision, settings: ConversationSettings) -> Decision:
+    """The decision for a call sent decode-only to the endpoint holding its conversation that
+    cannot go there (it stopped admitting, or its attempt failed): on any other decode
+    endpoint nothing of the conversation is cached, so the call becomes a P/D handoff, as
+    ``auto`` decides for a conversation whose endpoint is unavailable."""
+    estimate = decision.estimate
+    if estimate is not None:
+        total = estimate.total_tokens
+        estimate = Estimate(total, total, None, Match.ENDPOINT_UNAVAILABLE)
+    after_all = decide_remote_prefill("auto", estimate, settings)
+    if not after_all.remote_prefill:  # a prompt estimated at no tokens at all
+        return Decision(True, Reason.UNCACHED_RATIO_AT_OR_ABOVE, None, estimate)
+    return after_all
+
+
+def pin_decode(leg: Leg, held: str | None, home: RouteDecision | None, stored_at: str | None) -> str | None:
+    """The endpoint a decode's first attempt is pinned to, if it admits (later attempts are
+    routed): a decode-only call's goes to the endpoint holding its conversation (``held``);
+    a handoff's to the conversation's rendezvous endpoint (``home``), so the next turn finds
+    it from any process; a stored response's to the endpoint that stored it (``stored_at``:
+    one no longer in the pool leaves the call routed as any other, and that server answers)."""
+    if leg.attempt:
+        return None
+    if held is not None:
+        return leg.pin(held, "held")
+    if home is not None:
+        return leg.pin(home.endpoint.url, home.rule or "key", home.policy)
+    if stored_at is not None:
+        return leg.pin(stored_at, STORED_STATE)
+    return None
+
+
+class ConversationTurn:
+    """One chat call's turn of its conversation, as the memory sees it: the fields it reads
+    (once), the estimate, what the servers' own counts teach it, and the answer to remember."""
+
+    __slots__ = ("_body", "collector", "memory", "plan")
+
+    def __init__(self, plan: wire.Plan, memory: ConversationMemory) -> None:
+        self.plan = plan
+        self.memory = memory
+        self.collector = AnswerCollector(stream=plan.stream)
+        """The answer the caller receives, from the decode body's bytes (``CallerBody``)."""
+        self._body: dict[str, Any] | None = None
+
+    def body(self) -> dict[str, Any]:
+        """The fields ``ConversationMemory`` reads of this chat call: its messages and its shape."""
+        if self._body is None:
+            body: dict[str, Any] = {}
+            for name in SHAPE_FIELDS:
+                raw = self.plan.fields.get(name)
+                if raw is not None:
+                    try:
+                        body[name] = orjson.loads(memoryview(raw))
+                    except orjson.JSONDecodeError:
+                        body[name] = bytes(raw).decode("utf-8", "replace")
+            body["messages"] = self.plan.messages
+            self._body = body
+        return self._body
+
+    def estimate(self, admitted: list[str], home: RouteDecision | None) -> Estimate:
+        """What the call would cost on the decode endpoint holding it, among those ``admitted``."""
+        # The rendezvous endpoint holds the conversation only when no load moved it there.
+        held = home.endpoint.url if home is not None and home.rule == "key" else None
+        return self.memory.estimate(self.plan.affinity_key, self.body(), admitted, held)
+
+    def learn(self, prompt_tokens: int) -> None:
+        """The chars-per-token ratio ``auto``'s estimates use, from a server's own count."""
+        self.memory.learn(self.body(), prompt_tokens)
+
+    def remember(self, decision: Decision, endpoint: str, *, decode_only: bool, prefill_tokens: int | None) -> None:
+        """A whole answer of a call that went as planned: the next turn's prefix on ``endpoint``.
+
+        ``prefill_tokens``: the prompt's length as the prefill's ids counted it (None: the
+        decode's ``usage.prompt_tokens``, when it reported one)."""
+        collector = self.collector
+        answer = collector.answer()
+        if answer is None:
+            return
+        prompt_tokens = prefill_tokens if prefill_tokens is not None else collector.prompt_tokens
+        floor = decision.estimate.cached_tokens if decision.estimate is not None else 0
+        if decode_only and collector.prompt_tokens is not None:
+            # The decode server's own count of this prompt: the chars-per-token ratio learns
+            # from it as from a prefill's, and what it found cached is the floor that counts.
+            self.learn(collector.prompt_tokens)
+            if collector.cached_tokens is not None:
+                floor = collector.cached_tokens
+        self.memory.remember(
+            self.plan.affinity_key,
+            self.body(),
+            answer,
+            endpoint,
+            prompt_tokens=prompt_tokens,
+            cached_floor=floor,
+            prompt_pulled=not decode_only,
+        )

@@ -1,0 +1,82 @@
+"""How a call ended, for programs and for people: its ``PDTrace``, and its log record."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from .._trace import Outcome, PDTrace
+
+if TYPE_CHECKING:
+    from ._call import Call
+
+logger = logging.getLogger("pdclient")
+
+STORED_STATE = "stored_state"
+"""``PDTrace.remote_prefill_reason`` of a call building on state a decode server stored."""
+
+CALL_RECORD = "pdclient_call"
+"""The attribute marking a log record that reports how one call ended (``Call.end``): a
+program that logs each call itself (``pdclient serve``) filters these out."""
+
+
+def trace_of(call: Call) -> PDTrace:
+    """The call's trace as it stands."""
+    plan, result = call.plan, call.prefill_result
+    ids_skipped = None
+    if call.outcome is Outcome.DISAGGREGATED and plan is not None and result is not None:
+        ids_skipped = plan.ids_skipped or result.problem
+    fallback = call.fallback
+    if fallback is None and ids_skipped is not None:
+        fallback = f"ids not forwarded: {ids_skipped}"
+    moved = call.migration.summary() if call.migration is not None else None
+    if moved:
+        fallback = f"{fallback}; {moved}" if fallback else moved
+    decision = call.decision
+    estimate = decision.estimate if decision is not None else None
+    return PDTrace(
+        request_id=call.request_id,
+        route=call.route,
+        outcome=call.outcome,
+        prefill_url=call.prefill.url or None,
+        decode_url=call.decode.url or None,
+        prefill_ms=call.prefill_ms,
+        prefill_attempts=call.prefill.attempt,
+        decode_headers_ms=call.decode_headers_ms,
+        decode_first_byte_ms=call.decode_first_byte_ms,
+        forwarded_tokens=call.forwarded_tokens,
+        ids_skipped=ids_skipped,
+        handoff_cpu_ms=call.cpu_seconds * 1000 if call.kind else None,
+        fallback=fallback,
+        error=call.error,
+        failed_leg=call.failed_leg,
+        prefill_route=str(call.prefill.decision) if call.prefill.decision else None,
+        decode_route=str(call.decode.decision) if call.decode.decision else None,
+        migrations=call.migration.records() if call.migration is not None else (),
+        remote_prefill=False if call.stored_state else decision.remote_prefill if decision else None,
+        remote_prefill_reason=STORED_STATE if call.stored_state else decision.reason.value if decision else None,
+        conversation=estimate.match.value if estimate is not None else None,
+        estimated_prompt_tokens=estimate.total_tokens if estimate is not None else None,
+        estimated_uncached_tokens=estimate.uncached_tokens if estimate is not None else None,
+        prefill_warm_up_url=call.warm_up_url,
+        dispatch=call.dispatch,
+    )
+
+
+def log_end(request_id: str, trace: PDTrace) -> None:
+    """One record per P/D call that did not go as planned; a debug one for the others."""
+    if trace.outcome in (Outcome.FAILED, Outcome.REFUSED):
+        # The caller gets this as an error already; a warning would say it twice.
+        logger.info("P/D call %s %s: %s", request_id, trace.outcome.value, trace.error, extra={CALL_RECORD: True})
+    elif trace.outcome not in (Outcome.DISAGGREGATED, Outcome.DECODE_ONLY) or trace.fallback:
+        # An answer that came back degraded (after a prefill failure, on a fallback server,
+        # after a migration): nothing else tells the caller, so it is never silent.
+        logger.warning(
+            "P/D call %s %s: %s",
+            request_id,
+            trace.outcome.value,
+            trace.fallback or trace.error,
+            extra={CALL_RECORD: True},
+        )
+    elif logger.isEnabledFor(logging.DEBUG):
+        logger.debug("P/D call %s: %s", request_id, trace)

@@ -1,0 +1,382 @@
+"""A call's planning without HTTP: whether it gets a prefill, where its decode goes, how its
+legs go out, what each leg's body is per API, and how the caller's usage is made.
+
+The call is driven by hand, as the transports drive it; the servers' answers are played
+by the test (nothing is sent). The pure parts (``decide``, ``handoff_after_all``,
+``usage_merge_for``, ``asks_usage``, ``id_tags_for``) are checked on their own inputs.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from pdclient import Outcome, PDOptions
+from pdclient._observe import Observers
+from pdclient.conversations import Answer, ConversationSettings, Decision, Estimate, Match, Reason
+from pdclient.fleet import Fleet
+from pdclient.handoff import (
+    Call,
+    CallContext,
+    ConversationTurn,
+    HandoffInstead,
+    LegRequests,
+    asks_usage,
+    dispatch,
+    handoff_after_all,
+    id_tags_for,
+    remote_prefill_decision,
+    usage_merge_for,
+)
+from pdclient.routing import RouteDecision
+from pdclient.wire import SIGNATURE_HEADER
+from tests.fake_vllm import NIXL_PARAMS, prefill_json
+
+PREFILL = "http://p:8100/v1"
+DECODES = ["http://d1:8200/v1", "http://d2:8200/v1"]
+SETTINGS = ConversationSettings()
+PUSH = {**NIXL_PARAMS, "tp_size": 1, "transfer_mode": "push"}
+
+
+def make_call(
+    body: dict[str, Any], path: str = "/chat/completions", fleet: Fleet | None = None, **options: Any
+) -> Call:
+    opts = PDOptions(prefill_base_url=PREFILL, decode_base_url=DECODES, **options)
+    fleet = fleet if fleet is not None and fleet.serves(opts) else Fleet(opts, asynchronous=False)
+    context = CallContext(options=opts, fleet=fleet, observers=Observers([]))
+    request = httpx.Request("POST", f"{DECODES[0]}{path}", json=body, headers={"connection": "keep-alive"})
+    call = Call(context, request)
+    assert call.plan_or_refuse() is None
+    return call
+
+
+def chat(*turns: str, stream: bool = True, **fields: Any) -> dict[str, Any]:
+    roles = ("user", "assistant")
+    messages = [{"role": roles[i % 2], "content": text} for i, text in enumerate(turns)]
+    return {"model": "m", "messages": messages, "stream": stream, "max_tokens": 8, **fields}
+
+
+def sent(request: httpx.Request) -> dict[str, Any]:
+    body: dict[str, Any] = json.loads(request.content)
+    return body
+
+
+def prefilled(call: Call, answer: dict[str, Any] | None = None) -> httpx.Request:
+    """Run the call's prefill with ``answer`` (a chat prefill's by default), then build its decode."""
+    request = call.prefill_request()
+    assert call.check_prefill(httpx.Response(200, json=answer or prefill_json(sent(request)))) is None
+    return call.decode_request()
+
+
+# -- the decision --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("mode", "prefills", "reason"), [("always", True, "mode_always"), ("never", False, "mode_never")]
+)
+def test_always_and_never_decide_without_an_estimate(mode: str, prefills: bool, reason: str) -> None:
+    call = make_call(chat("hi"), remote_prefill=mode)
+    assert call.wants_prefill() is prefills
+    assert call.decision is not None and call.decision.reason.value == reason and call.decision.estimate is None
+    assert call.outcome is (Outcome.DISAGGREGATED if prefills else Outcome.DECODE_ONLY)
+    # Only a call whose turn may be remembered keeps its conversation (never: yes; always: no).
+    assert (call.conversation is None) is (mode == "always")
+
+
+def test_auto_on_an_unknown_conversation_gets_its_prefill() -> None:
+    call = make_call(chat("a long first question " * 200), remote_prefill="auto")
+    assert call.wants_prefill()
+    assert call.decision is not None and call.decision.remote_prefill
+    assert call.decision.estimate is not None and call.decision.estimate.match is Match.UNKNOWN
+
+
+def test_auto_on_completions_has_no_estimate_and_gets_its_prefill() -> None:
+    call = make_call({"model": "m", "prompt": "hi", "max_tokens": 4}, "/completions", remote_prefill="auto")
+    assert call.wants_prefill() and call.conversation is None
+    assert call.decision == Decision(True, Reason.NO_ESTIMATE, None, None)
+
+
+def remembered(fleet: Fleet, body: dict[str, Any], endpoint: str) -> None:
+    """The memory holds ``body``'s turn, answered by ``endpoint``."""
+    first = make_call(body, fleet=fleet, remote_prefill="auto")
+    assert first.plan is not None
+    turn = ConversationTurn(first.plan, fleet.memory)
+    fleet.memory.remember(first.plan.affinity_key, turn.body(), Answer("fine", (), 3), endpoint, prompt_tokens=600)
+
+
+def follow_up_of_a_remembered_turn() -> Call:
+    """The next turn of a conversation whose first turn the memory holds on the second decode endpoint."""
+    options = PDOptions(prefill_base_url=PREFILL, decode_base_url=DECODES, remote_prefill="auto")
+    fleet = Fleet(options, asynchronous=False)
+    question = "a long first question " * 200
+    remembered(fleet, chat(question), DECODES[1])
+    call = make_call(chat(question, "fine", "and?"), fleet=fleet, remote_prefill="auto")
+    assert not call.wants_prefill()
+    return call
+
+
+def test_auto_sends_a_cached_conversation_decode_only_to_the_endpoint_holding_it() -> None:
+    call = follow_up_of_a_remembered_turn()
+    assert call.outcome is Outcome.DECODE_ONLY and call.decision is not None
+    assert (call.decision.reason, call.decision.decode_endpoint) == (Reason.MOSTLY_CACHED, DECODES[1])
+    decode = call.decode_request()
+    # Decode-only: the caller's fields as sent, on the endpoint holding the conversation,
+    # asking for the usage the memory learns from (the caller did not ask for it).
+    assert decode.url.host == "d2" and call.decode.decision is not None and call.decode.decision.rule == "held"
+    body = sent(decode)
+    assert "kv_transfer_params" not in body and body["stream_options"] == {"include_usage": True}
+
+
+def test_a_held_conversation_whose_endpoint_is_gone_becomes_a_handoff() -> None:
+    call = follow_up_of_a_remembered_turn()
+    held = next(e for e in call.context.fleet.decode.endpoints if e.url == DECODES[1])
+    held.acquire()  # the endpoint is taken by this very call's first attempt, then tried
+    call.decode.tried.append(held)
+    with pytest.raises(HandoffInstead):
+        call.decode_request()
+    assert call.outcome is Outcome.DISAGGREGATED and call.decision is not None and call.decision.remote_prefill
+    assert call.decision.estimate is not None and call.decision.estimate.match is Match.ENDPOINT_UNAVAILABLE
+    assert "kv_transfer_params" in sent(prefilled(call))
+
+
+def test_decide_takes_the_conversation_home_when_the_memory_names_no_endpoint() -> None:
+    options = PDOptions(prefill_base_url=PREFILL, decode_base_url=DECODES)
+    endpoint = Fleet(options, asynchronous=False).decode.endpoints[1]
+    home = RouteDecision("rendezvous", endpoint, rule="key")
+    assert remote_prefill_decision("always", None, SETTINGS, home).decode_endpoint == DECODES[1]
+    assert remote_prefill_decision("always", None, SETTINGS, None).decode_endpoint is None
+    cached = Estimate(1000, 10, DECODES[0], Match.EXTENDS_ANSWER)
+    assert remote_prefill_decision("auto", cached, SETTINGS, home) == Decision(
+        False, Reason.MOSTLY_CACHED, DECODES[0], cached
+    )
+
+
+def test_a_handoff_after_all_counts_the_whole_prompt_as_uncached() -> None:
+    cached = Estimate(1000, 10, DECODES[0], Match.EXTENDS_ANSWER)
+    after = handoff_after_all(Decision(False, Reason.MOSTLY_CACHED, DECODES[0], cached), SETTINGS)
+    assert after.remote_prefill and after.estimate == Estimate(1000, 1000, None, Match.ENDPOINT_UNAVAILABLE)
+    empty = Estimate(0, 0, DECODES[0], Match.EXTENDS_ANSWER)
+    assert handoff_after_all(Decision(False, Reason.MOSTLY_CACHED, None, empty), SETTINGS).remote_prefill
+    assert handoff_after_all(Decision(False, Reason.MODE_NEVER, None, None), SETTINGS).reason is Reason.NO_ESTIMATE
+
+
+def test_a_response_building_on_stored_state_is_decode_only() -> None:
+    call = make_call({"model": "m", "input": "and?", "previous_response_id": "resp_1"}, "/responses")
+    assert not call.wants_prefill()
+    assert call.outcome is Outcome.DECODE_ONLY and call.stored_state == "previous_response_id"
+    assert call.trace().remote_prefill_reason == "stored_state"
+
+
+# -- the legs' bodies per API --------------------------------------------------------------
+
+
+def test_chat_legs_one_token_prefill_then_the_decode_with_its_ids_and_kv() -> None:
+    call = make_call(chat("hi"), remote_prefill="always")
+    assert call.wants_prefill()
+    prefill = call.prefill_request()
+    body = sent(prefill)
+    assert (body["stream"], body["max_tokens"], body["return_token_ids"]) == (False, 1, True)
+    assert body["kv_transfer_params"]["do_remote_decode"] is True
+    assert prefill.headers["x-request-id"] == call.request_id and "connection" not in prefill.headers
+    decode = sent(prefilled_after(call, prefill))
+    assert decode["stream"] is True and decode["max_tokens"] == 8
+    assert decode["kv_transfer_params"]["remote_engine_id"] == NIXL_PARAMS["remote_engine_id"]
+    assert decode["kv_transfer_params"]["prompt_token_ids"] == call_ids(call)
+    # Streamed, with a second decode endpoint: armed, its decode streams the ids a continuation needs.
+    assert call.migration is not None and call.migration.armed and decode["return_token_ids"] is True
+
+
+def prefilled_after(call: Call, prefill: httpx.Request) -> httpx.Request:
+    assert call.check_prefill(httpx.Response(200, json=prefill_json(sent(prefill)))) is None
+    return call.decode_request()
+
+
+def call_ids(call: Call) -> list[int]:
+    assert call.prefill_result is not None and call.prefill_result.ids is not None
+    ids: list[int] = json.loads(call.prefill_result.ids)
+    return ids
+
+
+def rendered_answer(ids: list[int]) -> dict[str, Any]:
+    """A Responses or Messages prefill's answer: the prompt's ids in its ``kv_transfer_params``."""
+    return {"usage": {"input_tokens": len(ids)}, "kv_transfer_params": {**NIXL_PARAMS, "prompt_token_ids": ids}}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "one_token"),
+    [
+        ("/responses", {"model": "m", "input": "hi", "stream": True}, "max_output_tokens"),
+        ("/messages", {"model": "m", "max_tokens": 20, "messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
+    ],
+)
+def test_rendered_apis_ask_the_prefill_for_the_prompts_ids_and_forward_them(
+    path: str, body: dict[str, Any], one_token: str
+) -> None:
+    call = make_call(body, path, remote_prefill="always")
+    assert call.wants_prefill()
+    prefill = sent(call.prefill_request())
+    assert prefill[one_token] == 1 and prefill["stream"] is False
+    assert prefill["kv_transfer_params"]["return_prompt_token_ids"] is True
+    assert call.check_prefill(httpx.Response(200, json=rendered_answer([5, 6, 7]))) is None
+    decode = sent(call.decode_request())
+    assert decode["kv_transfer_params"]["prompt_token_ids"] == [5, 6, 7]
+    assert "return_prompt_token_ids" not in decode["kv_transfer_params"]
+    assert call.migration is not None and not call.migration.armed  # their events carry no ids
+    assert call.forwarded_tokens == 3
+
+
+def test_a_secret_signs_every_leg_body_pdclient_built_and_only_those() -> None:
+    request = httpx.Request("POST", f"{DECODES[0]}/chat/completions", content=b"{}", headers={"x-request-id": "x"})
+    unsigned = LegRequests(request, "r1", "/chat/completions", None).signed(PREFILL, b"{}")
+    assert SIGNATURE_HEADER not in unsigned.headers and unsigned.headers["x-request-id"] == "r1"
+    requests = LegRequests(request, "r1", "/chat/completions", "s" * 32)
+    one, two = requests.signed(PREFILL, b"{}"), requests.signed(PREFILL, b"{}")
+    assert one.headers[SIGNATURE_HEADER] != two.headers[SIGNATURE_HEADER]  # a fresh nonce per attempt
+    assert str(one.url) == f"{PREFILL}/chat/completions"
+    assert SIGNATURE_HEADER not in requests.build(DECODES[1], b"{}").headers
+
+
+# -- dispatch ------------------------------------------------------------------------------
+
+
+def learnt(call: Call, params: dict[str, Any]) -> None:
+    dispatch.book_of(call.context.fleet).learn(PREFILL, json.dumps(params).encode())
+
+
+@pytest.mark.parametrize(
+    ("mode", "params", "expected"),
+    [
+        ("sequential", PUSH, dispatch.SEQUENTIAL),
+        ("auto", PUSH, dispatch.CONCURRENT),
+        ("auto", {**PUSH, "transfer_mode": None}, dispatch.SEQUENTIAL),
+        ("concurrent", {**PUSH, "transfer_mode": None}, dispatch.CONCURRENT),
+        ("concurrent", {**PUSH, "transfer_mode": "pull"}, dispatch.SEQUENTIAL),
+        ("concurrent", None, dispatch.SEQUENTIAL),  # the first call to an endpoint: nothing learnt
+    ],
+)
+def test_dispatch_goes_concurrent_only_on_learnt_coordinates_its_mode_accepts(
+    mode: str, params: dict[str, Any] | None, expected: str
+) -> None:
+    call = make_call(chat("hi"), remote_prefill="always", dispatch=mode)
+    if params is not None:
+        learnt(call, params)
+    assert call.wants_prefill()
+    sent_with = dispatch.concurrent_decode(call)
+    assert call.dispatch == expected and (sent_with is not None) is (expected == dispatch.CONCURRENT)
+    if sent_with is not None:
+        kv = sent(sent_with.request)["kv_transfer_params"]
+        assert kv["do_remote_prefill"] is True and kv["remote_block_ids"] == []
+        assert kv["remote_request_id"] == call.request_id and "prompt_token_ids" not in kv
+        # The prefill's first attempt goes to the endpoint the decode registered with.
+        assert call.prefill_request().url.host == "p"
+
+
+def test_a_concurrent_decode_falls_back_to_sequential_when_no_decode_admits() -> None:
+    call = make_call(chat("hi"), remote_prefill="always", dispatch="concurrent")
+    learnt(call, PUSH)
+    assert call.wants_prefill()
+    for endpoint in call.context.fleet.decode.endpoints:
+        endpoint.trip()
+    assert dispatch.concurrent_decode(call) is None and call.dispatch == dispatch.SEQUENTIAL
+
+
+def test_a_concurrent_decode_that_moved_on_is_sent_again_sequentially() -> None:
+    call = make_call(chat("hi"), remote_prefill="always", dispatch="concurrent")
+    learnt(call, PUSH)
+    assert call.wants_prefill()
+    concurrent = dispatch.concurrent_decode(call)
+    assert concurrent is not None
+    prefill = call.prefill_request()
+    restarted = {**PUSH, "remote_engine_id": "restarted"}
+    assert call.check_prefill(httpx.Response(200, json=prefill_json(sent(prefill), kv_params=restarted))) is None
+    why = dispatch.moved_on(call, concurrent)
+    assert why is not None and "restarted" in why
+    dispatch.fall_back(call, why)
+    assert call.dispatch == dispatch.SEQUENTIAL and call.fallback is not None
+    decode = sent(call.decode_request())
+    assert decode["kv_transfer_params"]["remote_engine_id"] == "restarted"
+    assert decode["kv_transfer_params"]["prompt_token_ids"] == call_ids(call)
+
+
+# -- what goes back to the caller ----------------------------------------------------------
+
+
+def test_the_usage_is_merged_only_for_a_disaggregated_200() -> None:
+    call = make_call(chat("hi"), remote_prefill="always")
+    assert call.wants_prefill()
+    prefilled(call)
+    result, dialect = call.prefill_result, call.dialect
+    sse, json_type = "text/event-stream", "application/json"
+    merge = usage_merge_for(dialect, Outcome.DISAGGREGATED, result, 200, sse)
+    assert merge is not None and merge.stream
+    as_json = usage_merge_for(dialect, Outcome.DISAGGREGATED, result, 200, json_type)
+    assert as_json is not None and not as_json.stream
+    assert usage_merge_for(dialect, Outcome.DECODE_ONLY, result, 200, sse) is None
+    assert usage_merge_for(dialect, Outcome.PREFILL_FAILED, None, 200, sse) is None
+    assert usage_merge_for(dialect, Outcome.DISAGGREGATED, result, 500, sse) is None
+
+
+def test_only_a_decode_only_chat_stream_asks_for_the_usage_the_caller_did_not() -> None:
+    def plan_of(body: dict[str, Any], path: str = "/chat/completions") -> Any:
+        plan = make_call(body, path).plan
+        assert plan is not None
+        return plan
+
+    assert asks_usage(plan_of(chat("hi")), collecting=True, decode_only=True)
+    assert not asks_usage(plan_of(chat("hi")), collecting=True, decode_only=False)
+    assert not asks_usage(plan_of(chat("hi")), collecting=False, decode_only=True)
+    assert not asks_usage(plan_of(chat("hi", stream=False)), collecting=True, decode_only=True)
+    owned = chat("hi", stream_options={"include_usage": False})
+    assert not asks_usage(plan_of(owned), collecting=True, decode_only=True)
+    responses = {"model": "m", "input": "hi", "stream": True}
+    assert not asks_usage(plan_of(responses, "/responses"), collecting=True, decode_only=True)
+
+
+def test_the_answers_ids_are_tagged_in_json_and_event_streams_only() -> None:
+    stream = id_tags_for(True, DECODES[0], 200, "text/event-stream; charset=utf-8")
+    body = id_tags_for(True, DECODES[0], 200, "application/json")
+    assert stream is not None and stream.stream and body is not None and not body.stream
+    assert id_tags_for(True, DECODES[0], 200, "text/plain") is None
+    assert id_tags_for(True, DECODES[0], 404, "application/json") is None
+    assert id_tags_for(True, None, 200, "application/json") is None
+    assert id_tags_for(False, DECODES[0], 200, "application/json") is None
+
+
+def test_the_callers_stream_is_framed_once_and_each_event_parsed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pdclient.handoff._to_caller as to_caller
+
+    parsed: list[bytes] = []
+    real = to_caller.event_json
+
+    def counted(raw: bytes) -> object:
+        parsed.append(raw)
+        return real(raw)
+
+    monkeypatch.setattr(to_caller, "event_json", counted)
+    call = make_call(chat("hi"), remote_prefill="never")
+    assert not call.wants_prefill() and call.conversation is not None
+    call.prefill_result = None
+    chunks = [
+        {"id": "c", "choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}]},
+        {"id": "c", "choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": "stop"}]},
+        {"id": "c", "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}},
+    ]
+    body = b"".join(b"data: " + json.dumps(c).encode() + b"\r\n\r\n" for c in chunks) + b"data: [DONE]\r\n\r\n"
+    caller = call.caller_body
+    strip = usage_strip()
+    caller.begin("text/event-stream", None, None, strip)
+    out = b"".join(caller.feed(body[i : i + 5]) for i in range(0, len(body), 5)) + caller.rest()
+    # One parse per event, shared by the collector and the strip (a CRLF cut between two
+    # reads completes its event as a bare LF, which holds no data).
+    assert len([raw for raw in parsed if raw.strip()]) == 4
+    assert b'"usage"' not in out and out.endswith(b"data: [DONE]\r\n\r\n")
+    assert call.conversation.collector.answer() == Answer("Hello", (), 2, False)
+
+
+def usage_strip() -> Any:
+    from pdclient.wire import UsageStrip
+
+    return UsageStrip()
