@@ -177,6 +177,10 @@ class VLLMServer:
                 # NIXL's progress thread spins a core by default, the core the model runs on
                 # here; server_patch makes it sleep 1 ms between rounds (prefill 3-5x faster).
                 "PDCLIENT_NIXL_PROGRESS_DELAY_US": "1000",
+                # A push-mode decode registered before its prefill ran steps its engine every
+                # millisecond for the whole prefill, on any core, the prefill's included:
+                # server_patch makes such an idle engine wait up to 10 ms between steps.
+                "PDCLIENT_IDLE_WAIT_MS": "10",
             }
         )
         if cpu is not None:

@@ -18,6 +18,9 @@ name. Independent parts, each described where it lives:
   > 0, NIXL's progress thread sleeps that long between rounds instead of spinning a core;
   with ``PDCLIENT_NIXL_KV_CPUS`` (a CPU list), vLLM's NIXL worker keeps its thread there
   instead of moving it to the machine's last core.
+- idle wait (``_idle_wait.py``): with ``PDCLIENT_IDLE_WAIT_MS`` > 0, an engine whose only work
+  is waiting for remote KV (a push-mode decode registered before its prefill ran) waits on
+  its input queue between steps, up to that long, instead of stepping every millisecond.
 
 With none of these variables set on vLLM 0.27+, the plugin changes nothing for a request
 that does not ask for its prompt ids.
@@ -45,6 +48,7 @@ VERIFY_RATE_ENV = "PDCLIENT_REUSE_VERIFY_RATE"
 MAX_AGE_ENV = "PDCLIENT_REUSE_MAX_AGE"
 NIXL_DELAY_ENV = "PDCLIENT_NIXL_PROGRESS_DELAY_US"
 NIXL_KV_CPUS_ENV = "PDCLIENT_NIXL_KV_CPUS"
+IDLE_WAIT_ENV = "PDCLIENT_IDLE_WAIT_MS"
 
 # The oldest vLLM whose chat seams this plugin knows (renderers/base.py with
 # BaseRenderer.render_chat_async, and a chat renderer class with preprocess_chat).
@@ -175,6 +179,13 @@ def _register() -> None:
     kv_cpus = _nixl_kv_cpus()
     applied["nixl kv cpus"] = _nixl_cpu.keep_kv_thread_on(kv_cpus) if kv_cpus else f"off ({NIXL_KV_CPUS_ENV} unset)"
 
+    from . import _idle_wait
+
+    idle_wait_ms = _idle_wait_ms()
+    applied["idle wait"] = (
+        _idle_wait.wait_when_idle(idle_wait_ms / 1000) if idle_wait_ms > 0 else f"off ({IDLE_WAIT_ENV} unset or 0)"
+    )
+
 
 def _find_chat_seam() -> tuple[Any, type, bool] | None:
     """(module, chat renderer class, has native reuse) for this vLLM, or None."""
@@ -248,6 +259,10 @@ def _nixl_delay_us() -> int:
     return _setting(NIXL_DELAY_ENV, _microseconds, 0)
 
 
+def _idle_wait_ms() -> float:
+    return _setting(IDLE_WAIT_ENV, _milliseconds, 0.0)
+
+
 def _nixl_kv_cpus() -> set[int]:
     return _setting(NIXL_KV_CPUS_ENV, _cpu_list, set())
 
@@ -291,6 +306,16 @@ def _microseconds(raw: str) -> int:
     if not raw.isdigit():
         raise ValueError("not a whole number of microseconds")
     return int(raw)
+
+
+def _milliseconds(raw: str) -> float:
+    try:
+        ms = float(raw)
+    except ValueError:
+        raise ValueError("not a number of milliseconds") from None
+    if not 0 <= ms <= 1000:
+        raise ValueError("not in 0..1000 ms")
+    return ms
 
 
 def _cpu_list(raw: str) -> set[int]:
