@@ -155,7 +155,13 @@ class VLLMServer:
             self.argv += ["--kv-transfer-config", json.dumps(KV_CONNECTORS[kv_connector])]
         self.argv += list(extra_args)
 
-        self.env = self._build_env(cpu, nixl_side_channel_port, workdir, env or {})
+        push = kv_connector is not None and KV_CONNECTORS[kv_connector] is NIXL_PUSH_KV_TRANSFER_CONFIG
+        # A push-mode decode registered before its prefill ran steps its engine every
+        # millisecond for the whole prefill, on any core, the prefill's included: server_patch
+        # makes such an idle engine wait up to 10 ms between steps. A pull-mode decode waits
+        # for its KV only milliseconds, so its engine loop is left as vLLM ships it.
+        idle_wait = {"PDCLIENT_IDLE_WAIT_MS": "10"} if push else {}
+        self.env = self._build_env(cpu, nixl_side_channel_port, workdir, {**idle_wait, **(env or {})})
 
     @staticmethod
     def _build_env(
@@ -177,10 +183,6 @@ class VLLMServer:
                 # NIXL's progress thread spins a core by default, the core the model runs on
                 # here; server_patch makes it sleep 1 ms between rounds (prefill 3-5x faster).
                 "PDCLIENT_NIXL_PROGRESS_DELAY_US": "1000",
-                # A push-mode decode registered before its prefill ran steps its engine every
-                # millisecond for the whole prefill, on any core, the prefill's included:
-                # server_patch makes such an idle engine wait up to 10 ms between steps.
-                "PDCLIENT_IDLE_WAIT_MS": "10",
             }
         )
         if cpu is not None:

@@ -134,6 +134,8 @@ def test_each_kv_connector_name_gives_its_vllm_config(tmp_path: Path, name: str,
     config = json.loads(srv.argv[srv.argv.index("--kv-transfer-config") + 1])
     assert config["kv_connector"] == connector and config["kv_role"] == "kv_both"
     assert config["kv_buffer_device"] == "cpu"
+    # Only a push-mode engine idles for a whole prefill: it alone waits instead of stepping.
+    assert srv.env.get("PDCLIENT_IDLE_WAIT_MS") == ("10" if connector == "NixlPushConnector" else None)
 
 
 def test_an_unknown_kv_connector_names_the_known_ones(tmp_path: Path) -> None:
