@@ -611,10 +611,12 @@ class ConversationMemory:
         whole block, as after a decode-only turn; an answer with tool calls or other fields
         is re-rendered in the template's own format and counts as uncached.
 
-        After a P/D turn vLLM 0.32's decode server may not hit the block that holds the
-        prompt's tail and the answer's start (``prompt_pulled``), which the call does not
-        tell: the estimate is then short by the blocks the answer reaches into, none when
-        it ends in the prompt's last block, at most one for an answer shorter than a block.
+        What the call does not tell bounds the error. The prompt's length comes from its
+        text, so where its last whole block ends is a guess: short by up to one block (as
+        often long). After a P/D turn vLLM 0.32's decode server may not hit the block that
+        holds the prompt's tail and the answer's start (``prompt_pulled``): the estimate is
+        then short by the blocks the answer reaches into, none when it ends in the prompt's
+        last block, at most one for an answer shorter than a block.
         """
         last = max((i for i, m in enumerate(messages) if _is_assistant(m)), default=None)
         if last is None:
