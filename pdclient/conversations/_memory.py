@@ -599,17 +599,29 @@ class ConversationMemory:
         if any(_is_assistant(m) for m in messages[turn.messages + 1 :]):
             # Turns since the remembered one were answered elsewhere in the fleet (another
             # replica, on the same endpoint): the call itself says more than the memory.
-            return self._from_history(messages, tools, turn.endpoint, turn.chars_per_token)
+            # The remembered prompt's exact length still anchors the count: only what came
+            # after it is estimated from its text.
+            known = (turn.messages, turn.prompt_tokens) if turn.prompt_tokens is not None else None
+            return self._from_history(messages, tools, turn.endpoint, turn.chars_per_token, known)
         return self._extension(turn, messages, answered)
 
-    def _from_history(self, messages: Sequence[object], tools: object, endpoint: str, ratio: float | None) -> Estimate:
+    def _from_history(
+        self,
+        messages: Sequence[object],
+        tools: object,
+        endpoint: str,
+        ratio: float | None,
+        known: tuple[int, int] | None = None,
+    ) -> Estimate:
         """What the conversation's decode endpoint holds, read from the call alone.
 
         Its last assistant message ends the previous turn there: the endpoint computed that
         turn's prompt (the messages before it) and, but for its last id, its answer, and
         holds them in whole blocks. A plain-text answer counts as cached up to its last
         whole block, as after a decode-only turn; an answer with tool calls or other fields
-        is re-rendered in the template's own format and counts as uncached.
+        is re-rendered in the template's own format and counts as uncached. ``known``: the
+        call's first messages and their prompt's length in ids as a server counted it (a
+        turn this memory saw), so that only the rest is estimated from its text.
 
         What the call does not tell bounds the error. The prompt's length comes from its
         text, so where its last whole block ends is a guess: short by up to one block (as
@@ -621,9 +633,16 @@ class ConversationMemory:
         last = max((i for i, m in enumerate(messages) if _is_assistant(m)), default=None)
         if last is None:
             return self._fresh(messages, tools, Match.UNKNOWN)
-        total = self.tokens_for(rendered_chars(messages, tools), len(messages) + 1, ratio)
-        # +1: the generation prompt that ended the previous turn's prompt.
-        reused = self.tokens_for(rendered_chars(messages[:last], tools), last + 1, ratio)
+        start, head = known if known is not None else (0, 0)
+
+        def tokens_to(end: int) -> int:
+            # Each message's markup and the generation prompt after them; a known prompt's
+            # generation prompt is the header of the answer that follows it.
+            chars = rendered_chars(messages[start:end], None if known else tools)
+            return head + self.tokens_for(chars, end - start + (0 if known else 1), ratio)
+
+        total = tokens_to(len(messages))
+        reused = tokens_to(last)
         answer = _reusable_answer_text(messages[last])
         if answer is not None:
             # Its ids and the end-of-turn id, the last of which was never computed.

@@ -724,3 +724,23 @@ def test_a_short_follow_up_through_a_replica_that_saw_one_turn_goes_decode_only(
     assert (decision.remote_prefill, decision.reason) == (False, Reason.MOSTLY_CACHED), estimate
     # The answer's and the question's ~66 ids stay counted, with the partial last block.
     assert 66 <= estimate.uncached_tokens < 66 + 128 + 40, estimate
+
+
+def test_a_remembered_prompt_anchors_the_turns_answered_elsewhere_since() -> None:
+    """A replica that answered turn 1 and sees turn 3 knows turn 1's prompt length from its
+    server: only turn 2's answer and question and turn 3's are estimated from their text."""
+    mem = warm_memory()  # 4 chars per token learned
+    first = [{"role": "system", "content": "x" * 3890}, {"role": "user", "content": "q"}]
+    mem.remember("k", body(*first), Answer("a" * 40, completion_tokens=11), D2, prompt_tokens=1019)
+    own_ratio = rendered_chars(first) / 1019
+    later = [*first, {"role": "assistant", "content": "a" * 40}, {"role": "user", "content": "r" * 80}]
+    later += [{"role": "assistant", "content": "b" * 40}, {"role": "user", "content": "s" * 80}]
+    estimate = mem.estimate("k", body(*later), ADMITTED, home=D2)
+    assert (estimate.match, estimate.endpoint) == (Match.EXTENDS_HISTORY, D2)
+    rest = mem.tokens_for(rendered_chars(later[2:]), len(later) - 2, own_ratio)
+    assert estimate.total_tokens == 1019 + rest
+    reused = 1019 + mem.tokens_for(rendered_chars(later[2:4]), 2, own_ratio) + mem.tokens_for(40, 0, own_ratio)
+    assert estimate.cached_tokens == reused // 128 * 128 >= 1024
+    # A replica that saw none of it reads 1019 ids' worth of text as fewer (4 chars per token).
+    unseen = warm_memory().estimate("k", body(*later), ADMITTED, home=D2)
+    assert unseen.total_tokens < estimate.total_tokens
