@@ -36,7 +36,10 @@ auto/(the better of the two) (the median of the per-group ratios, same round, sh
 turn) with a bootstrap 95 % interval; then per arm, where the prompt tokens were computed
 (a P/D turn's on the prefill server, a decode-only turn's on the decode server, and
 what auto's prefill warm-ups computed on the prefill server, from their ``usage``) and the
-largest computation one turn put on the decode server. After an auto turn with a warm-up,
+largest computation one turn put on the decode server; then per arm, of its follow-ups
+the short ones (those auto's rule sends decode-only on the true counts: what a decode-only
+run computes, the server's count when it ran so, else from the turn before's counts), how
+many went decode-only, and the estimate's error on them. After an auto turn with a warm-up,
 the next turn (of any arm) waits until the warm-up has ended: the prefill server serves
 every arm, and in use the next message of a conversation comes later than its answer.
 Results: ``benchmarks/results/conversations.{json,png}`` (``--out``), the JSON rewritten
@@ -62,7 +65,7 @@ from typing import Any
 import httpx
 import openai
 
-from pdclient import PDTrace
+from pdclient import ConversationSettings, PDTrace
 from pdclient.cli.bench import bootstrap_ci
 from pdclient.local import PDServers, pair_from_env_or_local
 
@@ -387,6 +390,61 @@ def on_decode(turn: Turn) -> bool:
     return turn.outcome in ("decode_only", "prefill_failed")
 
 
+SETTINGS = ConversationSettings()
+"""The thresholds auto decides with (the clients' and serve's defaults)."""
+BLOCK = 128
+"""The CPU servers' KV block size."""
+
+
+def decode_uncached(turn: Turn, previous: Turn) -> int:
+    """What a decode-only run of ``turn`` computes on its decode endpoint: the server's count
+    when it ran so, else from the servers' counts of the turn before: a decode-only turn
+    leaves its prompt and its answer but the last id cached, in whole blocks; a P/D turn its
+    prompt's whole blocks (vLLM 0.32's decode mostly misses the block with the answer's start)."""
+    if on_decode(turn) and turn.computed_tokens is not None:
+        return turn.computed_tokens
+    held = previous.prompt_tokens + (previous.completion_tokens - 1 if on_decode(previous) else 0)
+    return turn.prompt_tokens - min(held // BLOCK * BLOCK, turn.prompt_tokens - 1)
+
+
+def should_skip_prefill(turn: Turn, previous: Turn) -> bool:
+    """Whether auto's rule, given the true counts, sends ``turn`` decode-only."""
+    uncached = decode_uncached(turn, previous)
+    return uncached < SETTINGS.threshold_tokens and uncached / turn.prompt_tokens < SETTINGS.max_uncached_ratio
+
+
+def follow_ups(turns: Sequence[Turn], arm: str) -> list[tuple[Turn, Turn]]:
+    """The arm's follow-ups, each with the turn before it, on the same decode endpoint."""
+    by_key = {(t.round, t.shape, t.index): t for t in turns if t.arm == arm}
+    pairs = []
+    for (round_, shape, index), turn in sorted(by_key.items()):
+        previous = by_key.get((round_, shape, index - 1))
+        if index and previous is not None and turn.decode_url == previous.decode_url:
+            pairs.append((turn, previous))
+    return pairs
+
+
+def decided(turns: Sequence[Turn]) -> str:
+    """Per arm: of the follow-ups auto's rule sends decode-only on the true counts (the short
+    ones), how many went so, and how far the estimate was from the true count."""
+    lines = [
+        "| arm | follow-ups | short (decode-only by the true counts) | short ones decode-only "
+        "| others decode-only | est. uncached - true, short ones: median [min, max] |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for arm in arms_in(turns):
+        pairs = follow_ups(turns, arm)
+        short = [(t, p) for t, p in pairs if should_skip_prefill(t, p)]
+        errors = [(t.estimated_uncached_tokens or 0) - decode_uncached(t, p) for t, p in short]
+        others = sum(1 for t, p in pairs if not should_skip_prefill(t, p) and t.outcome == "decode_only")
+        spread = f"{statistics.median(errors):+.0f} [{min(errors):+d}, {max(errors):+d}]" if errors else "-"
+        lines.append(
+            f"| {arm} | {len(pairs)} | {len(short)} | {sum(t.outcome == 'decode_only' for t, _ in short)} "
+            f"| {others} | {spread} |"
+        )
+    return "\n".join(lines)
+
+
 def report(turns: Sequence[Turn]) -> str:
     arms = arms_in(turns)
     versus = baselines(arms)
@@ -542,6 +600,8 @@ def main() -> int:
             finally:
                 bench.close()
     print(report(turns))
+    print()
+    print(decided(turns))
     print(f"rounds: {len({t.round for t in turns})}, turns: {len(turns)}")
     if turns:
         out = args.from_json.parent if args.from_json else args.out

@@ -33,10 +33,11 @@ measured), so the default 10,000 entries stay under 4 MB (tests/unit/test_conver
 measures it). Chat calls only.
 
 Without a tokenizer, token counts of text the servers have not counted yet come from a
-chars-per-token ratio learned from the client's own prefill responses (the text length
-of a call's messages against its ``len(prompt_token_ids)``), conservative (more tokens)
-until it has seen ``ratio_warmup`` calls; a remembered conversation's new text is
-estimated with its own last prompt's ratio (its language, its style).
+chars-per-token ratio learned from the servers' own counts (the text length of a call's
+messages against a prefill's ``len(prompt_token_ids)`` or a decode-only call's
+``usage.prompt_tokens``), used from the first count on with a margin (more tokens) until
+it has seen ``ratio_warmup`` calls; a remembered conversation's new text is estimated
+with its own last prompt's ratio (its language, its style).
 """
 
 from __future__ import annotations
@@ -82,6 +83,11 @@ _ANSWER_KEYS = frozenset({"role", "content", "tool_calls"})
 # than whether a part is text at all (``wire.is_text_part``).
 _STRING_EQUIVALENT_PART_TYPES = frozenset({"text", "input_text", "output_text"})
 _DIGEST_SIZE = 16
+_COLD_RATIO_MARGIN = 0.8
+"""Until ``ratio_warmup`` server counts, a learned ratio is used times this (25 % more tokens):
+the first counts may come from text unlike the next (another language, code), and one
+count of the deployment's own tokenizer is still nearer than any fixed guess (SmolLM2 reads
+the benchmark's words at ~6.5 chars per token, where ``initial_chars_per_token`` says 2)."""
 
 
 @dataclass(frozen=True)
@@ -98,9 +104,10 @@ class ConversationSettings:
     max_conversations: int = 10_000
     """LRU bound of the memory (under 400 bytes an entry)."""
     ratio_warmup: int = 8
-    """Prefill responses to learn from before the learned chars-per-token ratio is trusted."""
+    """Server counts to learn from before the learned chars-per-token ratio is used as it
+    is; until then with a margin (25 % more tokens)."""
     initial_chars_per_token: float = 2.0
-    """The ratio before (and a ceiling during) warm-up: low, so tokens are over-estimated."""
+    """The ratio before the first server count: low, so tokens are over-estimated."""
     ratio_window: int = 64
     """The learned ratio is over this many most recent samples."""
     overhead_tokens_per_message: int = 8
@@ -339,6 +346,18 @@ def _content_chars(content: object) -> int:
     return len(_encode(content))
 
 
+def _reusable_answer_text(message: object) -> str | None:
+    """An assistant message's text when it may be the answer as generated (plain text, no
+    tool calls, nothing else the template renders), whose ids the next prompt starts with."""
+    if _as_answer_digest(message) is None:
+        return None
+    assert isinstance(message, dict)
+    if message.get("tool_calls"):
+        return None
+    content = message.get("content")
+    return None if content is None else _text_of(content)
+
+
 def _is_assistant(message: object) -> bool:
     return isinstance(message, dict) and message.get("role") == "assistant"
 
@@ -467,32 +486,30 @@ class ConversationMemory:
             return self._chars_per_token()
 
     def _chars_per_token(self) -> float:
-        """Chars over tokens of the recent samples, capped by the initial ratio until warm.
+        """Chars over tokens of the recent samples, with the cold margin until warm; the
+        initial ratio before the first sample.
 
         The samples' tokens include the template's markup, which lowers the ratio: more
-        tokens estimated, on top of the per-message overhead the estimates add.
+        tokens estimated, on top of the per-message overhead the estimates add. Weighted
+        by tokens, so a short prompt, mostly markup, moves it little.
         """
         samples = self._ratio.samples
-        initial = self.settings.initial_chars_per_token
         if not samples:
-            return initial
+            return self.settings.initial_chars_per_token
         learned = sum(c for c, _ in samples) / sum(t for _, t in samples)
-        if self._ratio.seen < self.settings.ratio_warmup:
-            return min(initial, learned)
-        return learned
+        return learned if self._ratio.seen >= self.settings.ratio_warmup else learned * _COLD_RATIO_MARGIN
 
     def tokens_for(self, chars: int, messages: int, own_ratio: float | None = None) -> int:
         """Estimated tokens of ``chars`` characters of text in ``messages`` messages.
 
         ``own_ratio``: the conversation's own chars per token, measured on its last
-        prefill (its language and style), used instead of the learned one, and capped
-        by the initial ratio like it until warm.
+        prompt (its language and style), used instead of the learned one, and capped
+        by it until warm.
         """
         with self._lock:
             ratio = self._chars_per_token()
             if own_ratio is not None:
-                warm = self._ratio.seen >= self.settings.ratio_warmup
-                ratio = own_ratio if warm else min(own_ratio, self.settings.initial_chars_per_token)
+                ratio = own_ratio if self._ratio.seen >= self.settings.ratio_warmup else min(own_ratio, ratio)
         return math.ceil(chars / ratio) + messages * self.settings.overhead_tokens_per_message
 
     # -- conversations ------------------------------------------------------------------
@@ -582,24 +599,56 @@ class ConversationMemory:
         if any(_is_assistant(m) for m in messages[turn.messages + 1 :]):
             # Turns since the remembered one were answered elsewhere in the fleet (another
             # replica, on the same endpoint): the call itself says more than the memory.
-            return self._from_history(messages, tools, turn.endpoint, turn.chars_per_token)
+            # The remembered prompt's exact length still anchors the count: only what came
+            # after it is estimated from its text.
+            known = (turn.messages, turn.prompt_tokens) if turn.prompt_tokens is not None else None
+            return self._from_history(messages, tools, turn.endpoint, turn.chars_per_token, known)
         return self._extension(turn, messages, answered)
 
-    def _from_history(self, messages: Sequence[object], tools: object, endpoint: str, ratio: float | None) -> Estimate:
+    def _from_history(
+        self,
+        messages: Sequence[object],
+        tools: object,
+        endpoint: str,
+        ratio: float | None,
+        known: tuple[int, int] | None = None,
+    ) -> Estimate:
         """What the conversation's decode endpoint holds, read from the call alone.
 
-        Its last assistant message ends the previous turn there: the endpoint holds that
-        turn's prompt, the messages before it, whole blocks of it. Its answer's blocks are
-        not counted (after a P/D turn only the pulled prompt's are cached, and a decode-only
-        turn's answer is short): the answer and everything after it are uncached.
+        Its last assistant message ends the previous turn there: the endpoint computed that
+        turn's prompt (the messages before it) and, but for its last id, its answer, and
+        holds them in whole blocks. A plain-text answer counts as cached up to its last
+        whole block, as after a decode-only turn; an answer with tool calls or other fields
+        is re-rendered in the template's own format and counts as uncached. ``known``: the
+        call's first messages and their prompt's length in ids as a server counted it (a
+        turn this memory saw), so that only the rest is estimated from its text.
+
+        What the call does not tell bounds the error. The prompt's length comes from its
+        text, so where its last whole block ends is a guess: short by up to one block (as
+        often long). After a P/D turn vLLM 0.32's decode server may not hit the block that
+        holds the prompt's tail and the answer's start (``prompt_pulled``): the estimate is
+        then short by the blocks the answer reaches into, none when it ends in the prompt's
+        last block, at most one for an answer shorter than a block.
         """
         last = max((i for i, m in enumerate(messages) if _is_assistant(m)), default=None)
         if last is None:
             return self._fresh(messages, tools, Match.UNKNOWN)
-        total = self.tokens_for(rendered_chars(messages, tools), len(messages) + 1, ratio)
-        prompt = self.tokens_for(rendered_chars(messages[:last], tools), last + 1, ratio)
+        start, head = known if known is not None else (0, 0)
+
+        def tokens_to(end: int) -> int:
+            # Each message's markup and the generation prompt after them; a known prompt's
+            # generation prompt is the header of the answer that follows it.
+            chars = rendered_chars(messages[start:end], None if known else tools)
+            return head + self.tokens_for(chars, end - start + (0 if known else 1), ratio)
+
+        total = tokens_to(len(messages))
+        reused = tokens_to(last)
+        answer = _reusable_answer_text(messages[last])
+        if answer is not None:
+            # Its ids and the end-of-turn id, the last of which was never computed.
+            reused += self.tokens_for(len(answer), 0, ratio)
         block = self.settings.block_size
-        cached = (min(prompt, total - 1) // block) * block
+        cached = (min(reused, total - 1) // block) * block
         return Estimate(total, total - cached, endpoint, Match.EXTENDS_HISTORY, adds_media(messages[last:]))
 
     def _fresh(self, messages: Sequence[object], tools: object, match: Match) -> Estimate:

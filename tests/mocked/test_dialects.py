@@ -84,6 +84,8 @@ class FakePair:
     """A prefill and a decode answering /responses and /messages; records every body."""
 
     patched: bool = True
+    prompt_token_ids: list[int] = field(default_factory=lambda: IDS)
+    """What the prefill returns as the prompt's ids (their count teaches auto's chars-per-token ratio)."""
     prefill_bodies: list[Body] = field(default_factory=list)
     decode_bodies: list[Body] = field(default_factory=list)
     passed: list[str] = field(default_factory=list)
@@ -93,7 +95,7 @@ class FakePair:
         self.prefill_bodies.append(body)
         kv: Body = dict(NIXL_PARAMS)
         if self.patched and body["kv_transfer_params"].get("return_prompt_token_ids"):
-            kv["prompt_token_ids"] = IDS
+            kv["prompt_token_ids"] = self.prompt_token_ids
         if request.url.path.endswith("/responses"):
             return httpx.Response(200, json=_response("A", _responses_usage(3, 1), kv_transfer_params=kv))
         answer = _message("A", _messages_usage(3, 1))
@@ -396,7 +398,7 @@ async def test_a_concurrent_responses_decode_is_the_dialects_body(mode: str, pai
 def test_auto_follow_ups_run_decode_only_where_the_conversation_is(route: str) -> None:
     """``auto`` reads Responses input items and Messages turns as a conversation: the first turn
     is a handoff, each short follow-up runs decode-only on the endpoint that holds it."""
-    pair = FakePair()
+    pair = FakePair(prompt_token_ids=[7] * 420)  # the first turn's ~1,700 chars at ~4 per token
     traces: list[PDTrace] = []
     options = PDOptions(PREFILL, [DECODE, DECODE2], remote_prefill="auto", on_trace=traces.append)
     http = httpx.Client(transport=PDTransport(options=options))
@@ -417,6 +419,9 @@ def test_auto_follow_ups_run_decode_only_where_the_conversation_is(route: str) -
                 text = block.text if isinstance(block, anthropic.types.TextBlock) else ""
             if question:
                 turns += [{"role": "assistant", "content": text}, {"role": "user", "content": question}]
-    assert [t.outcome for t in traces] == [Outcome.DISAGGREGATED, Outcome.DECODE_ONLY, Outcome.DECODE_ONLY]
+    assert [t.outcome for t in traces] == [Outcome.DISAGGREGATED, Outcome.DECODE_ONLY, Outcome.DECODE_ONLY], [
+        (t.remote_prefill_reason, t.conversation, t.estimated_prompt_tokens, t.estimated_uncached_tokens)
+        for t in traces
+    ]
     assert len({t.decode_url for t in traces}) == 1
     assert len(pair.prefill_bodies) == 1
