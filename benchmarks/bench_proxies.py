@@ -54,6 +54,7 @@ from typing import Any
 
 import httpx
 import openai
+from bench_serve_cpu import worktree
 
 from pdclient import Outcome, PDChatClient, PDTrace
 from pdclient.cli.bench import Prompts, bootstrap_ci, quantile
@@ -493,18 +494,6 @@ def stub_counts(prefill: str, decode: str) -> dict[str, int]:
     return counts
 
 
-@contextlib.contextmanager
-def _tree(revision: str) -> Iterator[Path]:
-    """``revision`` checked out in a temporary worktree."""
-    with tempfile.TemporaryDirectory(prefix="pdclient-bench-") as scratch:
-        path = Path(scratch) / "tree"
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "-q", "--detach", str(path), revision], check=True)
-        try:
-            yield path
-        finally:
-            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(path)], check=True)
-
-
 def run_stubs(args: argparse.Namespace) -> int:
     levels = [int(x) for x in args.concurrency.split(",")]
     arms = [a.strip() for a in args.arms.split(",")]
@@ -530,7 +519,7 @@ def run_stubs(args: argparse.Namespace) -> int:
             "toy proxy": lambda: toy_proxy(prefill, decode, logs),
         }
         if args.against:
-            other = stack.enter_context(_tree(args.against))
+            other = stack.enter_context(worktree(args.against))
             starts[arms[-1]] = lambda: pdclient_serve(prefill, decode, logs, workers=2, tree=other, name=arms[-1])
         procs: dict[str, Proc | None] = {"direct": None}
         for arm in arms[1:] if arms[0] == "direct" else arms:

@@ -131,7 +131,7 @@ def _child(calls: int, cpu: int) -> None:
 
 
 @contextlib.contextmanager
-def _tree(revision: str) -> Iterator[Path]:
+def worktree(revision: str) -> Iterator[Path]:
     """``revision`` checked out in a temporary worktree."""
     with tempfile.TemporaryDirectory(prefix="pdclient-bench-") as scratch:
         path = Path(scratch) / "tree"
@@ -153,7 +153,7 @@ def main() -> None:
     if args.child:
         _child(args.calls, args.cpu)
         return
-    with _tree(args.against) as other:
+    with worktree(args.against) as other:
         trees = {"this checkout": REPO, args.against: other}
         child_args = ["--child", "--calls", str(args.calls), "--cpu", str(args.cpu), "--against", "-"]
         command = [sys.executable, str(Path(__file__).resolve()), *child_args]
