@@ -46,13 +46,7 @@ class Leg:
         (those a moved stream broke on); raises ``AllEndpointsOpen``. The one way a leg takes
         a routed endpoint: the policy's ``on_routed``, the trace and the metrics all see it."""
         assert self.pool is not None
-        self.decision = self.pool.decide(route, avoid=self.tried, exclude=exclude)
-        endpoint = self.decision.endpoint
-        endpoint.acquire()
-        self.endpoint = endpoint
-        self.tried.append(endpoint)
-        self.url = endpoint.url
-        return endpoint.url
+        return self.take(self.pool.decide(route, avoid=self.tried, exclude=exclude))
 
     def pin(self, url: str, rule: str, policy: str = "conversation") -> str | None:
         """The pool's member at ``url`` if it admits a request now (else None), chosen by the
@@ -65,7 +59,8 @@ class Leg:
         return None
 
     def take(self, decision: RouteDecision) -> str:
-        """The endpoint ``decision`` names, chosen by the call itself, whatever its breaker says."""
+        """The endpoint ``decision`` names (the policy's, or the call's own choice, whatever
+        its breaker says): acquired, tried, and the leg's from now on."""
         endpoint = decision.endpoint
         endpoint.acquire()
         self.endpoint = endpoint

@@ -184,7 +184,7 @@ class UsageMerge:
         if USAGE_KEY not in raw:
             return raw
         if payload is None:
-            return _rewrite_event(raw, self._prefill, self._merge) or raw
+            payload = event_json(raw)
         return _rewritten(raw, payload, self._prefill, self._merge) or raw
 
     def end(self) -> bytes:
