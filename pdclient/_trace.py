@@ -124,7 +124,7 @@ class PDTrace(BaseModel):
     """How the handoff's legs went out: ``"sequential"`` (the prefill, then the decode) or
     ``"concurrent"`` (both at once, ``PDOptions.dispatch``); None when no prefill leg ran.
     A concurrent call that fell back to a sequential decode (a changed prefill endpoint, a
-    failed decode) says so in ``fallback``."""
+    failed decode, a decode that rendered another prompt than the prefill) says so in ``fallback``."""
     migrations: tuple[Migration, ...] = ()
     """Each time the decode stream broke and the answer continued on another decode endpoint
     (``max_decode_migrations``), in order. Not in the response headers: known only later."""

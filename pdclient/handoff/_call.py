@@ -375,11 +375,17 @@ class Call:
             self.cpu_seconds += time.thread_time() - cpu_start
         return self.decode.start(self.requests.build(base, self._decode_body, signed_with))
 
-    def armed_decode_body(self, prefill: wire.PrefillResult | None, *, asks_usage: bool = False) -> bytes:
-        """The decode body for ``prefill``'s KV, the call's migration armed where its dialect allows one."""
+    def armed_decode_body(
+        self, prefill: wire.PrefillResult | None, *, asks_usage: bool = False, checks_prompt: bool = False
+    ) -> bytes:
+        """The decode body for ``prefill``'s KV, the call's migration armed where its dialect allows
+        one; ``checks_prompt``: tracked even if it may not move (a concurrent decode's prompt ids)."""
         assert self.plan is not None and self.dialect is not None
         refusal = self.dialect.migration_refusal
-        self.migration = migrate.arm(self) if refusal is None else migrate.CallMigration(self.plan, 0, refusal, None, 0)
+        if refusal is None:
+            self.migration = migrate.arm(self, tracked=checks_prompt)
+        else:
+            self.migration = migrate.CallMigration(self.plan, 0, refusal, None, 0)
         return decode_body(self.dialect, self.plan, prefill, self.migration, asks_usage=asks_usage)
 
     def reset_decode_body(self) -> None:

@@ -34,12 +34,26 @@ cancels both legs (measured on the real pair: vLLM 0.32's decode server keeps th
 an aborted decode whose registration went out, past 30 s; the cause in vLLM is not traced yet).
 
 In concurrent mode the decode server renders the prompt itself (no ids are forwarded: they
-are not known yet), so both servers must run the same model and chat template. The
-transports (``transport._transport``) run the two legs; this module decides and builds.
+are not known yet), so both servers must run the same model and chat template. vLLM does
+not check that: a decode whose prompt has fewer blocks than the prefill's gets the WRITE of
+the prefill's last blocks (``push_worker._apply_prefix_caching`` trims to the decode's
+count), one with more trips an assertion in the prefill server's worker. So a concurrent
+decode asks for its prompt ids (``return_token_ids``; the tracker strips them again), and
+the transport reads its first event before the caller gets a byte (``PromptPeek``). Ids
+that differ from the prefill's are template drift: the decode is cancelled and sent again
+computing the prefill's ids itself (the prefill's KV went into the cancelled decode's
+blocks), and that prefill engine gets only sequential handoffs from then on (which forward
+the prefill's ids, so the decode's template never matters), until it restarts with a new
+engine id. Only chat and completions are checked this way: the Responses and Messages
+events carry no ids, so under ``"auto"`` those calls stay sequential, and only an explicit
+``"concurrent"`` (the operator vouching for the templates) sends them at once, unchecked.
+
+The transports (``transport._transport``) run the two legs; this module decides and builds.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
 from dataclasses import dataclass
@@ -48,6 +62,7 @@ from typing import TYPE_CHECKING
 import orjson
 
 from ..pools import AllEndpointsOpen
+from ..wire import SSEFramer, event_data, is_done
 from ..wire import _bodies as wire
 
 if TYPE_CHECKING:
@@ -133,6 +148,8 @@ class CoordinateBook:
 
     def __init__(self) -> None:
         self._by_url: dict[str, Coordinates] = {}
+        self._drifted: set[str] = set()
+        """Engine ids of prefill servers a concurrent decode rendered another prompt for."""
         self._lock = threading.Lock()
 
     def learn(self, url: str, kv_params: bytes | None) -> Coordinates | None:
@@ -146,6 +163,14 @@ class CoordinateBook:
 
     def get(self, url: str) -> Coordinates | None:
         return self._by_url.get(url)
+
+    def drifted(self, coordinates: Coordinates) -> None:
+        """A decode rendered another prompt than this prefill server: sequential handoffs only."""
+        with self._lock:
+            self._drifted.add(coordinates.engine_id)
+
+    def has_drifted(self, coordinates: Coordinates) -> bool:
+        return coordinates.engine_id in self._drifted
 
 
 _books: weakref.WeakKeyDictionary[Fleet, CoordinateBook] = weakref.WeakKeyDictionary()
@@ -200,16 +225,23 @@ def concurrent_decode(call: Call) -> ConcurrentDecode | None:
     except AllEndpointsOpen:
         return None  # the prefill phase reports it as usual
     call.prefill_picked = True
-    coordinates = book_of(call.context.fleet).get(prefill_url)
+    book = book_of(call.context.fleet)
+    coordinates = book.get(prefill_url)
     if not usable(mode_of(call), coordinates):
         return None
     assert coordinates is not None
+    if book.has_drifted(coordinates):
+        return None  # a decode rendered another prompt for this prefill server before
+    assert call.dialect is not None
+    checks_prompt = call.dialect.migration_refusal is None  # its events carry the prompt's ids
+    if not checks_prompt and mode_of(call) == "auto":
+        return None
     try:
         base = call.decode.pick(call.route_for("decode"))
     except AllEndpointsOpen:
         return None  # the sequential path answers a decode outage
     pushed = wire.PrefillResult(ids=None, count=0, kv_transfer_params=coordinates.decode_kv_params(call.request_id))
-    body = call.armed_decode_body(pushed)
+    body = call.armed_decode_body(pushed, checks_prompt=checks_prompt)
     request = call.decode.start(call.requests.signed(base, body))
     call.dispatch = CONCURRENT
     return ConcurrentDecode(coordinates, request)
@@ -242,11 +274,88 @@ def moved_on(call: Call, sent: ConcurrentDecode) -> str | None:
     return None
 
 
-def fall_back(call: Call, why: str) -> None:
-    """The concurrent decode was cancelled or failed: the call's decode goes out anew, sequentially."""
+class PromptPeek:
+    """The first event of a concurrent decode's stream, read before the caller gets a byte:
+    the prompt ids the decode rendered (``prompt_token_ids``, top level in a chat chunk, in
+    the choice in a completions one). ``feed`` the bytes read until it says it is decided."""
+
+    __slots__ = ("_chat", "_framer", "ids")
+
+    def __init__(self, *, chat: bool) -> None:
+        self._chat = chat
+        self._framer = SSEFramer()
+        self.ids: list[int] | None = None
+
+    def feed(self, data: bytes) -> bool:
+        """Whether the first event with data has been read (or the stream is not one vLLM writes)."""
+        for event in self._framer.feed(data):
+            payload = event_data(event)
+            if payload is None:
+                continue  # a comment: the next event says
+            if not is_done(payload):
+                self._read(payload)
+            return True
+        return self._framer.pending > MAX_FIRST_EVENT_BYTES
+
+    def _read(self, payload: bytes) -> None:
+        try:
+            obj = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            return
+        if not isinstance(obj, dict):
+            return
+        if not self._chat:
+            choices = obj.get("choices")
+            obj = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+        ids = obj.get("prompt_token_ids")
+        if isinstance(ids, list) and ids and all(type(i) is int for i in ids):
+            self.ids = ids
+
+
+def prompt_peek(call: Call) -> PromptPeek:
+    assert call.plan is not None
+    return PromptPeek(chat=call.plan.kind is wire.Kind.CHAT)
+
+
+MAX_FIRST_EVENT_BYTES = 16 << 20
+"""The first event of a decode stream carries the prompt's ids: ~8 bytes each, for prompts
+past a million tokens; longer without its end, it is not vLLM's."""
+
+
+def prompt_drift(call: Call, sent: ConcurrentDecode, decode_prompt: list[int] | None) -> str | None:
+    """Why the concurrent decode's answer is not the handoff's (the prompt it rendered differs
+    from the prefill's ids), or None: it is. A prefill that sent no ids leaves nothing to
+    check, as in a sequential handoff without them."""
+    result = call.prefill_result
+    if result is None or result.ids is None or call.migration is None or not call.migration.armed:
+        return None
+    if decode_prompt is None:
+        why = "the decode's first event carried no prompt ids to check"
+    else:
+        prefill_prompt = orjson.loads(result.ids)
+        if decode_prompt == prefill_prompt:
+            return None
+        at = next((i for i, (a, b) in enumerate(zip(decode_prompt, prefill_prompt, strict=False)) if a != b), None)
+        where = f", first at token {at}" if at is not None else ""
+        why = (
+            f"the decode rendered another prompt than the prefill ({len(decode_prompt)} tokens against "
+            f"{len(prefill_prompt)}{where}): do both servers run the same model and chat template?"
+        )
+    book_of(call.context.fleet).drifted(sent.coordinates)
+    return why
+
+
+def fall_back(call: Call, why: str, *, kv_spent: bool = False) -> None:
+    """The concurrent decode was cancelled or failed: the call's decode goes out anew, sequentially.
+
+    ``kv_spent``: the decode had answered, so the prefill server has WRITTEN its KV into
+    that decode's blocks and freed its own; the new decode computes the prefill's ids itself.
+    """
     call.dispatch = SEQUENTIAL  # what answers is a sequential decode
     call.migration = None
     call.reset_decode_body()
+    if kv_spent and call.prefill_result is not None:
+        call.prefill_result = dataclasses.replace(call.prefill_result, kv_transfer_params=None)
     note = f"concurrent dispatch fell back to sequential: {why}"
     call.fallback = f"{call.fallback}; {note}" if call.fallback else note
 
@@ -257,10 +366,13 @@ __all__ = [
     "ConcurrentDecode",
     "CoordinateBook",
     "Coordinates",
+    "PromptPeek",
     "book_of",
     "concurrent_decode",
     "fall_back",
     "learn",
     "moved_on",
+    "prompt_drift",
+    "prompt_peek",
     "usable",
 ]

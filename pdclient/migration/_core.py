@@ -153,8 +153,9 @@ def static_refusal(plan: wire.Plan) -> str | None:
     return None
 
 
-def arm(call: Call) -> CallMigration:
-    """Whether this call's decode stream may move, decided when its decode body is built."""
+def arm(call: Call, *, tracked: bool = False) -> CallMigration:
+    """Whether this call's decode stream may move, decided when its decode body is built;
+    ``tracked``: its stream is tracked even if it may not (its prompt ids are wanted)."""
     assert call.plan is not None
     plan, options = call.plan, call.context.options
     limit = plan.options.max_decode_migrations
@@ -178,7 +179,7 @@ def arm(call: Call) -> CallMigration:
         reason = "sent to the fallback server"
     else:
         reason = static_refusal(plan)
-    return CallMigration(plan, limit, reason, prompt_ids, prompt_count)
+    return CallMigration(plan, limit, reason, prompt_ids, prompt_count, tracked=tracked)
 
 
 class CannotMove(Exception):
@@ -218,16 +219,24 @@ class CallMigration:
     """One call's migration state: whether it can move, its tracker, its moves so far."""
 
     def __init__(
-        self, plan: wire.Plan, limit: int, refused: str | None, prompt_ids: bytes | None, prompt_count: int
+        self,
+        plan: wire.Plan,
+        limit: int,
+        refused: str | None,
+        prompt_ids: bytes | None,
+        prompt_count: int,
+        *,
+        tracked: bool = False,
     ) -> None:
         self.plan = plan
         self.limit = limit
         self.refused = refused
-        """Why this call cannot move at all (None: armed)."""
+        """Why this call cannot move at all (None: it may)."""
         self.prompt_ids = prompt_ids
         self.prompt_count = prompt_count
         self.caller_wants_ids = _get(plan.fields, "return_token_ids") is True
-        self.assembles = refused is None and not plan.stream
+        tracked = tracked or refused is None
+        self.assembles = tracked and not plan.stream
         """A non-streamed call whose decode leg streams: its body is assembled (``Assembler``)."""
         options = _get(plan.fields, "stream_options")
         self.wants_usage = self.assembles or (isinstance(options, dict) and options.get("include_usage") is True)
@@ -235,7 +244,7 @@ class CallMigration:
         self._leg_fields: dict[str, msgspec.Raw] = {}
         """What the decode legs of an armed call carry beyond the caller's fields."""
         self.tracker: Tracker | None = None
-        if refused is None:
+        if tracked:
             self.tracker = Tracker(
                 chat=plan.kind is wire.Kind.CHAT, keep_ids=self.caller_wants_ids, want_prompt_ids=prompt_ids is None
             )
@@ -254,6 +263,8 @@ class CallMigration:
 
     @property
     def armed(self) -> bool:
+        """Its decode stream is tracked (the ids asked for, the events read); it moves only if
+        also not ``refused``."""
         return self.tracker is not None
 
     def decode_body(self, plan: wire.Plan, result: wire.PrefillResult | None) -> bytes:

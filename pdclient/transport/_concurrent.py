@@ -14,11 +14,12 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+from collections.abc import AsyncIterator, Iterator
 
 import anyio
 import httpx
 
-from ..handoff import RELEASE_TIMEOUT, Call
+from ..handoff import RELEASE_TIMEOUT, STREAM_ERRORS, Call, dispatch
 from ._leg_client import AsyncLegClient, LegClient
 
 _CONNECTED = "connection.connect_tcp.complete"
@@ -41,6 +42,42 @@ def _failure(response: httpx.Response | None, error: BaseException | None) -> st
     if response.status_code >= 400:
         return f"the decode answered HTTP {response.status_code}"
     return None
+
+
+def _broke_early(error: BaseException) -> str:
+    return f"the decode's stream broke before its first event: {type(error).__name__}: {error}".rstrip(": ")
+
+
+class _Replayed(httpx.SyncByteStream):
+    """A response body whose first chunks were read already: them, then the rest of the same read."""
+
+    def __init__(self, read: list[bytes], rest: Iterator[bytes], stream: httpx.SyncByteStream) -> None:
+        self._read, self._rest, self._stream = read, rest, stream
+
+    def __iter__(self) -> Iterator[bytes]:
+        read, self._read = self._read, []
+        yield from read
+        yield from self._rest
+
+    def close(self) -> None:
+        self._stream.close()
+
+
+class _AsyncReplayed(httpx.AsyncByteStream):
+    """Async twin of ``_Replayed``."""
+
+    def __init__(self, read: list[bytes], rest: AsyncIterator[bytes], stream: httpx.AsyncByteStream) -> None:
+        self._read, self._rest, self._stream = read, rest, stream
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        read, self._read = self._read, []
+        for chunk in read:
+            yield chunk
+        async for chunk in self._rest:
+            yield chunk
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
 
 
 class DecodeInFlight:
@@ -90,6 +127,23 @@ class DecodeInFlight:
         if self._error is not None:
             self._call.decode_attempt_failed(self._error)
         return why
+
+    def check_prompt(self, response: httpx.Response, sent: dispatch.ConcurrentDecode) -> str | None:
+        """Why the answered decode is not the handoff's (``dispatch.prompt_drift``), from its first event."""
+        peek = dispatch.prompt_peek(self._call)
+        stream = response.stream
+        assert isinstance(stream, httpx.SyncByteStream)
+        chunks = iter(stream)
+        read: list[bytes] = []
+        try:
+            for chunk in chunks:
+                read.append(chunk)
+                if peek.feed(chunk):
+                    break
+        except STREAM_ERRORS as exc:
+            return _broke_early(exc)
+        response.stream = _Replayed(read, chunks, stream)
+        return dispatch.prompt_drift(self._call, sent, peek.ids)
 
     def cancel(self) -> None:
         """Abort the decode wherever it is: close its response, or cut its connection."""
@@ -142,6 +196,22 @@ class AsyncDecodeInFlight:
         if self._error is not None:
             self._call.decode_attempt_failed(self._error)
         return why
+
+    async def check_prompt(self, response: httpx.Response, sent: dispatch.ConcurrentDecode) -> str | None:
+        peek = dispatch.prompt_peek(self._call)
+        stream = response.stream
+        assert isinstance(stream, httpx.AsyncByteStream)
+        chunks = aiter(stream)
+        read: list[bytes] = []
+        try:
+            async for chunk in chunks:
+                read.append(chunk)
+                if peek.feed(chunk):
+                    break
+        except STREAM_ERRORS as exc:
+            return _broke_early(exc)
+        response.stream = _AsyncReplayed(read, chunks, stream)
+        return dispatch.prompt_drift(self._call, sent, peek.ids)
 
     def cancel(self) -> None:
         """Abort the decode: its task is cancelled (its connection closed); ``discard`` closes a response."""

@@ -144,20 +144,24 @@ class PDTransport(_TransportBase, httpx.BaseTransport):
         except BaseException:
             decode.cancel()
             raise
+        answered = False
         if why is None:
             response = decode.result()
             why = decode.failure(response)
             if why is None and response is not None:
+                answered = True
                 try:
-                    leg_io = LegIO(self._read, self._open_decode, self._send_release)
-                    return call.decode_response(response, decode_stream(response, call, leg_io))
+                    why = decode.check_prompt(response, sent)
+                    if why is None:
+                        leg_io = LegIO(self._read, self._open_decode, self._send_release)
+                        return call.decode_response(response, decode_stream(response, call, leg_io))
                 except BaseException:
                     response.close()
                     raise
         decode.cancel()
         if ended is not None:
             return ended
-        dispatch.fall_back(call, why or "the decode gave no answer")
+        dispatch.fall_back(call, why or "the decode gave no answer", kv_spent=answered)
         return self._decode(call)
 
     def _prefill_attempt(self, call: Call) -> httpx.Response | None:
@@ -299,20 +303,25 @@ class AsyncPDTransport(_TransportBase, httpx.AsyncBaseTransport):
         except BaseException:
             await decode.discard()
             raise
+        answered = False
         if why is None:
             response = decode.result()
             why = decode.failure(response)
             if why is None and response is not None:
+                answered = True
                 try:
-                    leg_io = AsyncLegIO(self._read, self._open_decode, self._send_release)
-                    return call.decode_response(response, async_decode_stream(response, call, leg_io))
+                    why = await decode.check_prompt(response, sent)
+                    if why is None:
+                        leg_io = AsyncLegIO(self._read, self._open_decode, self._send_release)
+                        return call.decode_response(response, async_decode_stream(response, call, leg_io))
                 except BaseException:
                     await response.aclose()
                     raise
+        decode.cancel()
         await decode.discard()
         if ended is not None:
             return ended
-        dispatch.fall_back(call, why or "the decode gave no answer")
+        dispatch.fall_back(call, why or "the decode gave no answer", kv_spent=answered)
         return await self._decode(call)
 
     async def _prefill_attempt(self, call: Call) -> httpx.Response | None:

@@ -87,14 +87,67 @@ def test_concurrent_answer_is_the_sequential_one_and_the_kv_moved(push: LocalPD)
         model=push.model, messages=messages("a"), max_tokens=12, temperature=0
     )
     answer = client.chat.completions.create(model=push.model, messages=messages("b"), max_tokens=12, temperature=0)
-    again = client.chat.completions.create(model=push.model, messages=messages("a"), max_tokens=12, temperature=0)
+    # "a" again, streamed: the decode's prefix cache holds its prompt from the sequential call,
+    # so it allocates (and the prefill server WRITEs) only the blocks it lacks.
+    hits = metric(push.decode_url, "vllm:prefix_cache_hits_total")
+    stream = client.chat.completions.create(
+        model=push.model, messages=messages("a"), max_tokens=12, temperature=0, stream=True
+    )
+    again = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert metric(push.decode_url, "vllm:prefix_cache_hits_total") - hits >= 256
     assert [t.dispatch for t in traces[-3:]] == ["sequential", "concurrent", "concurrent"]
+    # Each concurrent decode's prompt ids, read from its first event, equal the prefill's: no fallback.
     assert all(t.fallback is None for t in traces[-3:]), [t.fallback for t in traces[-3:]]
-    assert again.choices[0].message.content == reference.choices[0].message.content
+    assert again == reference.choices[0].message.content
     assert answer.usage is not None and answer.usage.prompt_tokens > 400
     # The concurrent decode took the prompt over the KV transfer (all but the last block at most).
     moved = external_tokens(push.decode_url) - before
     assert moved >= answer.usage.prompt_tokens - 128, moved
+    assert wait_idle(push.prefill_url) == 0 and wait_idle(push.decode_url) == 0
+    client.close()
+
+
+class EditThePrefill(httpx.BaseTransport):
+    """Leg transport: prefills are sent with "item 7" read as "item 8", a prompt of the same
+    length in tokens: what a prefill server with another chat template renders."""
+
+    def __init__(self, prefill_url: str) -> None:
+        self.inner = httpx.HTTPTransport()
+        self.prefill_url = prefill_url
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if str(request.url).startswith(self.prefill_url):
+            body = request.read().replace(b"item 7?", b"item 8?")
+            headers = [(k, v) for k, v in request.headers.raw if k.lower() != b"content-length"]
+            request = httpx.Request(request.method, request.url, headers=headers, content=body)
+        return self.inner.handle_request(request)
+
+
+def test_a_drifted_prompt_is_cut_before_the_caller_reads_it(push: LocalPD) -> None:
+    """The decode renders the caller's prompt, the prefill another of the same length: the
+    WRITE fits the decode's blocks, and the answer it would give comes from a KV that is not
+    its prompt's. pdclient reads the decode's first event, sees the ids differ, cuts it, and
+    has the decode compute the prefill's ids; that prefill server's next call is sequential."""
+    traces: list[PDTrace] = []
+    options = PDOptions(
+        push.prefill_urls, push.decode_urls, dispatch="auto", remote_prefill="always", on_trace=traces.append
+    )
+    http = httpx.Client(transport=PDTransport(options=options, leg_transport=EditThePrefill(push.prefill_url)))
+    client = openai.OpenAI(base_url=push.decode_url, api_key="EMPTY", max_retries=0, http_client=http)
+
+    def ask(tag: str) -> str:
+        stream = client.chat.completions.create(
+            model=push.model, messages=messages(tag), max_tokens=12, temperature=0, stream=True
+        )
+        return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    reference = ask("e")  # sequential: the decode takes the prefill's ids, so answers the edited prompt
+    checked = ask("f")
+    after = ask("g")
+    assert [t.dispatch for t in traces] == ["sequential", "sequential", "sequential"]
+    assert traces[1].fallback is not None and "rendered another prompt" in traces[1].fallback, traces[1].fallback
+    assert traces[2].fallback is None
+    assert reference and checked and after
     assert wait_idle(push.prefill_url) == 0 and wait_idle(push.decode_url) == 0
     client.close()
 

@@ -84,14 +84,52 @@ async def test_concurrent_answer_is_the_sequential_one(mode: str, pair: tuple[St
     _, decode = pair
     traces: list[PDTrace] = []
     twin = _twin(mode, pair, traces)
-    sequential = await twin.stream_text(messages=MESSAGES, max_tokens=4)
-    concurrent = await twin.stream_text(messages=MESSAGES, max_tokens=4)
-    assert concurrent == sequential
+    sequential = await twin.stream_text(messages=MESSAGES, max_tokens=16)
+    concurrent = await twin.stream_text(messages=MESSAGES, max_tokens=16)
+    # The concurrent decode asks for token ids (its prompt's are checked): the stub then sends
+    # one chunk per token, so the pieces differ; the text does not.
+    assert "".join(concurrent) == "".join(sequential)
     assert [t.dispatch for t in traces] == ["sequential", "concurrent"]
+    assert traces[1].fallback is None
     first, second = decode.legs("decode")
     assert first.forwarded_ids and second.forwarded_ids is None  # the concurrent decode renders the prompt itself
+    assert second.body["return_token_ids"] is True
     assert second.headers["x-request-id"] == traces[1].request_id
     await twin.close()
+
+
+async def test_drifted_prompt_is_never_the_answer(mode: str) -> None:
+    """A decode that renders another prompt than the prefill (another chat template, the same
+    length) never answers the caller: it is cut before its first byte reaches the caller, the
+    decode is sent again with the prefill's ids to compute itself, and that prefill server
+    gets sequential handoffs from then on."""
+    with StubServer(prompt_tokens=64) as prefill, StubServer(prompt_tokens=64) as decode:
+        prefill._kv_params = _push_params  # type: ignore[method-assign]
+        rendered = decode.prompt_ids
+
+        def drifted(body: dict[str, Any]) -> list[int]:
+            ids = rendered(body)
+            return [*ids[:10], ids[10] + 1, *ids[11:]]
+
+        decode.prompt_ids = drifted  # type: ignore[method-assign]
+        traces: list[PDTrace] = []
+        twin = _twin(mode, (prefill, decode), traces)
+        sequential = await twin.stream_text(messages=MESSAGES, max_tokens=16)
+        checked = await twin.stream_text(messages=MESSAGES, max_tokens=16)
+        after = await twin.stream_text(messages=MESSAGES, max_tokens=16)
+        assert "".join(checked) == "".join(sequential) == "".join(after)
+        assert [t.dispatch for t in traces] == ["sequential", "sequential", "sequential"]
+        assert traces[1].fallback is not None and "rendered another prompt" in traces[1].fallback
+        assert "64 tokens against 64, first at token 10" in traces[1].fallback
+        assert traces[2].fallback is None
+        legs = decode.legs("decode")
+        assert len(legs) == 4  # sequential; concurrent, cut; its replacement; sequential
+        cut, again = legs[1], legs[2]
+        assert cut.forwarded_ids is None and cut.body["kv_transfer_params"]["do_remote_prefill"] is True
+        # The prefill's KV went into the cut decode's blocks: the new one computes the prefill's ids.
+        prefill_ids = prefill.prompt_ids(prefill.legs("prefill")[1].body)
+        assert again.body["kv_transfer_params"] == {"prompt_token_ids": prefill_ids}
+        await twin.close()
 
 
 async def test_caller_leaving_ends_both_legs() -> None:

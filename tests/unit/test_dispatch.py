@@ -1,0 +1,73 @@
+"""Concurrent dispatch's pure parts: the coordinates read from a prefill answer, the book of
+drifted prefill servers, and the first event of a decode stream read for its prompt ids."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from pdclient.handoff import dispatch
+
+PARAMS = {"remote_engine_id": "e1", "remote_host": "10.0.0.1", "remote_port": 5600, "tp_size": 1}
+
+
+def test_coordinates_need_every_field() -> None:
+    assert dispatch.Coordinates.from_kv_params(orjson.dumps({**PARAMS, "transfer_mode": "push"})) is not None
+    for name in PARAMS:
+        assert dispatch.Coordinates.from_kv_params(orjson.dumps({k: v for k, v in PARAMS.items() if k != name})) is None
+    for odd in (
+        b"",
+        b"[]",
+        b"{",
+        orjson.dumps({**PARAMS, "remote_port": True}),
+        orjson.dumps({**PARAMS, "tp_size": 0}),
+    ):
+        assert dispatch.Coordinates.from_kv_params(odd) is None
+
+
+def test_a_drifted_engine_is_known_until_it_restarts() -> None:
+    book = dispatch.CoordinateBook()
+    first = book.learn("http://p", orjson.dumps(PARAMS))
+    assert first is not None and not book.has_drifted(first)
+    book.drifted(first)
+    assert book.has_drifted(first)
+    restarted = book.learn("http://p", orjson.dumps({**PARAMS, "remote_engine_id": "e2"}))
+    assert restarted is not None and not book.has_drifted(restarted)
+
+
+def _event(obj: object) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+CHAT_FIRST = _event({"id": "c", "choices": [{"index": 0, "delta": {"role": "assistant"}}], "prompt_token_ids": [1, 2]})
+COMPLETION_FIRST = _event({"id": "c", "choices": [{"index": 0, "text": "", "prompt_token_ids": [3, 4]}]})
+
+
+@pytest.mark.parametrize(
+    ("chat", "chunks", "ids"),
+    [
+        (True, [CHAT_FIRST], [1, 2]),
+        (True, [CHAT_FIRST[:7], CHAT_FIRST[7:]], [1, 2]),  # split across reads
+        (True, [b": keep-alive\n\n" + CHAT_FIRST], [1, 2]),  # a comment first
+        (False, [COMPLETION_FIRST], [3, 4]),
+        (True, [COMPLETION_FIRST], None),  # ids where chat has none
+        (True, [_event({"choices": []})], None),
+        (True, [_event({"prompt_token_ids": [1, "x"]})], None),
+        (True, [_event({"prompt_token_ids": []})], None),
+        (True, [b"data: not json\n\n"], None),
+        (True, [_event([1, 2])], None),
+        (True, [b"data: [DONE]\n\n"], None),
+    ],
+)
+def test_the_first_event_gives_the_prompt_ids_or_none(chat: bool, chunks: list[bytes], ids: list[int] | None) -> None:
+    peek = dispatch.PromptPeek(chat=chat)
+    decided = [peek.feed(chunk) for chunk in chunks]
+    assert decided[-1] and not any(decided[:-1])
+    assert peek.ids == ids
+
+
+def test_a_first_event_without_end_is_given_up() -> None:
+    peek = dispatch.PromptPeek(chat=True)
+    assert not peek.feed(b"data: " + b"1," * 1000)
+    assert peek.feed(b"1," * dispatch.MAX_FIRST_EVENT_BYTES)
+    assert peek.ids is None
