@@ -125,6 +125,11 @@ class PDTrace(BaseModel):
     ``"concurrent"`` (both at once, ``PDOptions.dispatch``); None when no prefill leg ran.
     A concurrent call that fell back to a sequential decode (a changed prefill endpoint, a
     failed decode, a decode that rendered another prompt than the prefill) says so in ``fallback``."""
+    dispatch_fallback: str | None = None
+    """Why a concurrent call's decode went out again, sequentially, machine-readable:
+    ``prefill_moved`` (the prefill ran on another server than the decode registered with: a
+    restart, a retry elsewhere), ``decode_failed``, ``prompt_drift`` (the decode rendered
+    another prompt than the prefill's ids: the servers' models or chat templates differ)."""
     migrations: tuple[Migration, ...] = ()
     """Each time the decode stream broke and the answer continued on another decode endpoint
     (``max_decode_migrations``), in order. Not in the response headers: known only later."""

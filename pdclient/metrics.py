@@ -20,6 +20,11 @@ Metrics (``namespace`` prefix, ``pdclient`` by default; times in seconds):
                                                   ``prefill_failed`` a prefill failure's fallback)
 ``pdclient_remote_prefill_decisions_total`` counter  chat/completions calls by ``route``, ``remote_prefill``
                                                   (true, false) and ``reason`` (``PDTrace.remote_prefill_reason``)
+``pdclient_dispatch_total``            counter    calls with a prefill leg by ``route``, ``dispatch`` (sequential,
+                                                  concurrent: how the legs went out, ``PDOptions.dispatch``) and
+                                                  ``fallback`` (``PDTrace.dispatch_fallback``, empty when none):
+                                                  ``fallback="prompt_drift"`` counts decodes that rendered another
+                                                  prompt than their prefill (the servers' templates differ)
 ``pdclient_calls_in_flight``           gauge      calls started and not yet finished, by ``route``
 ``pdclient_call_duration_seconds``     histogram  call start to end (the whole stream), by ``route``
 ``pdclient_time_to_first_token_seconds`` histogram  call start to the decode's first body byte
@@ -143,6 +148,13 @@ class PrometheusObserver(PDObserver):
             "remote_prefill_decisions",
             "Whether a call got a remote prefill (remote_prefill), and why.",
             ["route", "remote_prefill", "reason"],
+            namespace=namespace,
+            registry=r,
+        )
+        self.dispatch = p.Counter(
+            "dispatch",
+            "How a call's two legs went out (dispatch), and why a concurrent decode went out again (fallback).",
+            ["route", "dispatch", "fallback"],
             namespace=namespace,
             registry=r,
         )
@@ -286,6 +298,8 @@ class PrometheusObserver(PDObserver):
         if trace.remote_prefill is not None:
             remote = "true" if trace.remote_prefill else "false"
             self._labelled(self.remote_prefill_decisions, route, remote, trace.remote_prefill_reason or "").inc()
+        if trace.dispatch is not None:
+            self._labelled(self.dispatch, route, trace.dispatch, trace.dispatch_fallback or "").inc()
         self._labelled(self.call_duration, route).observe(time.perf_counter() - call.started)
         if trace.forwarded_tokens:
             self._labelled(self.forwarded_tokens, route).inc(trace.forwarded_tokens)

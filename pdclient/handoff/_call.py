@@ -169,6 +169,8 @@ class Call:
         """The decode body's steps on its way to the caller (the streams feed it every chunk)."""
         self.dispatch: str | None = None
         """How the legs went out, ``sequential`` or ``concurrent`` (``_dispatch``), once a prefill is planned."""
+        self.dispatch_fallback: str | None = None
+        """Why a concurrent decode went out again sequentially (``_dispatch.fall_back``)."""
         self.prefill_picked = False
         """The prefill's first endpoint is picked already (a concurrent decode named it)."""
         self.stored_state: str | None = None

@@ -30,8 +30,9 @@ aborts it in vLLM; the decode server's ``push_registration_timeout`` is only the
 and the call goes on as the failure policy says; a decode that fails or answers an error
 is sent again sequentially once the prefill answered (that decode takes the KV and frees
 the prefill's blocks, or gets the error a sequential call would); a caller that leaves
-cancels both legs (measured on the real pair: vLLM 0.32's decode server keeps the blocks of
-an aborted decode whose registration went out, past 30 s; the cause in vLLM is not traced yet).
+cancels both legs (vLLM 0.32's decode server then keeps the blocks of an aborted decode
+whose registration went out and that no WRITE reaches: its receiving side has no lease,
+vLLM issue #46283).
 
 In concurrent mode the decode server renders the prompt itself (no ids are forwarded: they
 are not known yet), so both servers must run the same model and chat template. vLLM does
@@ -73,6 +74,11 @@ if TYPE_CHECKING:
 
 SEQUENTIAL = "sequential"
 CONCURRENT = "concurrent"
+
+# Why a concurrent decode went out again sequentially (``PDTrace.dispatch_fallback``).
+PREFILL_MOVED = "prefill_moved"
+DECODE_FAILED = "decode_failed"
+PROMPT_DRIFT = "prompt_drift"
 
 
 @dataclass(frozen=True)
@@ -264,6 +270,8 @@ def moved_on(call: Call, sent: ConcurrentDecode) -> str | None:
     if call.prefill_result is None:
         return "the prefill failed"
     answered = learn(call)
+    if answered is None or not answered.same_server(sent.coordinates):
+        call.dispatch_fallback = PREFILL_MOVED
     if answered is None:
         return "the prefill's answer gave no push coordinates"
     if not answered.same_server(sent.coordinates):
@@ -342,6 +350,7 @@ def prompt_drift(call: Call, sent: ConcurrentDecode, decode_prompt: list[int] | 
             f"{len(prefill_prompt)}{where}): do both servers run the same model and chat template?"
         )
     book_of(call.context.fleet).drifted(sent.coordinates)
+    call.dispatch_fallback = PROMPT_DRIFT
     return why
 
 
@@ -352,6 +361,7 @@ def fall_back(call: Call, why: str, *, kv_spent: bool = False) -> None:
     that decode's blocks and freed its own; the new decode computes the prefill's ids itself.
     """
     call.dispatch = SEQUENTIAL  # what answers is a sequential decode
+    call.dispatch_fallback = call.dispatch_fallback or DECODE_FAILED
     call.migration = None
     call.reset_decode_body()
     if kv_spent and call.prefill_result is not None:
@@ -362,6 +372,9 @@ def fall_back(call: Call, why: str, *, kv_spent: bool = False) -> None:
 
 __all__ = [
     "CONCURRENT",
+    "DECODE_FAILED",
+    "PREFILL_MOVED",
+    "PROMPT_DRIFT",
     "SEQUENTIAL",
     "ConcurrentDecode",
     "CoordinateBook",

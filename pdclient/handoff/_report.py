@@ -60,6 +60,7 @@ def trace_of(call: Call) -> PDTrace:
         estimated_uncached_tokens=estimate.uncached_tokens if estimate is not None else None,
         prefill_warm_up_url=call.warm_up_url,
         dispatch=call.dispatch,
+        dispatch_fallback=call.dispatch_fallback,
     )
 
 

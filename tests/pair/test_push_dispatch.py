@@ -52,14 +52,17 @@ def wait_idle(url: str, seconds: float = 30.0) -> float:
 def decode_kv_released(pd: LocalPD) -> None:
     """The decode server freed the blocks of the decode pdclient cancelled (closed its connection).
 
-    Seen on vLLM 0.32 (CPU pair, 2026-12-03): it does not, for a decode whose registration
-    went out. vLLM aborts the request, but keeps blocks the prefill server might still
-    WRITE into (``_reqs_need_recv`` / the recv lease), and ``push_registration_timeout``
-    only drops the registration. The blocks stay held well past 30 s; recorded as an
-    expected failure of vLLM's, not of the client, until upstream frees them.
+    Seen on vLLM 0.32 (CPU pair): it does not, for a decode whose registration went out.
+    The abort of a request in ``WAITING_FOR_REMOTE_KVS`` holds its blocks until the worker
+    reports ``finished_recving`` (``Scheduler.finish_requests``: a WRITE still landing must
+    not corrupt the blocks' next owner); in push mode only the prefill server's WRITE
+    completion produces that, the receiving side has no lease, and ``request_finished``
+    drops the registration's watchdog. A prefill that never WRITEs (it failed, or was
+    cancelled with the call) leaves the blocks held until the server restarts: vLLM issue
+    #46283, open. Recorded as an expected failure of vLLM's, not of the client.
     """
     if wait_idle(pd.decode_url, 30) > 0:
-        pytest.xfail("vLLM 0.32 push mode keeps an aborted, registered decode's KV blocks (see docstring)")
+        pytest.xfail("vLLM 0.32 push mode keeps an aborted, registered decode's KV blocks (vLLM #46283)")
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +149,7 @@ def test_a_drifted_prompt_is_cut_before_the_caller_reads_it(push: LocalPD) -> No
     after = ask("g")
     assert [t.dispatch for t in traces] == ["sequential", "sequential", "sequential"]
     assert traces[1].fallback is not None and "rendered another prompt" in traces[1].fallback, traces[1].fallback
+    assert [t.dispatch_fallback for t in traces] == [None, "prompt_drift", None]
     assert traces[2].fallback is None
     assert reference and checked and after
     assert wait_idle(push.prefill_url) == 0 and wait_idle(push.decode_url) == 0

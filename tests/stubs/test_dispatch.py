@@ -9,9 +9,11 @@ from typing import Any
 
 import anyio
 import openai
+import prometheus_client
 import pytest
 
 from pdclient import PDTrace
+from pdclient.metrics import PrometheusObserver
 from pdclient.pools import RetrySettings
 from tests.stubserver import Fault, StubServer
 from tests.twins import Twin
@@ -113,7 +115,8 @@ async def test_drifted_prompt_is_never_the_answer(mode: str) -> None:
 
         decode.prompt_ids = drifted  # type: ignore[method-assign]
         traces: list[PDTrace] = []
-        twin = _twin(mode, (prefill, decode), traces)
+        registry = prometheus_client.CollectorRegistry()
+        twin = _twin(mode, (prefill, decode), traces, observers=[PrometheusObserver(registry)])
         sequential = await twin.stream_text(messages=MESSAGES, max_tokens=16)
         checked = await twin.stream_text(messages=MESSAGES, max_tokens=16)
         after = await twin.stream_text(messages=MESSAGES, max_tokens=16)
@@ -121,7 +124,14 @@ async def test_drifted_prompt_is_never_the_answer(mode: str) -> None:
         assert [t.dispatch for t in traces] == ["sequential", "sequential", "sequential"]
         assert traces[1].fallback is not None and "rendered another prompt" in traces[1].fallback
         assert "64 tokens against 64, first at token 10" in traces[1].fallback
+        assert [t.dispatch_fallback for t in traces] == [None, "prompt_drift", None]
         assert traces[2].fallback is None
+        count = registry.get_sample_value
+        assert count("pdclient_dispatch_total", {"route": "chat", "dispatch": "sequential", "fallback": ""}) == 2
+        assert (
+            count("pdclient_dispatch_total", {"route": "chat", "dispatch": "sequential", "fallback": "prompt_drift"})
+            == 1
+        )
         legs = decode.legs("decode")
         assert len(legs) == 4  # sequential; concurrent, cut; its replacement; sequential
         cut, again = legs[1], legs[2]
