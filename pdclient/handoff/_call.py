@@ -41,22 +41,28 @@ from typing import Any
 
 import httpx
 import openai
-import orjson
 
 from .._observe import Observers
 from .._options import PDOptions
 from .._trace import Outcome, PDTrace
-from ..conversations import Decision
 from ..dialects import Dialect, dialect_for, endpoint_for, names_a_response, untag_path
 from ..fleet import Fleet
 from ..migration import _core as migrate
 from ..pools import AllEndpointsOpen
 from ..pools import _retry as retry
-from ..routing import TENANT_EXTENSION, RouteDecision, RouteRequest, plan_text
-from ..wire import PREFILL_FAILURE_POLICIES, redact_url
+from ..routing import TENANT_EXTENSION, RouteRequest, plan_text
 from ..wire import _bodies as wire
 from ..wire import _usage as usage
+from ..wire import redact_url
 from . import _dispatch
+from ._failure import (
+    error_response,
+    fallback_for,
+    leg_error_response,
+    prefill_failure,
+    prefill_failure_status,
+    stream_error,
+)
 from ._leg import Leg
 from ._leg_requests import (
     LegRequests,
@@ -67,27 +73,14 @@ from ._leg_requests import (
     pass_through_body,
     streams_upload,
 )
-from ._remote_prefill import ConversationTurn, conversation_home, handoff_after_all, pin_decode, remote_prefill_decision
+from ._remote_prefill import HandoffInstead, RemotePrefill
 from ._report import log_end, trace_of
-from ._to_caller import (
-    CONTENT_LENGTH,
-    READ_BODY_FRAMING,
-    CallerBody,
-    id_tags_for,
-    raw_headers,
-    usage_merge_for,
-    without_trace_headers,
-)
+from ._to_caller import CallerBody, caller_response, id_tags_for, usage_merge_for
 
 # A leg that failed so never sent a byte to its server.
 _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
 # httpcore's trace event for the first bytes of a request going out (HTTP/1.1 and HTTP/2).
 _SENDING = ("http11.send_request_headers.started", "http2.send_request_headers.started")
-
-
-class HandoffInstead(Exception):
-    """Raised by ``Call.decode_request``: the decode-only call becomes a P/D handoff (its
-    conversation's endpoint is out of reach); the transport runs the prefill, then the decode."""
 
 
 class Phase(enum.Enum):
@@ -157,22 +150,14 @@ class Call:
         self._prompt_text: str | None = None
         self.migration: migrate.CallMigration | None = None
         """Whether and how the decode stream may move to another endpoint (``migration._core``)."""
-        self.decision: Decision | None = None
-        """Whether the call gets a remote prefill, and why (``remote_prefill``)."""
-        self.conversation: ConversationTurn | None = None
-        """The call's turn of its conversation (chat, ``remote_prefill`` not ``always``)."""
-        self.home: RouteDecision | None = None
-        """The conversation's decode endpoint by rendezvous, the same in every process."""
-        self.warm_up_url: str | None = None
-        """The prefill endpoint this decode-only call's prompt was queued to (``fleet._warm``)."""
+        self.remote = RemotePrefill()
+        """Whether the call gets a remote prefill and why, its conversation (``_remote_prefill``)."""
         self.caller_body = CallerBody()
         """The decode body's steps on its way to the caller (the streams feed it every chunk)."""
         self.dispatch: str | None = None
         """How the legs went out, ``sequential`` or ``concurrent`` (``_dispatch``), once a prefill is planned."""
         self.prefill_picked = False
         """The prefill's first endpoint is picked already (a concurrent decode named it)."""
-        self.stored_state: str | None = None
-        """The field naming server-stored state the call builds on (``Dialect.stored_state``): decode-only."""
         # openai's `timeout` bounds each read; the prefill phase (retries included) gets it,
         # or the shorter prefill_timeout, as a total.
         bounds = [(request.extensions.get("timeout") or {}).get("read"), context.options.retries.prefill_timeout]
@@ -215,9 +200,7 @@ class Call:
         return None
 
     def refuse(self, message: str) -> httpx.Response:
-        self.outcome = Outcome.REFUSED
-        self.error = message
-        return self._end_early(self._json_error(400, message, "client"))
+        return self._fail(400, message, "client", outcome=Outcome.REFUSED)
 
     @property
     def failure_policy(self) -> str:
@@ -240,38 +223,18 @@ class Call:
     def wants_prefill(self) -> bool:
         """Whether this call gets a prefill leg (``remote_prefill``, ``_remote_prefill``), once after planning."""
         assert self.plan is not None and self.dialect is not None
-        plan, options, fleet = self.plan, self.context.options, self.context.fleet
-        self.stored_state = self.dialect.stored_state(plan)
-        if self.stored_state is not None:
-            self.outcome = Outcome.DECODE_ONLY  # the state is where it was stored, never on a prefill server
-            self.stored_tag = self.dialect.stored_at(plan)
-            return False
-        mode = plan.options.remote_prefill or options.remote_prefill
-        if mode != "always" and plan.messages is not None:  # a conversation, in chat messages
-            self.conversation = ConversationTurn(plan, fleet.memory)
-            self.caller_body.collector = self.conversation.collector
-            self.home = conversation_home(fleet.decode, options, self.route_for("decode"))
-        estimate = None
-        if mode == "auto" and self.conversation is not None:
-            estimate = self.conversation.estimate([e.url for e in fleet.decode.endpoints if e.admits()], self.home)
-        self.decision = remote_prefill_decision(mode, estimate, options.conversations, self.home)
-        if self.decision.remote_prefill:
+        plan, options, fleet, remote = self.plan, self.context.options, self.context.fleet, self.remote
+        wanted = remote.decide(plan, self.dialect, options, fleet, lambda: self.route_for("decode"))
+        if remote.conversation is not None:
+            self.caller_body.collector = remote.conversation.collector
+        if wanted:
             return True
         self.outcome = Outcome.DECODE_ONLY
-        if mode == "auto" and options.conversations.warm_prefill:
-            self._warm_prefill()
+        if remote.stored_state is not None:
+            self.stored_tag = self.dialect.stored_at(plan)
+        elif remote.warms:
+            remote.warm_up(fleet, self.route_for("prefill"), self.requests, self.dialect.warm_up_body(plan))
         return False
-
-    def _warm_prefill(self) -> None:
-        """Queue this decode-only call's prompt for the prefill endpoint its conversation's
-        P/D turns are routed to, so that a later one prefills only what is new (``fleet._warm``)."""
-        assert self.plan is not None and self.dialect is not None
-        try:
-            endpoint = self.context.fleet.prefill.decide(self.route_for("prefill")).endpoint
-        except AllEndpointsOpen:
-            return  # no prefill endpoint admitted: nothing to keep warm
-        self.context.fleet.warm(self.requests.warm_up(endpoint, self.dialect.warm_up_body(self.plan)))
-        self.warm_up_url = endpoint.url
 
     # -- prefill -----------------------------------------------------------------------
 
@@ -305,42 +268,28 @@ class Call:
         if response.status_code >= 400:
             # The request itself is wrong (bad model, messages, ...): the decode leg would
             # refuse it too, so the caller gets the prefill's own error.
-            self.outcome = Outcome.FAILED
-            self.error = f"prefill answered HTTP {response.status_code}"
-            return self._end_with(response, "prefill")
+            return self._fail_with(response, "prefill", f"prefill answered HTTP {response.status_code}")
         cpu_start = time.thread_time()
         self.prefill_result = self.dialect.read_prefill(response.content)
         _dispatch.learn(self)
         self.cpu_seconds += time.thread_time() - cpu_start
-        if self.conversation is not None and self.prefill_result.ids is not None:
-            self.conversation.learn(self.prefill_result.count)  # the servers' own count
+        if self.remote.conversation is not None and self.prefill_result.ids is not None:
+            self.remote.conversation.learn(self.prefill_result.count)  # the servers' own count
         return None
 
     def prefill_failed(self, error: BaseException) -> httpx.Response | None:
-        """The prefill leg failed for good: apply the failure policy."""
+        """The prefill leg failed for good: the failure policy fails the call, or it goes on without it."""
         self.prefill_ms = self._elapsed_ms()
-        if isinstance(error, retry.RetryableStatus):
-            reason = f"HTTP {error.response.status_code}: {_text(error.response)[:200]}"
-        else:
-            reason = f"{type(error).__name__}: {error}"
-        attempts = self.prefill.attempt
-        reason = f"{reason} (after {attempts} attempt{'s' * (attempts != 1)})"
         self.prefill_result = None
-        policy = self.failure_policy
-        if policy == "fail":
-            self.outcome = Outcome.FAILED
-            self.error = f"prefill failed: {reason}"
-            if isinstance(error, retry.RetryableStatus):
-                return self._end_with(error.response, "prefill")
-            status = 503 if isinstance(error, AllEndpointsOpen) else 502
-            return self._end_early(self._json_error(status, f"prefill leg failed: {reason}", "prefill"))
-        self.outcome = Outcome.PREFILL_FAILED
-        if policy == "decode":
-            self.fallback = f"prefill failed, decode-only: {reason}"
-        else:
-            self.fallback_url = policy
-            self.fallback = f"prefill failed, sent to {policy}: {reason}"
-        return None
+        reason = prefill_failure(error, self.prefill.attempt)
+        fallback = fallback_for(self.failure_policy, "prefill failed", reason, decode_admitted=True)
+        if fallback is not None:
+            self.outcome, self.fallback, self.fallback_url = Outcome.PREFILL_FAILED, fallback.note, fallback.url
+            return None
+        if isinstance(error, retry.RetryableStatus):
+            return self._fail_with(error.response, "prefill", f"prefill failed: {reason}")
+        status, message = prefill_failure_status(error), f"prefill leg failed: {reason}"
+        return self._fail(status, message, "prefill", error=f"prefill failed: {reason}")
 
     # -- decode ------------------------------------------------------------------------
 
@@ -349,20 +298,17 @@ class Call:
         self.phase = Phase.DECODE
         if self.migration is not None and self.migration.pending is not None:
             return self.decode.start(self.migration.continuation_request(self))  # a migrated decode
-        decision = self.decision
-        held = decision.decode_endpoint if decision is not None and not decision.remote_prefill else None
         if self.fallback_url is not None:
             base = self.decode.use(self.fallback_url)
         else:
             pool = self.context.fleet.decode
             stored_at = endpoint_for(self.stored_tag, (e.url for e in pool.endpoints)) if self.stored_tag else None
-            pinned = pin_decode(self.decode, held, self.home, stored_at)
-            if held is not None and pinned is None:
-                assert decision is not None
-                self.decision = handoff_after_all(decision, self.context.options.conversations)
+            try:
+                pinned = self.remote.pin_decode(self.decode, stored_at, self.context.options.conversations)
+            except HandoffInstead:
                 self.outcome = Outcome.DISAGGREGATED
                 self.migration = self._decode_body = None
-                raise HandoffInstead
+                raise
             base = pinned or self.decode.pick(self.route_for("decode"))
         if self.plan is None:
             return self.decode.start(self.requests.build(base, self.pass_through_body))
@@ -387,7 +333,7 @@ class Call:
         self._decode_body = None
 
     def _asks_usage(self) -> bool:
-        collecting, decode_only = self.conversation is not None, self.outcome is Outcome.DECODE_ONLY
+        collecting, decode_only = self.remote.conversation is not None, self.outcome is Outcome.DECODE_ONLY
         return self.plan is not None and asks_usage(self.plan, collecting=collecting, decode_only=decode_only)
 
     def decode_admitted(self) -> bool:
@@ -403,12 +349,10 @@ class Call:
             return None  # one was admitted again meanwhile: the call goes on as usual
         except AllEndpointsOpen as exc:
             outage = exc
-        policy = self.failure_policy
-        if policy in PREFILL_FAILURE_POLICIES:
+        fallback = fallback_for(self.failure_policy, "no decode endpoint admitted", str(outage), decode_admitted=False)
+        if fallback is None:
             return self.decode_unavailable(outage)
-        self.outcome = Outcome.PREFILL_FAILED
-        self.fallback_url = policy
-        self.fallback = f"no decode endpoint admitted, sent to {redact_url(policy)}: {outage}"
+        self.outcome, self.fallback, self.fallback_url = Outcome.PREFILL_FAILED, fallback.note, fallback.url
         return None
 
     def decode_attempt_failed(self, error: BaseException) -> None:
@@ -447,15 +391,10 @@ class Call:
         endpoint = self.decode.endpoint.url if self.decode.endpoint is not None else None
         strip = usage.UsageStrip() if asked else None
         body.begin(content_type, merge, id_tags_for(tags, endpoint, status, content_type), strip)
-        headers = without_trace_headers(response.headers, CONTENT_LENGTH if body.recounted else ())
-        if self.kind is not None:
-            headers += raw_headers(self.trace().to_headers())
-        return httpx.Response(status, headers=headers, stream=stream, extensions=response.extensions)
+        return caller_response(response, stream, body, self.trace().to_headers() if self.kind is not None else None)
 
     def decode_unavailable(self, error: AllEndpointsOpen) -> httpx.Response:
-        self.outcome = Outcome.FAILED
-        self.error = str(error)
-        return self._end_early(self._json_error(503, str(error), "decode"))
+        return self._fail(503, str(error), "decode")
 
     def first_byte(self) -> None:
         self.decode_first_byte_ms = (time.perf_counter() - self.decode.sent_at) * 1000
@@ -469,20 +408,17 @@ class Call:
     def broken_stream(
         self, error: httpx.TransportError | httpx.DecodingError, received: int, not_moved: str | None = None
     ) -> openai.APIConnectionError:
-        """A decode stream cut mid-way, as the openai error a caller already handles.
-
-        openai 3.x maps an httpx error during iteration to APIConnectionError itself, 2.x
-        lets the raw httpx error through; raising the openai error here makes both alike.
-        ``not_moved``: why it did not move to another decode endpoint (default: the call's).
-        """
+        """A decode stream cut mid-way, as the openai error a caller already handles (``stream_error``).
+        ``not_moved``: why it did not move to another decode endpoint (default: the call's)."""
         self.outcome = Outcome.FAILED
         self.error = f"decode stream broke after {received} bytes: {type(error).__name__}: {error}"
         not_moved = not_moved or (self.migration.refused if self.migration is not None else None)
         if not_moved:
             self.error += f"; not migrated: {not_moved}"
         self.decode.end(self.decode.status, error)
-        message = f"pdclient: {self.error} (decode {redact_url(self.decode.url)}, request {self.request_id})"
-        return openai.APIConnectionError(message=message, request=self.request)  # type: ignore[arg-type]
+        return stream_error(
+            self.request, f"{self.error} (decode {redact_url(self.decode.url)}, request {self.request_id})"
+        )
 
     def decode_closed(self) -> None:
         """The caller's response body was closed: read to its end, abandoned, or broken."""
@@ -506,40 +442,28 @@ class Call:
         if self.phase is Phase.ENDED:
             return
         self.phase = Phase.ENDED
-        self._remember()
+        if self.decode.endpoint is not None and self.decode.status == 200 and self.error is None:
+            self.remote.remember(self.outcome, self.decode.endpoint.url, self.prefill_result)
         trace = self.trace()
         if self.kind is not None:
             log_end(self.request_id, trace)
         self.observers.call_end(self, trace)
 
-    def _remember(self) -> None:
-        """A whole answer of a call that went as planned: the next turn's prefix on its decode endpoint."""
-        turn, decision, endpoint, result = self.conversation, self.decision, self.decode.endpoint, self.prefill_result
-        if turn is None or decision is None or endpoint is None or self.decode.status != 200 or self.error is not None:
-            return
-        if self.outcome in (Outcome.DISAGGREGATED, Outcome.DECODE_ONLY):
-            counted = result.count if result is not None and result.ids is not None else None
-            decode_only = self.outcome is Outcome.DECODE_ONLY
-            turn.remember(decision, endpoint.url, decode_only=decode_only, prefill_tokens=counted)
-
-    def _end_early(self, response: httpx.Response) -> httpx.Response:
+    def _fail(
+        self, status: int, message: str, leg: str, *, outcome: Outcome = Outcome.FAILED, error: str | None = None
+    ) -> httpx.Response:
+        """End the call at ``leg`` with a JSON error: ``status``, ``message`` (``error``: the trace's, if other)."""
+        self.outcome, self.error, self.failed_leg = outcome, error or message, leg
+        response = error_response(status, message, self.trace().to_headers())
         self.end()
         return response
 
-    def _end_with(self, response: httpx.Response, leg: str) -> httpx.Response:
-        """A leg's error response, body read, handed to the caller as the call's answer."""
-        self.failed_leg = leg
-        headers = without_trace_headers(response.headers, READ_BODY_FRAMING)
-        headers += raw_headers(self.trace().to_headers())
-        return self._end_early(httpx.Response(response.status_code, headers=headers, content=response.content))
-
-    def _json_error(self, status: int, message: str, leg: str) -> httpx.Response:
-        """A response the openai SDK turns into its usual APIStatusError, naming the cause
-        (the leg that failed is in the x-pd-failed-leg header)."""
-        self.failed_leg = leg
-        body = {"error": {"message": f"pdclient: {message}", "type": "pdclient_error", "code": status}}
-        headers = {**self.trace().to_headers(), "content-type": "application/json"}
-        return httpx.Response(status, headers=headers, content=orjson.dumps(body))
+    def _fail_with(self, response: httpx.Response, leg: str, error: str) -> httpx.Response:
+        """End the call at ``leg`` with that leg's own error response, its body read."""
+        self.outcome, self.error, self.failed_leg = Outcome.FAILED, error, leg
+        answer = leg_error_response(response, self.trace().to_headers())
+        self.end()
+        return answer
 
     # -- results -----------------------------------------------------------------------
 
@@ -557,10 +481,3 @@ class Call:
 
     def _elapsed_ms(self) -> float:
         return (time.perf_counter() - self.started) * 1000
-
-
-def _text(response: httpx.Response) -> str:
-    try:
-        return response.text
-    except (UnicodeDecodeError, LookupError):
-        return repr(response.content[:200])

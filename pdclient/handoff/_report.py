@@ -32,7 +32,7 @@ def trace_of(call: Call) -> PDTrace:
     moved = call.migration.summary() if call.migration is not None else None
     if moved:
         fallback = f"{fallback}; {moved}" if fallback else moved
-    decision = call.decision
+    decision, stored_state = call.remote.decision, call.remote.stored_state
     estimate = decision.estimate if decision is not None else None
     return PDTrace(
         request_id=call.request_id,
@@ -53,12 +53,12 @@ def trace_of(call: Call) -> PDTrace:
         prefill_route=str(call.prefill.decision) if call.prefill.decision else None,
         decode_route=str(call.decode.decision) if call.decode.decision else None,
         migrations=call.migration.records() if call.migration is not None else (),
-        remote_prefill=False if call.stored_state else decision.remote_prefill if decision else None,
-        remote_prefill_reason=STORED_STATE if call.stored_state else decision.reason.value if decision else None,
+        remote_prefill=False if stored_state else decision.remote_prefill if decision else None,
+        remote_prefill_reason=STORED_STATE if stored_state else decision.reason.value if decision else None,
         conversation=estimate.match.value if estimate is not None else None,
         estimated_prompt_tokens=estimate.total_tokens if estimate is not None else None,
         estimated_uncached_tokens=estimate.uncached_tokens if estimate is not None else None,
-        prefill_warm_up_url=call.warm_up_url,
+        prefill_warm_up_url=call.remote.warm_up_url,
         dispatch=call.dispatch,
     )
 

@@ -80,23 +80,27 @@ def prefilled(call: Call, answer: dict[str, Any] | None = None) -> httpx.Request
 def test_always_and_never_decide_without_an_estimate(mode: str, prefills: bool, reason: str) -> None:
     call = make_call(chat("hi"), remote_prefill=mode)
     assert call.wants_prefill() is prefills
-    assert call.decision is not None and call.decision.reason.value == reason and call.decision.estimate is None
+    assert (
+        call.remote.decision is not None
+        and call.remote.decision.reason.value == reason
+        and call.remote.decision.estimate is None
+    )
     assert call.outcome is (Outcome.DISAGGREGATED if prefills else Outcome.DECODE_ONLY)
     # Only a call whose turn may be remembered keeps its conversation (never: yes; always: no).
-    assert (call.conversation is None) is (mode == "always")
+    assert (call.remote.conversation is None) is (mode == "always")
 
 
 def test_auto_on_an_unknown_conversation_gets_its_prefill() -> None:
     call = make_call(chat("a long first question " * 200), remote_prefill="auto")
     assert call.wants_prefill()
-    assert call.decision is not None and call.decision.remote_prefill
-    assert call.decision.estimate is not None and call.decision.estimate.match is Match.UNKNOWN
+    assert call.remote.decision is not None and call.remote.decision.remote_prefill
+    assert call.remote.decision.estimate is not None and call.remote.decision.estimate.match is Match.UNKNOWN
 
 
 def test_auto_on_completions_has_no_estimate_and_gets_its_prefill() -> None:
     call = make_call({"model": "m", "prompt": "hi", "max_tokens": 4}, "/completions", remote_prefill="auto")
-    assert call.wants_prefill() and call.conversation is None
-    assert call.decision == Decision(True, Reason.NO_ESTIMATE, None, None)
+    assert call.wants_prefill() and call.remote.conversation is None
+    assert call.remote.decision == Decision(True, Reason.NO_ESTIMATE, None, None)
 
 
 def remembered(fleet: Fleet, body: dict[str, Any], endpoint: str) -> None:
@@ -120,8 +124,8 @@ def follow_up_of_a_remembered_turn() -> Call:
 
 def test_auto_sends_a_cached_conversation_decode_only_to_the_endpoint_holding_it() -> None:
     call = follow_up_of_a_remembered_turn()
-    assert call.outcome is Outcome.DECODE_ONLY and call.decision is not None
-    assert (call.decision.reason, call.decision.decode_endpoint) == (Reason.MOSTLY_CACHED, DECODES[1])
+    assert call.outcome is Outcome.DECODE_ONLY and call.remote.decision is not None
+    assert (call.remote.decision.reason, call.remote.decision.decode_endpoint) == (Reason.MOSTLY_CACHED, DECODES[1])
     decode = call.decode_request()
     # Decode-only: the caller's fields as sent, on the endpoint holding the conversation,
     # asking for the usage the memory learns from (the caller did not ask for it).
@@ -137,8 +141,14 @@ def test_a_held_conversation_whose_endpoint_is_gone_becomes_a_handoff() -> None:
     call.decode.tried.append(held)
     with pytest.raises(HandoffInstead):
         call.decode_request()
-    assert call.outcome is Outcome.DISAGGREGATED and call.decision is not None and call.decision.remote_prefill
-    assert call.decision.estimate is not None and call.decision.estimate.match is Match.ENDPOINT_UNAVAILABLE
+    assert (
+        call.outcome is Outcome.DISAGGREGATED
+        and call.remote.decision is not None
+        and call.remote.decision.remote_prefill
+    )
+    assert (
+        call.remote.decision.estimate is not None and call.remote.decision.estimate.match is Match.ENDPOINT_UNAVAILABLE
+    )
     assert "kv_transfer_params" in sent(prefilled(call))
 
 
@@ -166,7 +176,7 @@ def test_a_handoff_after_all_counts_the_whole_prompt_as_uncached() -> None:
 def test_a_response_building_on_stored_state_is_decode_only() -> None:
     call = make_call({"model": "m", "input": "and?", "previous_response_id": "resp_1"}, "/responses")
     assert not call.wants_prefill()
-    assert call.outcome is Outcome.DECODE_ONLY and call.stored_state == "previous_response_id"
+    assert call.outcome is Outcome.DECODE_ONLY and call.remote.stored_state == "previous_response_id"
     assert call.trace().remote_prefill_reason == "stored_state"
 
 
@@ -357,7 +367,7 @@ def test_the_callers_stream_is_framed_once_and_each_event_parsed_once(monkeypatc
 
     monkeypatch.setattr(to_caller, "event_json", counted)
     call = make_call(chat("hi"), remote_prefill="never")
-    assert not call.wants_prefill() and call.conversation is not None
+    assert not call.wants_prefill() and call.remote.conversation is not None
     call.prefill_result = None
     chunks = [
         {"id": "c", "choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}]},
@@ -373,7 +383,7 @@ def test_the_callers_stream_is_framed_once_and_each_event_parsed_once(monkeypatc
     # reads completes its event as a bare LF, which holds no data).
     assert len([raw for raw in parsed if raw.strip()]) == 4
     assert b'"usage"' not in out and out.endswith(b"data: [DONE]\r\n\r\n")
-    assert call.conversation.collector.answer() == Answer("Hello", (), 2, False)
+    assert call.remote.conversation.collector.answer() == Answer("Hello", (), 2, False)
 
 
 def usage_strip() -> Any:
