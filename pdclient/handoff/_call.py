@@ -45,7 +45,7 @@ import openai
 from .._observe import Observers
 from .._options import PDOptions
 from .._trace import Outcome, PDTrace
-from ..dialects import Dialect, dialect_for, endpoint_for, names_a_response, untag_path
+from ..dialects import endpoint_for, names_a_response
 from ..fleet import Fleet
 from ..migration import _core as migrate
 from ..pools import AllEndpointsOpen
@@ -68,6 +68,7 @@ from ._leg_requests import (
     LegRequests,
     asks_usage,
     call_options_refusal,
+    caller_target,
     decode_body,
     new_request_id,
     pass_through_body,
@@ -115,17 +116,9 @@ class Call:
         self.data: dict[Any, Any] = {}
         self.phase = Phase.PLANNING
         fleet = context.fleet
-        url = str(request.url).partition("?")[0]  # copy_with(query=None) would parse the URL again
-        base = fleet.decode.base_of(url)
-        self.relative_path = url[len(base) :] if base is not None else ""
-        self.dialect: Dialect | None = (
-            dialect_for(self.relative_path) if base is not None and request.method == "POST" else None
-        )
-        """The API this P/D call speaks (``pdclient.dialects``); None for a pass-through."""
-        self.stored_tag: str | None = None
-        """The decode endpoint's tag the stored response this call names carries (``dialects._stored_state``)."""
-        if self.dialect is None and base is not None:
-            self.relative_path, self.stored_tag = untag_path(self.relative_path)
+        self.relative_path, self.dialect, self.stored_tag = caller_target(request, fleet.decode)
+        """The path below the decode base; the API a P/D call speaks (None: a pass-through)
+        (``pdclient.dialects``); the decode endpoint's tag its stored response carries."""
         self.requests = LegRequests(request, self.request_id, self.relative_path, context.options.reuse_secret)
         self.kind = self.dialect.kind if self.dialect is not None else None
         self.route = self.kind.value if self.kind else "passthrough"
@@ -158,11 +151,8 @@ class Call:
         """How the legs went out, ``sequential`` or ``concurrent`` (``_dispatch``), once a prefill is planned."""
         self.prefill_picked = False
         """The prefill's first endpoint is picked already (a concurrent decode named it)."""
-        # openai's `timeout` bounds each read; the prefill phase (retries included) gets it,
-        # or the shorter prefill_timeout, as a total.
-        bounds = [(request.extensions.get("timeout") or {}).get("read"), context.options.retries.prefill_timeout]
-        given = [b for b in bounds if b is not None]
-        self.deadline = time.monotonic() + min(given) if given else None
+        read_timeout = (request.extensions.get("timeout") or {}).get("read")
+        self.deadline = retry.prefill_deadline(read_timeout, context.options.retries)
         self.observers.call_start(self)
 
     # -- planning ----------------------------------------------------------------------
@@ -200,7 +190,7 @@ class Call:
         return None
 
     def refuse(self, message: str) -> httpx.Response:
-        return self._fail(400, message, "client", outcome=Outcome.REFUSED)
+        return self._fail("client", message, 400, outcome=Outcome.REFUSED)
 
     @property
     def failure_policy(self) -> str:
@@ -268,7 +258,7 @@ class Call:
         if response.status_code >= 400:
             # The request itself is wrong (bad model, messages, ...): the decode leg would
             # refuse it too, so the caller gets the prefill's own error.
-            return self._fail_with(response, "prefill", f"prefill answered HTTP {response.status_code}")
+            return self._fail("prefill", f"prefill answered HTTP {response.status_code}", response)
         cpu_start = time.thread_time()
         self.prefill_result = self.dialect.read_prefill(response.content)
         _dispatch.learn(self)
@@ -286,10 +276,8 @@ class Call:
         if fallback is not None:
             self.outcome, self.fallback, self.fallback_url = Outcome.PREFILL_FAILED, fallback.note, fallback.url
             return None
-        if isinstance(error, retry.RetryableStatus):
-            return self._fail_with(error.response, "prefill", f"prefill failed: {reason}")
-        status, message = prefill_failure_status(error), f"prefill leg failed: {reason}"
-        return self._fail(status, message, "prefill", error=f"prefill failed: {reason}")
+        answer = error.response if isinstance(error, retry.RetryableStatus) else prefill_failure_status(error)
+        return self._fail("prefill", f"prefill failed: {reason}", answer, f"prefill leg failed: {reason}")
 
     # -- decode ------------------------------------------------------------------------
 
@@ -394,7 +382,7 @@ class Call:
         return caller_response(response, stream, body, self.trace().to_headers() if self.kind is not None else None)
 
     def decode_unavailable(self, error: AllEndpointsOpen) -> httpx.Response:
-        return self._fail(503, str(error), "decode")
+        return self._fail("decode", str(error), 503)
 
     def first_byte(self) -> None:
         self.decode_first_byte_ms = (time.perf_counter() - self.decode.sent_at) * 1000
@@ -450,31 +438,17 @@ class Call:
         self.observers.call_end(self, trace)
 
     def _fail(
-        self, status: int, message: str, leg: str, *, outcome: Outcome = Outcome.FAILED, error: str | None = None
+        self, leg: str, error: str, answer: int | httpx.Response, message: str = "", outcome: Outcome = Outcome.FAILED
     ) -> httpx.Response:
-        """End the call at ``leg`` with a JSON error: ``status``, ``message`` (``error``: the trace's, if other)."""
-        self.outcome, self.error, self.failed_leg = outcome, error or message, leg
-        response = error_response(status, message, self.trace().to_headers())
+        """End the call at ``leg`` with ``answer``: that leg's own error response (its body
+        read), or a JSON error of that status saying ``message`` (default: ``error``)."""
+        self.outcome, self.error, self.failed_leg = outcome, error, leg
+        if isinstance(answer, httpx.Response):
+            response = leg_error_response(answer, self.trace().to_headers())
+        else:
+            response = error_response(answer, message or error, self.trace().to_headers())
         self.end()
         return response
-
-    def _fail_with(self, response: httpx.Response, leg: str, error: str) -> httpx.Response:
-        """End the call at ``leg`` with that leg's own error response, its body read."""
-        self.outcome, self.error, self.failed_leg = Outcome.FAILED, error, leg
-        answer = leg_error_response(response, self.trace().to_headers())
-        self.end()
-        return answer
-
-    # -- results -----------------------------------------------------------------------
-
-    @property
-    def forwarded_tokens(self) -> int:
-        result = self.prefill_result
-        if result is None or result.ids is None or self.plan is None or self.plan.ids_skipped is not None:
-            return 0
-        if self.dispatch == _dispatch.CONCURRENT:
-            return 0  # the decode rendered the prompt itself: its ids were not known yet
-        return result.count
 
     def trace(self) -> PDTrace:
         return trace_of(self)

@@ -6,6 +6,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from .._trace import Outcome, PDTrace
+from ._dispatch import CONCURRENT
 
 if TYPE_CHECKING:
     from ._call import Call
@@ -44,7 +45,7 @@ def trace_of(call: Call) -> PDTrace:
         prefill_attempts=call.prefill.attempt,
         decode_headers_ms=call.decode_headers_ms,
         decode_first_byte_ms=call.decode_first_byte_ms,
-        forwarded_tokens=call.forwarded_tokens,
+        forwarded_tokens=forwarded_tokens(call),
         ids_skipped=ids_skipped,
         handoff_cpu_ms=call.cpu_seconds * 1000 if call.kind else None,
         fallback=fallback,
@@ -61,6 +62,16 @@ def trace_of(call: Call) -> PDTrace:
         prefill_warm_up_url=call.remote.warm_up_url,
         dispatch=call.dispatch,
     )
+
+
+def forwarded_tokens(call: Call) -> int:
+    """How many prompt ids the decode received from the prefill (0: it rendered the prompt itself)."""
+    result, plan = call.prefill_result, call.plan
+    if result is None or result.ids is None or plan is None or plan.ids_skipped is not None:
+        return 0
+    if call.dispatch == CONCURRENT:
+        return 0  # the decode rendered the prompt itself: its ids were not known yet
+    return result.count
 
 
 def log_end(request_id: str, trace: PDTrace) -> None:

@@ -235,7 +235,7 @@ def test_rendered_apis_ask_the_prefill_for_the_prompts_ids_and_forward_them(
     assert decode["kv_transfer_params"]["prompt_token_ids"] == [5, 6, 7]
     assert "return_prompt_token_ids" not in decode["kv_transfer_params"]
     assert call.migration is not None and not call.migration.armed  # their events carry no ids
-    assert call.forwarded_tokens == 3
+    assert call.trace().forwarded_tokens == 3
 
 
 def test_a_secret_signs_every_leg_body_pdclient_built_and_only_those() -> None:
