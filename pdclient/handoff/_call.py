@@ -149,8 +149,6 @@ class Call:
         """The decode body's steps on its way to the caller (the streams feed it every chunk)."""
         self.dispatch: str | None = None
         """How the legs went out, ``sequential`` or ``concurrent`` (``_dispatch``), once a prefill is planned."""
-        self.prefill_picked = False
-        """The prefill's first endpoint is picked already (a concurrent decode named it)."""
         read_timeout = (request.extensions.get("timeout") or {}).get("read")
         self.deadline = retry.prefill_deadline(read_timeout, context.options.retries)
         self.observers.call_start(self)
@@ -235,11 +233,7 @@ class Call:
     def prefill_request(self) -> httpx.Request:
         """The next prefill attempt, on an endpoint this call has not tried yet if any."""
         assert self.plan is not None and self.dialect is not None
-        if self.prefill_picked:
-            self.prefill_picked = False
-            base = self.prefill.url
-        else:
-            base = self.prefill.pick(self.route_for("prefill"))
+        base = self.prefill.next_pick(self.route_for("prefill"))
         if self._prefill_body is None:
             self._prefill_body = self.dialect.prefill_body(self.plan)
         request = self.requests.signed(base, self._prefill_body, self.deadline)
