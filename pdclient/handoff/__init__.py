@@ -8,7 +8,7 @@ from ._call import Call, CallContext, Phase
 from ._leg import Leg
 from ._leg_requests import LegRequests, asks_usage, decode_body, leg_url, new_request_id, request_with_content
 from ._move import STREAM_ERRORS, Move, OpenDecode, ReadRefusal, Release, SendPrefill, Step, move
-from ._release import RELEASE_TIMEOUT, release_request
+from ._release import RELEASE_TIMEOUT, release_leg, release_request
 from ._remote_prefill import (
     ConversationTurn,
     HandoffInstead,
@@ -49,6 +49,7 @@ __all__ = [
     "leg_url",
     "move",
     "new_request_id",
+    "release_leg",
     "release_request",
     "remote_prefill_decision",
     "request_with_content",

@@ -19,6 +19,7 @@ from pdclient._observe import Observers
 from pdclient.conversations import Answer, ConversationSettings, Decision, Estimate, Match, Reason
 from pdclient.fleet import Fleet
 from pdclient.handoff import (
+    RELEASE_TIMEOUT,
     Call,
     CallContext,
     ConversationTurn,
@@ -28,6 +29,8 @@ from pdclient.handoff import (
     dispatch,
     handoff_after_all,
     id_tags_for,
+    release_leg,
+    release_request,
     remote_prefill_decision,
     usage_merge_for,
 )
@@ -390,3 +393,54 @@ def usage_strip() -> Any:
     from pdclient.wire import UsageStrip
 
     return UsageStrip()
+
+
+# -- the KV release ------------------------------------------------------------------------
+
+
+def abandoned_handoff() -> Call:
+    """A handoff whose prefill answered (holding KV) and whose decode never went out."""
+    call = make_call(chat("hi"), remote_prefill="always")
+    assert call.wants_prefill()
+    request = call.prefill_request()
+    assert call.check_prefill(httpx.Response(200, json=prefill_json(sent(request)))) is None
+    return call
+
+
+def test_every_release_is_bounded_by_its_own_timeout_never_the_callers() -> None:
+    call = abandoned_handoff()
+    abandoned = release_request(call)
+    assert abandoned is not None
+    leg, request = abandoned
+    assert leg.name == "release" and sent(request)["max_tokens"] == 1
+    assert request.extensions["timeout"] == dict.fromkeys(("connect", "read", "write", "pool"), RELEASE_TIMEOUT)
+    moved = release_leg(call, b"{}", "a-continuation")  # a moved stream's continuation prefill
+    assert moved is not None and moved[1].headers["x-request-id"] == "a-continuation"
+    assert moved[1].extensions["timeout"] == request.extensions["timeout"]
+
+
+def test_with_every_breaker_open_a_release_tries_one_endpoint_the_decode_did_not() -> None:
+    call = abandoned_handoff()
+    pool = call.context.fleet.decode
+    for endpoint in pool.endpoints:
+        endpoint.trip()
+    call.decode.tried.append(pool.endpoints[0])  # it failed this call
+    pending = release_leg(call, b"{}")
+    assert pending is not None
+    leg, request = pending
+    assert str(request.url).startswith(DECODES[1]) and leg.decision is not None
+    assert leg.decision.rule == "breaker_open"
+    leg.end(None, httpx.ConnectError("refused"))
+    call.decode.tried.append(pool.endpoints[1])
+    assert release_leg(call, b"{}") is None, "every endpoint failed this call: the blocks expire with the lease"
+
+
+def test_no_release_once_a_decode_may_have_reached_its_server_or_without_kv_held() -> None:
+    call = abandoned_handoff()
+    call.decode_may_have_reached = True
+    assert release_request(call) is None  # it would be a second pull
+    call = make_call(chat("hi"), remote_prefill="always")
+    assert call.wants_prefill()
+    request = call.prefill_request()
+    assert call.check_prefill(httpx.Response(200, json=prefill_json(sent(request), kv_params=None))) is None
+    assert release_request(call) is None
