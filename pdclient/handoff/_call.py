@@ -6,7 +6,8 @@ transports only move bytes (send a leg, read a body, retry, sleep) and differ by
 what its conversation teaches (``_remote_prefill``), its legs' requests and bodies
 (``_leg_requests``), what goes back to the caller (``_to_caller``), how it fails
 (``_failure``), concurrent dispatch (``_dispatch``), a broken stream's move (``_move``),
-the KV release (``_release``) and its trace (``_report``). Observers see the call and its legs as ``CallView`` / ``LegView``.
+the KV release (``_release``) and its trace (``_report``). Observers see the call and
+its legs as ``CallView`` / ``LegView``.
 
     PLANNING --refused--> ENDED                     (400, no server called)
         |  |--no decode endpoint admitted--> ENDED   (503 and no prefill; or on to the fallback URL)
