@@ -391,8 +391,8 @@ class Call:
     def broken_stream(
         self, error: httpx.TransportError | httpx.DecodingError, received: int, not_moved: str | None = None
     ) -> openai.APIConnectionError:
-        """A decode stream cut mid-way, as the openai error a caller already handles (``stream_error``).
-        ``not_moved``: why it did not move to another decode endpoint (default: the call's)."""
+        """A decode stream cut mid-way, as the openai error a caller already handles
+        (``stream_error``); ``not_moved``: why it did not move (default: the call's reason)."""
         self.outcome = Outcome.FAILED
         self.error = f"decode stream broke after {received} bytes: {type(error).__name__}: {error}"
         not_moved = not_moved or (self.migration.refused if self.migration is not None else None)
