@@ -6,7 +6,17 @@ A stored response's decode endpoint travels as a tag in its id (``_stored_state`
 
 from ._dialect import Dialect
 from ._registry import DIALECTS, dialect_for, dialect_of
-from ._stored_state import IdTags, endpoint_for, endpoint_tag, names_a_response, untag_path
+from ._stored_state import (
+    IdTags,
+    endpoint_for,
+    endpoint_tag,
+    names_a_response,
+    tag_event,
+    tag_id,
+    tag_json,
+    untag_id,
+    untag_path,
+)
 
 __all__ = [
     "DIALECTS",
@@ -17,5 +27,9 @@ __all__ = [
     "endpoint_for",
     "endpoint_tag",
     "names_a_response",
+    "tag_event",
+    "tag_id",
+    "tag_json",
+    "untag_id",
     "untag_path",
 ]

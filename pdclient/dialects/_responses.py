@@ -116,7 +116,7 @@ class Responses(Dialect):
         own = rendered.value(plan.fields, "previous_response_id")
         if not isinstance(own, str):
             return None  # absent, or not an id: the server answers it as it is
-        own, tag = stored.split(own)
+        own, tag = stored.untag_id(own)
         if tag is not None:
             plan.fields["previous_response_id"] = msgspec.Raw(orjson.dumps(own))
         return tag

@@ -53,7 +53,7 @@ def _check(response_id: object) -> str:
     return response_id
 
 
-def split(response_id: str) -> tuple[str, str | None]:
+def untag_id(response_id: str) -> tuple[str, str | None]:
     """The server's own id and the endpoint tag it carries, if it carries one."""
     match = _TAGGED.search(_check(response_id))
     if match is None or match.start() == 0:
@@ -61,9 +61,9 @@ def split(response_id: str) -> tuple[str, str | None]:
     return response_id[: match.start()], match.group(1)
 
 
-def tagged(response_id: str, tag: str) -> str:
+def tag_id(response_id: str, tag: str) -> str:
     """``response_id`` carrying ``tag``; an empty or already tagged id comes back unchanged."""
-    if not _check(response_id) or split(response_id)[1] is not None:
+    if not _check(response_id) or untag_id(response_id)[1] is not None:
         return response_id
     return f"{response_id}{_SEPARATOR}{tag}"
 
@@ -80,7 +80,7 @@ def untag_path(relative_path: str) -> tuple[str, str | None]:
     match = _RESPONSE_PATH.match(relative_path)
     if match is None:
         return relative_path, None
-    own, tag = split(match.group(1))
+    own, tag = untag_id(match.group(1))
     if tag is None:
         return relative_path, None
     return relative_path[: match.start(1)] + own + relative_path[match.end(1) :], tag
@@ -103,7 +103,7 @@ def _tag_payload(raw: bytes, response: object, tag: str) -> bytes | None:
     out = raw
     for name in _ID_FIELDS:
         own = response.get(name)
-        if isinstance(own, str) and (new := tagged(own, tag)) != own:
+        if isinstance(own, str) and (new := tag_id(own, tag)) != own:
             field = re.compile(rb'("%s"\s*:\s*)%s' % (name.encode("ascii"), re.escape(orjson.dumps(own))))
             out = field.sub(lambda match: match.group(1) + orjson.dumps(new), out)
     return None if out == raw else out

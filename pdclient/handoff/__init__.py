@@ -4,12 +4,19 @@ caller); a broken stream's move as steps (``move``); ``dispatch``: both legs at 
 KV release."""
 
 from . import _dispatch as dispatch
-from ._call import Call, CallContext, HandoffInstead, Phase
+from ._call import Call, CallContext, Phase
 from ._leg import Leg
 from ._leg_requests import LegRequests, asks_usage, decode_body, leg_url, new_request_id, request_with_content
 from ._move import STREAM_ERRORS, Move, OpenDecode, ReadRefusal, Release, SendPrefill, Step, move
-from ._release import RELEASE_TIMEOUT, release_request
-from ._remote_prefill import ConversationTurn, conversation_home, handoff_after_all, remote_prefill_decision
+from ._release import RELEASE_TIMEOUT, release_leg, release_request
+from ._remote_prefill import (
+    ConversationTurn,
+    HandoffInstead,
+    RemotePrefill,
+    conversation_home,
+    handoff_after_all,
+    remote_prefill_decision,
+)
 from ._report import CALL_RECORD, STORED_STATE
 from ._to_caller import CallerBody, id_tags_for, usage_merge_for
 
@@ -28,6 +35,7 @@ __all__ = [
     "Move",
     "OpenDecode",
     "Phase",
+    "RemotePrefill",
     "ReadRefusal",
     "Release",
     "SendPrefill",
@@ -41,6 +49,7 @@ __all__ = [
     "leg_url",
     "move",
     "new_request_id",
+    "release_leg",
     "release_request",
     "remote_prefill_decision",
     "request_with_content",

@@ -4,9 +4,10 @@ A ``Call`` is made per request by a transport and holds every decision about it;
 transports only move bytes (send a leg, read a body, retry, sleep) and differ by
 ``await``. What it decides with lives beside it: whether it gets a remote prefill and
 what its conversation teaches (``_remote_prefill``), its legs' requests and bodies
-(``_leg_requests``), what goes back to the caller (``_to_caller``), concurrent dispatch
-(``_dispatch``), a broken stream's move (``_move``), the KV release (``_release``) and
-its trace (``_report``). Observers see the call and its legs as ``CallView`` / ``LegView``.
+(``_leg_requests``), what goes back to the caller (``_to_caller``), how it fails
+(``_failure``), concurrent dispatch (``_dispatch``), a broken stream's move (``_move``),
+the KV release (``_release``) and its trace (``_report``). Observers see the call and
+its legs as ``CallView`` / ``LegView``.
 
     PLANNING --refused--> ENDED                     (400, no server called)
         |  |--no decode endpoint admitted--> ENDED   (503 and no prefill; or on to the fallback URL)
@@ -41,53 +42,47 @@ from typing import Any
 
 import httpx
 import openai
-import orjson
 
 from .._observe import Observers
 from .._options import PDOptions
 from .._trace import Outcome, PDTrace
-from ..conversations import Decision
-from ..dialects import Dialect, dialect_for, endpoint_for, names_a_response, untag_path
+from ..dialects import endpoint_for, names_a_response
 from ..fleet import Fleet
 from ..migration import _core as migrate
 from ..pools import AllEndpointsOpen
 from ..pools import _retry as retry
-from ..routing import TENANT_EXTENSION, RouteDecision, RouteRequest, plan_text
-from ..wire import PREFILL_FAILURE_POLICIES, redact_url
+from ..routing import TENANT_EXTENSION, RouteRequest, plan_text
 from ..wire import _bodies as wire
 from ..wire import _usage as usage
+from ..wire import redact_url
 from . import _dispatch
+from ._failure import (
+    error_response,
+    fallback_for,
+    leg_error_response,
+    prefill_failure,
+    prefill_failure_status,
+    stream_error,
+)
 from ._leg import Leg
 from ._leg_requests import (
     LegRequests,
     asks_usage,
     call_options_refusal,
+    caller_target,
     decode_body,
     new_request_id,
     pass_through_body,
     streams_upload,
 )
-from ._remote_prefill import ConversationTurn, conversation_home, handoff_after_all, pin_decode, remote_prefill_decision
+from ._remote_prefill import HandoffInstead, RemotePrefill
 from ._report import log_end, trace_of
-from ._to_caller import (
-    CONTENT_LENGTH,
-    READ_BODY_FRAMING,
-    CallerBody,
-    id_tags_for,
-    raw_headers,
-    usage_merge_for,
-    without_trace_headers,
-)
+from ._to_caller import CallerBody, caller_response, id_tags_for, usage_merge_for
 
 # A leg that failed so never sent a byte to its server.
 _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
 # httpcore's trace event for the first bytes of a request going out (HTTP/1.1 and HTTP/2).
 _SENDING = ("http11.send_request_headers.started", "http2.send_request_headers.started")
-
-
-class HandoffInstead(Exception):
-    """Raised by ``Call.decode_request``: the decode-only call becomes a P/D handoff (its
-    conversation's endpoint is out of reach); the transport runs the prefill, then the decode."""
 
 
 class Phase(enum.Enum):
@@ -122,17 +117,9 @@ class Call:
         self.data: dict[Any, Any] = {}
         self.phase = Phase.PLANNING
         fleet = context.fleet
-        url = str(request.url).partition("?")[0]  # copy_with(query=None) would parse the URL again
-        base = fleet.decode.base_of(url)
-        self.relative_path = url[len(base) :] if base is not None else ""
-        self.dialect: Dialect | None = (
-            dialect_for(self.relative_path) if base is not None and request.method == "POST" else None
-        )
-        """The API this P/D call speaks (``pdclient.dialects``); None for a pass-through."""
-        self.stored_tag: str | None = None
-        """The decode endpoint's tag the stored response this call names carries (``dialects._stored_state``)."""
-        if self.dialect is None and base is not None:
-            self.relative_path, self.stored_tag = untag_path(self.relative_path)
+        self.relative_path, self.dialect, self.stored_tag = caller_target(request, fleet.decode)
+        """The path below the decode base; the API a P/D call speaks (None: a pass-through)
+        (``pdclient.dialects``); the decode endpoint's tag its stored response carries."""
         self.requests = LegRequests(request, self.request_id, self.relative_path, context.options.reuse_secret)
         self.kind = self.dialect.kind if self.dialect is not None else None
         self.route = self.kind.value if self.kind else "passthrough"
@@ -157,29 +144,16 @@ class Call:
         self._prompt_text: str | None = None
         self.migration: migrate.CallMigration | None = None
         """Whether and how the decode stream may move to another endpoint (``migration._core``)."""
-        self.decision: Decision | None = None
-        """Whether the call gets a remote prefill, and why (``remote_prefill``)."""
-        self.conversation: ConversationTurn | None = None
-        """The call's turn of its conversation (chat, ``remote_prefill`` not ``always``)."""
-        self.home: RouteDecision | None = None
-        """The conversation's decode endpoint by rendezvous, the same in every process."""
-        self.warm_up_url: str | None = None
-        """The prefill endpoint this decode-only call's prompt was queued to (``fleet._warm``)."""
+        self.remote = RemotePrefill()
+        """Whether the call gets a remote prefill and why, its conversation (``_remote_prefill``)."""
         self.caller_body = CallerBody()
         """The decode body's steps on its way to the caller (the streams feed it every chunk)."""
         self.dispatch: str | None = None
         """How the legs went out, ``sequential`` or ``concurrent`` (``_dispatch``), once a prefill is planned."""
         self.dispatch_fallback: str | None = None
         """Why a concurrent decode went out again sequentially (``_dispatch.fall_back``)."""
-        self.prefill_picked = False
-        """The prefill's first endpoint is picked already (a concurrent decode named it)."""
-        self.stored_state: str | None = None
-        """The field naming server-stored state the call builds on (``Dialect.stored_state``): decode-only."""
-        # openai's `timeout` bounds each read; the prefill phase (retries included) gets it,
-        # or the shorter prefill_timeout, as a total.
-        bounds = [(request.extensions.get("timeout") or {}).get("read"), context.options.retries.prefill_timeout]
-        given = [b for b in bounds if b is not None]
-        self.deadline = time.monotonic() + min(given) if given else None
+        read_timeout = (request.extensions.get("timeout") or {}).get("read")
+        self.deadline = retry.prefill_deadline(read_timeout, context.options.retries)
         self.observers.call_start(self)
 
     # -- planning ----------------------------------------------------------------------
@@ -217,9 +191,7 @@ class Call:
         return None
 
     def refuse(self, message: str) -> httpx.Response:
-        self.outcome = Outcome.REFUSED
-        self.error = message
-        return self._end_early(self._json_error(400, message, "client"))
+        return self._fail("client", message, 400, outcome=Outcome.REFUSED)
 
     @property
     def failure_policy(self) -> str:
@@ -242,38 +214,18 @@ class Call:
     def wants_prefill(self) -> bool:
         """Whether this call gets a prefill leg (``remote_prefill``, ``_remote_prefill``), once after planning."""
         assert self.plan is not None and self.dialect is not None
-        plan, options, fleet = self.plan, self.context.options, self.context.fleet
-        self.stored_state = self.dialect.stored_state(plan)
-        if self.stored_state is not None:
-            self.outcome = Outcome.DECODE_ONLY  # the state is where it was stored, never on a prefill server
-            self.stored_tag = self.dialect.stored_at(plan)
-            return False
-        mode = plan.options.remote_prefill or options.remote_prefill
-        if mode != "always" and plan.messages is not None:  # a conversation, in chat messages
-            self.conversation = ConversationTurn(plan, fleet.memory)
-            self.caller_body.collector = self.conversation.collector
-            self.home = conversation_home(fleet.decode, options, self.route_for("decode"))
-        estimate = None
-        if mode == "auto" and self.conversation is not None:
-            estimate = self.conversation.estimate([e.url for e in fleet.decode.endpoints if e.admits()], self.home)
-        self.decision = remote_prefill_decision(mode, estimate, options.conversations, self.home)
-        if self.decision.remote_prefill:
+        plan, options, fleet, remote = self.plan, self.context.options, self.context.fleet, self.remote
+        wanted = remote.decide(plan, self.dialect, options, fleet, lambda: self.route_for("decode"))
+        if remote.conversation is not None:
+            self.caller_body.collector = remote.conversation.collector
+        if wanted:
             return True
         self.outcome = Outcome.DECODE_ONLY
-        if mode == "auto" and options.conversations.warm_prefill:
-            self._warm_prefill()
+        if remote.stored_state is not None:
+            self.stored_tag = self.dialect.stored_at(plan)
+        elif remote.warms:
+            remote.warm_up(fleet, self.route_for("prefill"), self.requests, self.dialect.warm_up_body(plan))
         return False
-
-    def _warm_prefill(self) -> None:
-        """Queue this decode-only call's prompt for the prefill endpoint its conversation's
-        P/D turns are routed to, so that a later one prefills only what is new (``fleet._warm``)."""
-        assert self.plan is not None and self.dialect is not None
-        try:
-            endpoint = self.context.fleet.prefill.decide(self.route_for("prefill")).endpoint
-        except AllEndpointsOpen:
-            return  # no prefill endpoint admitted: nothing to keep warm
-        self.context.fleet.warm(self.requests.warm_up(endpoint, self.dialect.warm_up_body(self.plan)))
-        self.warm_up_url = endpoint.url
 
     # -- prefill -----------------------------------------------------------------------
 
@@ -284,11 +236,7 @@ class Call:
     def prefill_request(self) -> httpx.Request:
         """The next prefill attempt, on an endpoint this call has not tried yet if any."""
         assert self.plan is not None and self.dialect is not None
-        if self.prefill_picked:
-            self.prefill_picked = False
-            base = self.prefill.url
-        else:
-            base = self.prefill.pick(self.route_for("prefill"))
+        base = self.prefill.next_pick(self.route_for("prefill"))
         if self._prefill_body is None:
             self._prefill_body = self.dialect.prefill_body(self.plan)
         request = self.requests.signed(base, self._prefill_body, self.deadline)
@@ -307,42 +255,26 @@ class Call:
         if response.status_code >= 400:
             # The request itself is wrong (bad model, messages, ...): the decode leg would
             # refuse it too, so the caller gets the prefill's own error.
-            self.outcome = Outcome.FAILED
-            self.error = f"prefill answered HTTP {response.status_code}"
-            return self._end_with(response, "prefill")
+            return self._fail("prefill", f"prefill answered HTTP {response.status_code}", response)
         cpu_start = time.thread_time()
         self.prefill_result = self.dialect.read_prefill(response.content)
         _dispatch.learn(self)
         self.cpu_seconds += time.thread_time() - cpu_start
-        if self.conversation is not None and self.prefill_result.ids is not None:
-            self.conversation.learn(self.prefill_result.count)  # the servers' own count
+        if self.remote.conversation is not None and self.prefill_result.ids is not None:
+            self.remote.conversation.learn(self.prefill_result.count)  # the servers' own count
         return None
 
     def prefill_failed(self, error: BaseException) -> httpx.Response | None:
-        """The prefill leg failed for good: apply the failure policy."""
+        """The prefill leg failed for good: the failure policy fails the call, or it goes on without it."""
         self.prefill_ms = self._elapsed_ms()
-        if isinstance(error, retry.RetryableStatus):
-            reason = f"HTTP {error.response.status_code}: {_text(error.response)[:200]}"
-        else:
-            reason = f"{type(error).__name__}: {error}"
-        attempts = self.prefill.attempt
-        reason = f"{reason} (after {attempts} attempt{'s' * (attempts != 1)})"
         self.prefill_result = None
-        policy = self.failure_policy
-        if policy == "fail":
-            self.outcome = Outcome.FAILED
-            self.error = f"prefill failed: {reason}"
-            if isinstance(error, retry.RetryableStatus):
-                return self._end_with(error.response, "prefill")
-            status = 503 if isinstance(error, AllEndpointsOpen) else 502
-            return self._end_early(self._json_error(status, f"prefill leg failed: {reason}", "prefill"))
-        self.outcome = Outcome.PREFILL_FAILED
-        if policy == "decode":
-            self.fallback = f"prefill failed, decode-only: {reason}"
-        else:
-            self.fallback_url = policy
-            self.fallback = f"prefill failed, sent to {policy}: {reason}"
-        return None
+        reason = prefill_failure(error, self.prefill.attempt)
+        fallback = fallback_for(self.failure_policy, "prefill failed", reason, decode_admitted=True)
+        if fallback is not None:
+            self.outcome, self.fallback, self.fallback_url = Outcome.PREFILL_FAILED, fallback.note, fallback.url
+            return None
+        answer = error.response if isinstance(error, retry.RetryableStatus) else prefill_failure_status(error)
+        return self._fail("prefill", f"prefill failed: {reason}", answer, f"prefill leg failed: {reason}")
 
     # -- decode ------------------------------------------------------------------------
 
@@ -351,20 +283,17 @@ class Call:
         self.phase = Phase.DECODE
         if self.migration is not None and self.migration.pending is not None:
             return self.decode.start(self.migration.continuation_request(self))  # a migrated decode
-        decision = self.decision
-        held = decision.decode_endpoint if decision is not None and not decision.remote_prefill else None
         if self.fallback_url is not None:
             base = self.decode.use(self.fallback_url)
         else:
             pool = self.context.fleet.decode
             stored_at = endpoint_for(self.stored_tag, (e.url for e in pool.endpoints)) if self.stored_tag else None
-            pinned = pin_decode(self.decode, held, self.home, stored_at)
-            if held is not None and pinned is None:
-                assert decision is not None
-                self.decision = handoff_after_all(decision, self.context.options.conversations)
+            try:
+                pinned = self.remote.pin_decode(self.decode, stored_at, self.context.options.conversations)
+            except HandoffInstead:
                 self.outcome = Outcome.DISAGGREGATED
                 self.migration = self._decode_body = None
-                raise HandoffInstead
+                raise
             base = pinned or self.decode.pick(self.route_for("decode"))
         if self.plan is None:
             return self.decode.start(self.requests.build(base, self.pass_through_body))
@@ -395,7 +324,7 @@ class Call:
         self._decode_body = None
 
     def _asks_usage(self) -> bool:
-        collecting, decode_only = self.conversation is not None, self.outcome is Outcome.DECODE_ONLY
+        collecting, decode_only = self.remote.conversation is not None, self.outcome is Outcome.DECODE_ONLY
         return self.plan is not None and asks_usage(self.plan, collecting=collecting, decode_only=decode_only)
 
     def decode_admitted(self) -> bool:
@@ -411,12 +340,10 @@ class Call:
             return None  # one was admitted again meanwhile: the call goes on as usual
         except AllEndpointsOpen as exc:
             outage = exc
-        policy = self.failure_policy
-        if policy in PREFILL_FAILURE_POLICIES:
+        fallback = fallback_for(self.failure_policy, "no decode endpoint admitted", str(outage), decode_admitted=False)
+        if fallback is None:
             return self.decode_unavailable(outage)
-        self.outcome = Outcome.PREFILL_FAILED
-        self.fallback_url = policy
-        self.fallback = f"no decode endpoint admitted, sent to {redact_url(policy)}: {outage}"
+        self.outcome, self.fallback, self.fallback_url = Outcome.PREFILL_FAILED, fallback.note, fallback.url
         return None
 
     def decode_attempt_failed(self, error: BaseException) -> None:
@@ -455,15 +382,10 @@ class Call:
         endpoint = self.decode.endpoint.url if self.decode.endpoint is not None else None
         strip = usage.UsageStrip() if asked else None
         body.begin(content_type, merge, id_tags_for(tags, endpoint, status, content_type), strip)
-        headers = without_trace_headers(response.headers, CONTENT_LENGTH if body.recounted else ())
-        if self.kind is not None:
-            headers += raw_headers(self.trace().to_headers())
-        return httpx.Response(status, headers=headers, stream=stream, extensions=response.extensions)
+        return caller_response(response, stream, body, self.trace().to_headers() if self.kind is not None else None)
 
     def decode_unavailable(self, error: AllEndpointsOpen) -> httpx.Response:
-        self.outcome = Outcome.FAILED
-        self.error = str(error)
-        return self._end_early(self._json_error(503, str(error), "decode"))
+        return self._fail("decode", str(error), 503)
 
     def first_byte(self) -> None:
         self.decode_first_byte_ms = (time.perf_counter() - self.decode.sent_at) * 1000
@@ -477,20 +399,17 @@ class Call:
     def broken_stream(
         self, error: httpx.TransportError | httpx.DecodingError, received: int, not_moved: str | None = None
     ) -> openai.APIConnectionError:
-        """A decode stream cut mid-way, as the openai error a caller already handles.
-
-        openai 3.x maps an httpx error during iteration to APIConnectionError itself, 2.x
-        lets the raw httpx error through; raising the openai error here makes both alike.
-        ``not_moved``: why it did not move to another decode endpoint (default: the call's).
-        """
+        """A decode stream cut mid-way, as the openai error a caller already handles
+        (``stream_error``); ``not_moved``: why it did not move (default: the call's reason)."""
         self.outcome = Outcome.FAILED
         self.error = f"decode stream broke after {received} bytes: {type(error).__name__}: {error}"
         not_moved = not_moved or (self.migration.refused if self.migration is not None else None)
         if not_moved:
             self.error += f"; not migrated: {not_moved}"
         self.decode.end(self.decode.status, error)
-        message = f"pdclient: {self.error} (decode {redact_url(self.decode.url)}, request {self.request_id})"
-        return openai.APIConnectionError(message=message, request=self.request)  # type: ignore[arg-type]
+        return stream_error(
+            self.request, f"{self.error} (decode {redact_url(self.decode.url)}, request {self.request_id})"
+        )
 
     def decode_closed(self) -> None:
         """The caller's response body was closed: read to its end, abandoned, or broken."""
@@ -514,61 +433,28 @@ class Call:
         if self.phase is Phase.ENDED:
             return
         self.phase = Phase.ENDED
-        self._remember()
+        if self.decode.endpoint is not None and self.decode.status == 200 and self.error is None:
+            self.remote.remember(self.outcome, self.decode.endpoint.url, self.prefill_result)
         trace = self.trace()
         if self.kind is not None:
             log_end(self.request_id, trace)
         self.observers.call_end(self, trace)
 
-    def _remember(self) -> None:
-        """A whole answer of a call that went as planned: the next turn's prefix on its decode endpoint."""
-        turn, decision, endpoint, result = self.conversation, self.decision, self.decode.endpoint, self.prefill_result
-        if turn is None or decision is None or endpoint is None or self.decode.status != 200 or self.error is not None:
-            return
-        if self.outcome in (Outcome.DISAGGREGATED, Outcome.DECODE_ONLY):
-            counted = result.count if result is not None and result.ids is not None else None
-            decode_only = self.outcome is Outcome.DECODE_ONLY
-            turn.remember(decision, endpoint.url, decode_only=decode_only, prefill_tokens=counted)
-
-    def _end_early(self, response: httpx.Response) -> httpx.Response:
+    def _fail(
+        self, leg: str, error: str, answer: int | httpx.Response, message: str = "", outcome: Outcome = Outcome.FAILED
+    ) -> httpx.Response:
+        """End the call at ``leg`` with ``answer``: that leg's own error response (its body
+        read), or a JSON error of that status saying ``message`` (default: ``error``)."""
+        self.outcome, self.error, self.failed_leg = outcome, error, leg
+        if isinstance(answer, httpx.Response):
+            response = leg_error_response(answer, self.trace().to_headers())
+        else:
+            response = error_response(answer, message or error, self.trace().to_headers())
         self.end()
         return response
-
-    def _end_with(self, response: httpx.Response, leg: str) -> httpx.Response:
-        """A leg's error response, body read, handed to the caller as the call's answer."""
-        self.failed_leg = leg
-        headers = without_trace_headers(response.headers, READ_BODY_FRAMING)
-        headers += raw_headers(self.trace().to_headers())
-        return self._end_early(httpx.Response(response.status_code, headers=headers, content=response.content))
-
-    def _json_error(self, status: int, message: str, leg: str) -> httpx.Response:
-        """A response the openai SDK turns into its usual APIStatusError, naming the cause
-        (the leg that failed is in the x-pd-failed-leg header)."""
-        self.failed_leg = leg
-        body = {"error": {"message": f"pdclient: {message}", "type": "pdclient_error", "code": status}}
-        headers = {**self.trace().to_headers(), "content-type": "application/json"}
-        return httpx.Response(status, headers=headers, content=orjson.dumps(body))
-
-    # -- results -----------------------------------------------------------------------
-
-    @property
-    def forwarded_tokens(self) -> int:
-        result = self.prefill_result
-        if result is None or result.ids is None or self.plan is None or self.plan.ids_skipped is not None:
-            return 0
-        if self.dispatch == _dispatch.CONCURRENT:
-            return 0  # the decode rendered the prompt itself: its ids were not known yet
-        return result.count
 
     def trace(self) -> PDTrace:
         return trace_of(self)
 
     def _elapsed_ms(self) -> float:
         return (time.perf_counter() - self.started) * 1000
-
-
-def _text(response: httpx.Response) -> str:
-    try:
-        return response.text
-    except (UnicodeDecodeError, LookupError):
-        return repr(response.content[:200])

@@ -218,7 +218,7 @@ def concurrent_decode(call: Call) -> ConcurrentDecode | None:
     """The decode request to send now, with the prefill, or None: the call is sequential.
 
     Decided once a call gets a prefill leg. The prefill endpoint is picked here (the
-    decode must name it); the prefill's first attempt goes to it (``Call.prefill_request``).
+    decode must name it); the prefill's first attempt goes to it (``Leg.pick_ahead``).
     """
     call.dispatch = SEQUENTIAL
     plan = call.plan
@@ -227,10 +227,9 @@ def concurrent_decode(call: Call) -> ConcurrentDecode | None:
     if not call.decode_admitted():
         return None  # the prefill phase answers a decode outage
     try:
-        prefill_url = call.prefill.pick(call.route_for("prefill"))
+        prefill_url = call.prefill.pick_ahead(call.route_for("prefill"))
     except AllEndpointsOpen:
         return None  # the prefill phase reports it as usual
-    call.prefill_picked = True
     book = book_of(call.context.fleet)
     coordinates = book.get(prefill_url)
     if not usable(mode_of(call), coordinates):

@@ -1,7 +1,8 @@
 """One leg of a call (prefill, decode, or the KV release): the endpoints it tried, its current attempt.
 
-Every way a leg takes an endpoint is here: routed by its pool's policy (``pick``), pinned
-by the call (``pin``, ``take``), or a fixed URL outside any pool (``use``).
+Every way a leg takes an endpoint is here: routed by its pool's policy (``pick``, or
+``pick_ahead`` of its attempt), pinned by the call (``pin``, ``take``), or a fixed URL
+outside any pool (``use``).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class Leg:
         self.sent_at = 0.0
         self.status: int | None = None
         self._open = False
+        self._ahead: str | None = None
 
     def pick(self, route: RouteRequest, exclude: Sequence[Endpoint] = ()) -> str:
         """An admitted endpoint this call has not tried yet if any, never one in ``exclude``
@@ -47,6 +49,17 @@ class Leg:
         a routed endpoint: the policy's ``on_routed``, the trace and the metrics all see it."""
         assert self.pool is not None
         return self.take(self.pool.decide(route, avoid=self.tried, exclude=exclude))
+
+    def pick_ahead(self, route: RouteRequest) -> str:
+        """``pick`` before the next attempt is built: a concurrent decode names its prefill's
+        endpoint, and that attempt goes there (``next_pick``)."""
+        self._ahead = self.pick(route)
+        return self._ahead
+
+    def next_pick(self, route: RouteRequest) -> str:
+        """The next attempt's endpoint: the one picked ahead of it, or a fresh ``pick``."""
+        ahead, self._ahead = self._ahead, None
+        return ahead if ahead is not None else self.pick(route)
 
     def pin(self, url: str, rule: str, policy: str = "conversation") -> str | None:
         """The pool's member at ``url`` if it admits a request now (else None), chosen by the

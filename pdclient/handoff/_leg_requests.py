@@ -20,10 +20,10 @@ from typing import Any
 import httpx
 
 from .._options import PDOptions, call_override_refusal
-from ..dialects import Dialect
+from ..dialects import Dialect, dialect_for, untag_path
 from ..fleet import WARM_UP_TIMEOUT, Fetch
 from ..migration import CallMigration
-from ..pools import Endpoint
+from ..pools import Endpoint, EndpointPool
 from ..wire import CALL_OPTIONS_KEY, HOP_BY_HOP, PREFILL_FAILURE_POLICIES, SIGNATURE_HEADER, CallOptions, signature
 from ..wire import _bodies as wire
 from ..wire import _usage as usage
@@ -55,6 +55,23 @@ class _RequestIds:
 
 
 new_request_id = _RequestIds().next
+
+
+def caller_target(request: httpx.Request, decode: EndpointPool) -> tuple[str, Dialect | None, str | None]:
+    """What the caller's request asks of the decode pool its URL lies under: its path below
+    the pool's base ("" outside the pool), the API a P/D call speaks there (None: a
+    pass-through), and the decode endpoint's tag a pass-through's stored response carries
+    (stripped from the path: the leg goes to the endpoint it names)."""
+    url = str(request.url).partition("?")[0]  # copy_with(query=None) would parse the URL again
+    base = decode.base_of(url)
+    if base is None:
+        return "", None, None
+    path = url[len(base) :]
+    dialect = dialect_for(path) if request.method == "POST" else None
+    if dialect is not None:
+        return path, dialect, None
+    untagged, tag = untag_path(path)
+    return untagged, None, tag
 
 
 @functools.lru_cache(maxsize=1024)

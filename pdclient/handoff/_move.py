@@ -20,6 +20,7 @@ from ..migration import CallMigration, CannotMove, Continuation, Route
 from ..pools import AllEndpointsOpen
 from ._call import Call
 from ._leg import Leg
+from ._release import release_leg
 
 STREAM_ERRORS = (httpx.TransportError, httpx.DecodingError)
 """What a decode stream raises when it breaks (a reset, a server gone, a read timeout)."""
@@ -127,13 +128,5 @@ def _open(call: Call, migration: CallMigration, continuation: Continuation) -> G
 def _release(call: Call, migration: CallMigration, continuation: Continuation) -> Release | None:
     """A one-token decode that frees a continuation prefill's KV when its decode never went out."""
     content = migration.release_body(continuation)
-    if content is None:
-        return None
-    leg = Leg(call, "release", call.context.fleet.decode)
-    try:
-        base = leg.pick(call.route_for("decode"))
-    except AllEndpointsOpen:
-        return None
-    request = call.requests.signed(base, content)
-    request.headers["x-request-id"] = continuation.request_id
-    return Release(leg, leg.start(request))
+    pending = release_leg(call, content, continuation.request_id) if content is not None else None
+    return Release(*pending) if pending is not None else None

@@ -6,17 +6,20 @@
 answered the previous turn, when ``decide_remote_prefill`` says its prefix is cached
 there; a completions call (nothing remembered) gets its prefill. Around the call, its
 ``ConversationTurn`` reads the conversation once, teaches the memory the servers' own
-token counts, and remembers a whole answer as the next turn's prefix.
+token counts, and remembers a whole answer as the next turn's prefix. ``RemotePrefill``
+holds one call's part in all this, from the decision to the answer remembered.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from .._options import DEFAULT_ROUTING, PDOptions
+from .._trace import Outcome
 from ..conversations import (
     SHAPE_FIELDS,
     AnswerCollector,
@@ -32,7 +35,17 @@ from ..pools import AllEndpointsOpen, EndpointPool
 from ..routing import RouteDecision, RouteRequest, conversation_routing, policy_decision
 from ..wire import _bodies as wire
 from ._leg import Leg
+from ._leg_requests import LegRequests
 from ._report import STORED_STATE
+
+if TYPE_CHECKING:
+    from ..dialects import Dialect
+    from ..fleet import Fleet
+
+
+class HandoffInstead(Exception):
+    """Raised by ``Call.decode_request``: the decode-only call becomes a P/D handoff (its
+    conversation's endpoint is out of reach); the transport runs the prefill, then the decode."""
 
 
 def conversation_home(pool: EndpointPool, options: PDOptions, route: RouteRequest) -> RouteDecision | None:
@@ -156,3 +169,83 @@ class ConversationTurn:
             cached_floor=floor,
             prompt_pulled=not decode_only,
         )
+
+
+class RemotePrefill:
+    """One call's remote prefill: whether it gets one and why, the conversation it belongs
+    to, the stored state it builds on, the warm-up it queued. Decided once after planning;
+    a decode-only call whose conversation's endpoint is out of reach becomes a handoff after
+    all; a whole answer is remembered at the call's end."""
+
+    __slots__ = ("conversation", "decision", "home", "stored_state", "warm_up_url", "warms")
+
+    def __init__(self) -> None:
+        self.decision: Decision | None = None
+        """Whether the call gets a remote prefill, and why (None: not decided, or a stored state)."""
+        self.conversation: ConversationTurn | None = None
+        """The call's turn of its conversation (chat, ``remote_prefill`` not ``always``)."""
+        self.home: RouteDecision | None = None
+        """The conversation's decode endpoint by rendezvous, the same in every process."""
+        self.stored_state: str | None = None
+        """The field naming server-stored state the call builds on (``Dialect.stored_state``): decode-only."""
+        self.warm_up_url: str | None = None
+        """The prefill endpoint this decode-only call's prompt was queued to (``fleet._warm``)."""
+        self.warms = False
+        """Whether the decode-only call's prompt is to be queued for a prefill endpoint (``warm_up``)."""
+
+    def decide(
+        self,
+        plan: wire.Plan,
+        dialect: Dialect,
+        options: PDOptions,
+        fleet: Fleet,
+        decode_route: Callable[[], RouteRequest],
+    ) -> bool:
+        """Whether the call gets a prefill leg. ``decode_route``: what the decode's policy may
+        know of the call, asked only for a conversation's home."""
+        self.stored_state = dialect.stored_state(plan)
+        if self.stored_state is not None:
+            return False  # the state is where it was stored, never on a prefill server
+        mode = plan.options.remote_prefill or options.remote_prefill
+        if mode != "always" and plan.messages is not None:  # a conversation, in chat messages
+            self.conversation = ConversationTurn(plan, fleet.memory)
+            self.home = conversation_home(fleet.decode, options, decode_route())
+        estimate = None
+        if mode == "auto" and self.conversation is not None:
+            estimate = self.conversation.estimate([e.url for e in fleet.decode.endpoints if e.admits()], self.home)
+        self.decision = remote_prefill_decision(mode, estimate, options.conversations, self.home)
+        self.warms = not self.decision.remote_prefill and mode == "auto" and options.conversations.warm_prefill
+        return self.decision.remote_prefill
+
+    def warm_up(self, fleet: Fleet, prefill_route: RouteRequest, requests: LegRequests, body: bytes) -> None:
+        """Queue a decode-only call's prompt (``body``) for the prefill endpoint its
+        conversation's P/D turns are routed to, so that a later one prefills only what is new."""
+        try:
+            endpoint = fleet.prefill.decide(prefill_route).endpoint
+        except AllEndpointsOpen:
+            return  # no prefill endpoint admitted: nothing to keep warm
+        fleet.warm(requests.warm_up(endpoint, body))
+        self.warm_up_url = endpoint.url
+
+    def pin_decode(self, leg: Leg, stored_at: str | None, settings: ConversationSettings) -> str | None:
+        """The endpoint the decode's first attempt is pinned to (``pin_decode``), if any.
+
+        Raises ``HandoffInstead`` when a decode-only call's conversation endpoint is out of
+        reach: its decision becomes a handoff after all (``handoff_after_all``)."""
+        decision = self.decision
+        held = decision.decode_endpoint if decision is not None and not decision.remote_prefill else None
+        pinned = pin_decode(leg, held, self.home, stored_at)
+        if held is not None and pinned is None:
+            assert decision is not None
+            self.decision = handoff_after_all(decision, settings)
+            raise HandoffInstead
+        return pinned
+
+    def remember(self, outcome: Outcome, endpoint: str, prefill: wire.PrefillResult | None) -> None:
+        """The whole answer ``endpoint`` gave a call that went as planned: its conversation's
+        next prefix there (a failed or fallback call's answer teaches nothing)."""
+        turn, decision = self.conversation, self.decision
+        if turn is None or decision is None or outcome not in (Outcome.DISAGGREGATED, Outcome.DECODE_ONLY):
+            return
+        counted = prefill.count if prefill is not None and prefill.ids is not None else None
+        turn.remember(decision, endpoint, decode_only=outcome is Outcome.DECODE_ONLY, prefill_tokens=counted)

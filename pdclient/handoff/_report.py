@@ -6,6 +6,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from .._trace import Outcome, PDTrace
+from ._dispatch import CONCURRENT
 
 if TYPE_CHECKING:
     from ._call import Call
@@ -32,7 +33,7 @@ def trace_of(call: Call) -> PDTrace:
     moved = call.migration.summary() if call.migration is not None else None
     if moved:
         fallback = f"{fallback}; {moved}" if fallback else moved
-    decision = call.decision
+    decision, stored_state = call.remote.decision, call.remote.stored_state
     estimate = decision.estimate if decision is not None else None
     return PDTrace(
         request_id=call.request_id,
@@ -44,7 +45,7 @@ def trace_of(call: Call) -> PDTrace:
         prefill_attempts=call.prefill.attempt,
         decode_headers_ms=call.decode_headers_ms,
         decode_first_byte_ms=call.decode_first_byte_ms,
-        forwarded_tokens=call.forwarded_tokens,
+        forwarded_tokens=forwarded_tokens(call),
         ids_skipped=ids_skipped,
         handoff_cpu_ms=call.cpu_seconds * 1000 if call.kind else None,
         fallback=fallback,
@@ -53,15 +54,25 @@ def trace_of(call: Call) -> PDTrace:
         prefill_route=str(call.prefill.decision) if call.prefill.decision else None,
         decode_route=str(call.decode.decision) if call.decode.decision else None,
         migrations=call.migration.records() if call.migration is not None else (),
-        remote_prefill=False if call.stored_state else decision.remote_prefill if decision else None,
-        remote_prefill_reason=STORED_STATE if call.stored_state else decision.reason.value if decision else None,
+        remote_prefill=False if stored_state else decision.remote_prefill if decision else None,
+        remote_prefill_reason=STORED_STATE if stored_state else decision.reason.value if decision else None,
         conversation=estimate.match.value if estimate is not None else None,
         estimated_prompt_tokens=estimate.total_tokens if estimate is not None else None,
         estimated_uncached_tokens=estimate.uncached_tokens if estimate is not None else None,
-        prefill_warm_up_url=call.warm_up_url,
+        prefill_warm_up_url=call.remote.warm_up_url,
         dispatch=call.dispatch,
         dispatch_fallback=call.dispatch_fallback,
     )
+
+
+def forwarded_tokens(call: Call) -> int:
+    """How many prompt ids the decode received from the prefill (0: it rendered the prompt itself)."""
+    result, plan = call.prefill_result, call.plan
+    if result is None or result.ids is None or plan is None or plan.ids_skipped is not None:
+        return 0
+    if call.dispatch == CONCURRENT:
+        return 0  # the decode rendered the prompt itself: its ids were not known yet
+    return result.count
 
 
 def log_end(request_id: str, trace: PDTrace) -> None:

@@ -1,7 +1,7 @@
 """What goes back to the caller: its response's headers, and the decode body's bytes on their way.
 
 The decode body passes through up to four steps, each chosen once, when the decode's
-response arrives (``CallerBody.for_response``): the usage merge of a disaggregated call
+response arrives (``CallerBody.begin``): the usage merge of a disaggregated call
 (the prompt side is the prefill's, as vllm-router reports it), the decode endpoint's tag
 in a Responses answer's ids, the answer collected for the conversation memory, and the
 usage event pdclient asked for itself taken out again.
@@ -150,3 +150,17 @@ def without_trace_headers(headers: httpx.Headers, dropped: Collection[bytes] = (
 def raw_headers(trace_headers: dict[str, str]) -> list[tuple[bytes, bytes]]:
     """``PDTrace.to_headers()`` (ASCII by construction) as raw header pairs."""
     return [(k.encode("ascii"), v.encode("ascii")) for k, v in trace_headers.items()]
+
+
+def caller_response(
+    response: httpx.Response,
+    stream: httpx.SyncByteStream | httpx.AsyncByteStream,
+    body: CallerBody,
+    trace_headers: dict[str, str] | None,
+) -> httpx.Response:
+    """The caller's response: the decode's status and headers (the length dropped when
+    ``body`` recounts it; ``trace_headers`` added, for a P/D call), its body ``stream``."""
+    headers = without_trace_headers(response.headers, CONTENT_LENGTH if body.recounted else ())
+    if trace_headers is not None:
+        headers += raw_headers(trace_headers)
+    return httpx.Response(response.status_code, headers=headers, stream=stream, extensions=response.extensions)

@@ -148,6 +148,14 @@ def _prefill_parts(settings: RetrySettings) -> tuple[tenacity.stop.stop_base, _W
 _PREFILL_RETRY = tenacity.retry_if_exception_type(PREFILL_RETRYABLE)
 
 
+def prefill_deadline(read_timeout: float | None, settings: RetrySettings) -> float | None:
+    """When a call's prefill phase (its retries included) is over, on ``time.monotonic``'s
+    clock: the caller's read timeout (openai's ``timeout`` bounds each read), or the
+    shorter ``prefill_timeout``, as a total; None when neither bounds it."""
+    given = [bound for bound in (read_timeout, settings.prefill_timeout) if bound is not None]
+    return time.monotonic() + min(given) if given else None
+
+
 def prefill_policy(settings: RetrySettings, deadline: float) -> dict[str, object]:
     """tenacity arguments for the prefill leg (shared by ``Retrying`` and ``AsyncRetrying``)."""
     attempts, wait = _prefill_parts(settings)

@@ -16,8 +16,7 @@ import openai
 import pytest
 
 from pdclient import Outcome, PDOptions, PDTrace, PDTransport
-from pdclient.dialects import endpoint_tag
-from pdclient.dialects._stored_state import split
+from pdclient.dialects import endpoint_tag, untag_id
 from pdclient.local import PDServers
 from tests.serve.process import ServeProcess, metric_samples
 
@@ -59,7 +58,7 @@ def test_responses_create_and_stream_are_handoffs(pair: Pair, plain: openai.Open
     assert "".join(deltas) == reference
     handed_off(traces, 2, "responses")
     # The id carries its decode endpoint's tag; the servers know it by their own id.
-    own, tag = split(answer.id)
+    own, tag = untag_id(answer.id)
     assert tag == endpoint_tag(traces[0].decode_url or "")
     # Both servers store responses (the session pair runs with the store on); the prefill
     # leg asked for nothing to be stored, so only the decode server knows the answer.
@@ -73,7 +72,7 @@ def test_a_previous_response_id_follow_up_runs_where_the_response_is(pair: Pair,
     with pair.client(on_trace=traces.append) as client:
         first = client.responses.create(input=QUESTION, **request)  # type: ignore[call-overload]
         follow_up = client.responses.create(previous_response_id=first.id, input="One more.", **request)  # type: ignore[call-overload]
-    own, _ = split(first.id)  # the decode server alone knows the response by its own id
+    own, _ = untag_id(first.id)  # the decode server alone knows the response by its own id
     reference = plain.responses.create(previous_response_id=own, input="One more.", **request)  # type: ignore[call-overload]
     assert follow_up.output_text == reference.output_text
     handed_off(traces[:1], 1, "responses")

@@ -24,7 +24,7 @@ sys.path[:0] = [str(REPO), str(HERE)]
 
 from _vllm_src import INSTALLED, UNPACKED, vllm_src  # noqa: E402
 
-from pdclient.local._prepare import model_dir, server_python  # noqa: E402
+from pdclient.local import model_dir, server_python  # noqa: E402
 
 
 def main() -> int:

@@ -19,6 +19,7 @@ from pdclient._observe import Observers
 from pdclient.conversations import Answer, ConversationSettings, Decision, Estimate, Match, Reason
 from pdclient.fleet import Fleet
 from pdclient.handoff import (
+    RELEASE_TIMEOUT,
     Call,
     CallContext,
     ConversationTurn,
@@ -28,6 +29,8 @@ from pdclient.handoff import (
     dispatch,
     handoff_after_all,
     id_tags_for,
+    release_leg,
+    release_request,
     remote_prefill_decision,
     usage_merge_for,
 )
@@ -80,23 +83,27 @@ def prefilled(call: Call, answer: dict[str, Any] | None = None) -> httpx.Request
 def test_always_and_never_decide_without_an_estimate(mode: str, prefills: bool, reason: str) -> None:
     call = make_call(chat("hi"), remote_prefill=mode)
     assert call.wants_prefill() is prefills
-    assert call.decision is not None and call.decision.reason.value == reason and call.decision.estimate is None
+    assert (
+        call.remote.decision is not None
+        and call.remote.decision.reason.value == reason
+        and call.remote.decision.estimate is None
+    )
     assert call.outcome is (Outcome.DISAGGREGATED if prefills else Outcome.DECODE_ONLY)
     # Only a call whose turn may be remembered keeps its conversation (never: yes; always: no).
-    assert (call.conversation is None) is (mode == "always")
+    assert (call.remote.conversation is None) is (mode == "always")
 
 
 def test_auto_on_an_unknown_conversation_gets_its_prefill() -> None:
     call = make_call(chat("a long first question " * 200), remote_prefill="auto")
     assert call.wants_prefill()
-    assert call.decision is not None and call.decision.remote_prefill
-    assert call.decision.estimate is not None and call.decision.estimate.match is Match.UNKNOWN
+    assert call.remote.decision is not None and call.remote.decision.remote_prefill
+    assert call.remote.decision.estimate is not None and call.remote.decision.estimate.match is Match.UNKNOWN
 
 
 def test_auto_on_completions_has_no_estimate_and_gets_its_prefill() -> None:
     call = make_call({"model": "m", "prompt": "hi", "max_tokens": 4}, "/completions", remote_prefill="auto")
-    assert call.wants_prefill() and call.conversation is None
-    assert call.decision == Decision(True, Reason.NO_ESTIMATE, None, None)
+    assert call.wants_prefill() and call.remote.conversation is None
+    assert call.remote.decision == Decision(True, Reason.NO_ESTIMATE, None, None)
 
 
 def remembered(fleet: Fleet, body: dict[str, Any], endpoint: str) -> None:
@@ -120,8 +127,8 @@ def follow_up_of_a_remembered_turn() -> Call:
 
 def test_auto_sends_a_cached_conversation_decode_only_to_the_endpoint_holding_it() -> None:
     call = follow_up_of_a_remembered_turn()
-    assert call.outcome is Outcome.DECODE_ONLY and call.decision is not None
-    assert (call.decision.reason, call.decision.decode_endpoint) == (Reason.MOSTLY_CACHED, DECODES[1])
+    assert call.outcome is Outcome.DECODE_ONLY and call.remote.decision is not None
+    assert (call.remote.decision.reason, call.remote.decision.decode_endpoint) == (Reason.MOSTLY_CACHED, DECODES[1])
     decode = call.decode_request()
     # Decode-only: the caller's fields as sent, on the endpoint holding the conversation,
     # asking for the usage the memory learns from (the caller did not ask for it).
@@ -137,8 +144,14 @@ def test_a_held_conversation_whose_endpoint_is_gone_becomes_a_handoff() -> None:
     call.decode.tried.append(held)
     with pytest.raises(HandoffInstead):
         call.decode_request()
-    assert call.outcome is Outcome.DISAGGREGATED and call.decision is not None and call.decision.remote_prefill
-    assert call.decision.estimate is not None and call.decision.estimate.match is Match.ENDPOINT_UNAVAILABLE
+    assert (
+        call.outcome is Outcome.DISAGGREGATED
+        and call.remote.decision is not None
+        and call.remote.decision.remote_prefill
+    )
+    assert (
+        call.remote.decision.estimate is not None and call.remote.decision.estimate.match is Match.ENDPOINT_UNAVAILABLE
+    )
     assert "kv_transfer_params" in sent(prefilled(call))
 
 
@@ -166,7 +179,7 @@ def test_a_handoff_after_all_counts_the_whole_prompt_as_uncached() -> None:
 def test_a_response_building_on_stored_state_is_decode_only() -> None:
     call = make_call({"model": "m", "input": "and?", "previous_response_id": "resp_1"}, "/responses")
     assert not call.wants_prefill()
-    assert call.outcome is Outcome.DECODE_ONLY and call.stored_state == "previous_response_id"
+    assert call.outcome is Outcome.DECODE_ONLY and call.remote.stored_state == "previous_response_id"
     assert call.trace().remote_prefill_reason == "stored_state"
 
 
@@ -225,7 +238,7 @@ def test_rendered_apis_ask_the_prefill_for_the_prompts_ids_and_forward_them(
     assert decode["kv_transfer_params"]["prompt_token_ids"] == [5, 6, 7]
     assert "return_prompt_token_ids" not in decode["kv_transfer_params"]
     assert call.migration is not None and not call.migration.armed  # their events carry no ids
-    assert call.forwarded_tokens == 3
+    assert call.trace().forwarded_tokens == 3
 
 
 def test_a_secret_signs_every_leg_body_pdclient_built_and_only_those() -> None:
@@ -357,7 +370,7 @@ def test_the_callers_stream_is_framed_once_and_each_event_parsed_once(monkeypatc
 
     monkeypatch.setattr(to_caller, "event_json", counted)
     call = make_call(chat("hi"), remote_prefill="never")
-    assert not call.wants_prefill() and call.conversation is not None
+    assert not call.wants_prefill() and call.remote.conversation is not None
     call.prefill_result = None
     chunks = [
         {"id": "c", "choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}]},
@@ -373,10 +386,61 @@ def test_the_callers_stream_is_framed_once_and_each_event_parsed_once(monkeypatc
     # reads completes its event as a bare LF, which holds no data).
     assert len([raw for raw in parsed if raw.strip()]) == 4
     assert b'"usage"' not in out and out.endswith(b"data: [DONE]\r\n\r\n")
-    assert call.conversation.collector.answer() == Answer("Hello", (), 2, False)
+    assert call.remote.conversation.collector.answer() == Answer("Hello", (), 2, False)
 
 
 def usage_strip() -> Any:
     from pdclient.wire import UsageStrip
 
     return UsageStrip()
+
+
+# -- the KV release ------------------------------------------------------------------------
+
+
+def abandoned_handoff() -> Call:
+    """A handoff whose prefill answered (holding KV) and whose decode never went out."""
+    call = make_call(chat("hi"), remote_prefill="always")
+    assert call.wants_prefill()
+    request = call.prefill_request()
+    assert call.check_prefill(httpx.Response(200, json=prefill_json(sent(request)))) is None
+    return call
+
+
+def test_every_release_is_bounded_by_its_own_timeout_never_the_callers() -> None:
+    call = abandoned_handoff()
+    abandoned = release_request(call)
+    assert abandoned is not None
+    leg, request = abandoned
+    assert leg.name == "release" and sent(request)["max_tokens"] == 1
+    assert request.extensions["timeout"] == dict.fromkeys(("connect", "read", "write", "pool"), RELEASE_TIMEOUT)
+    moved = release_leg(call, b"{}", "a-continuation")  # a moved stream's continuation prefill
+    assert moved is not None and moved[1].headers["x-request-id"] == "a-continuation"
+    assert moved[1].extensions["timeout"] == request.extensions["timeout"]
+
+
+def test_with_every_breaker_open_a_release_tries_one_endpoint_the_decode_did_not() -> None:
+    call = abandoned_handoff()
+    pool = call.context.fleet.decode
+    for endpoint in pool.endpoints:
+        endpoint.trip()
+    call.decode.tried.append(pool.endpoints[0])  # it failed this call
+    pending = release_leg(call, b"{}")
+    assert pending is not None
+    leg, request = pending
+    assert str(request.url).startswith(DECODES[1]) and leg.decision is not None
+    assert leg.decision.rule == "breaker_open"
+    leg.end(None, httpx.ConnectError("refused"))
+    call.decode.tried.append(pool.endpoints[1])
+    assert release_leg(call, b"{}") is None, "every endpoint failed this call: the blocks expire with the lease"
+
+
+def test_no_release_once_a_decode_may_have_reached_its_server_or_without_kv_held() -> None:
+    call = abandoned_handoff()
+    call.decode_may_have_reached = True
+    assert release_request(call) is None  # it would be a second pull
+    call = make_call(chat("hi"), remote_prefill="always")
+    assert call.wants_prefill()
+    request = call.prefill_request()
+    assert call.check_prefill(httpx.Response(200, json=prefill_json(sent(request), kv_params=None))) is None
+    assert release_request(call) is None

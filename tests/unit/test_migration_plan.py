@@ -17,7 +17,17 @@ import pytest
 from pdclient import PDOptions
 from pdclient._observe import Observers
 from pdclient.fleet import Fleet
-from pdclient.handoff import Call, CallContext, OpenDecode, ReadRefusal, Release, SendPrefill, Step, move
+from pdclient.handoff import (
+    RELEASE_TIMEOUT,
+    Call,
+    CallContext,
+    OpenDecode,
+    ReadRefusal,
+    Release,
+    SendPrefill,
+    Step,
+    move,
+)
 from tests.fake_vllm import prefill_json
 
 PREFILL = "http://p:8100/v1"
@@ -124,6 +134,7 @@ def test_an_interrupted_open_after_a_continuation_prefill_releases_its_kv_first(
     assert isinstance(release, Release) and release.leg.name == "release"
     assert json.loads(release.request.content)["max_tokens"] == 1
     assert release.request.headers["x-request-id"].endswith("-m1")
+    assert release.request.extensions["timeout"]["read"] == RELEASE_TIMEOUT  # the caller is leaving
     assert call.migration is not None and call.migration.pending is None
 
 

@@ -6,8 +6,17 @@ import re
 
 import pytest
 
-from pdclient.dialects import IdTags, endpoint_for, endpoint_tag, names_a_response, untag_path
-from pdclient.dialects._stored_state import split, tag_event, tag_json, tagged
+from pdclient.dialects import (
+    IdTags,
+    endpoint_for,
+    endpoint_tag,
+    names_a_response,
+    tag_event,
+    tag_id,
+    tag_json,
+    untag_id,
+    untag_path,
+)
 
 D1, D2 = "http://d1:8200/v1", "http://d2:8200/v1"
 
@@ -23,22 +32,22 @@ def test_a_tag_is_short_stable_and_tells_endpoints_apart() -> None:
 @pytest.mark.parametrize("own", ["resp_0123abcd", "resp_a.b.c", "x.pd", "resp_1.pdSHORT", "é"])
 def test_round_trip(own: str) -> None:
     tag = endpoint_tag(D1)
-    assert split(tagged(own, tag)) == (own, tag)
-    assert tagged(tagged(own, tag), endpoint_tag(D2)) == tagged(own, tag)  # tagged once, by its server
+    assert untag_id(tag_id(own, tag)) == (own, tag)
+    assert tag_id(tag_id(own, tag), endpoint_tag(D2)) == tag_id(own, tag)  # tagged once, by its server
 
 
 @pytest.mark.parametrize("odd", ["", ".pduw7rtgc7sd", "resp_1.pduw7rtgc7s", "resp_1.pdUW7RTGC7SD", "resp_1"])
 def test_odd_or_untagged_ids_carry_no_tag(odd: str) -> None:
-    assert split(odd) == (odd, None)
-    assert tagged("", "uw7rtgc7sd") == ""
+    assert untag_id(odd) == (odd, None)
+    assert tag_id("", "uw7rtgc7sd") == ""
 
 
 @pytest.mark.parametrize("odd", [None, 7, ["resp_1"], b"resp_1"])
 def test_a_non_string_is_a_clear_error(odd: object) -> None:
     with pytest.raises(TypeError, match="a response id is a string, got"):
-        split(odd)  # type: ignore[arg-type]
+        untag_id(odd)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="a response id is a string, got"):
-        tagged(odd, "uw7rtgc7sd")  # type: ignore[arg-type]
+        tag_id(odd, "uw7rtgc7sd")  # type: ignore[arg-type]
 
 
 def test_endpoint_for_looks_among_the_pool_now() -> None:

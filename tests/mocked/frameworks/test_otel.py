@@ -3,7 +3,7 @@
 - opentelemetry-instrumentation-openai-v2 (the official openai instrumentation) patches the
   SDK's ``Completions.create``; the P/D split happens below it, in the transport, so it
   records exactly one ``chat <model>`` span per call, streamed or not.
-- ``pdclient._otel.instrument(client)`` (the ``pdclient[otel]`` extra) adds a
+- ``pdclient.otel.instrument(client)`` (the ``pdclient[otel]`` extra) adds a
   ``pdclient.chat`` span per call with ``pdclient.prefill`` / ``pdclient.decode`` children
   and the PDTrace fields as attributes, nested under the generation span when both are on.
 - Without the extra nothing imports OpenTelemetry.
