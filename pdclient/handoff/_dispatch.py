@@ -55,11 +55,13 @@ The transports (``transport._transport``) run the two legs; this module decides 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import msgspec
 import orjson
 
 from ..pools import AllEndpointsOpen
@@ -81,6 +83,21 @@ DECODE_FAILED = "decode_failed"
 PROMPT_DRIFT = "prompt_drift"
 
 
+class _CoordinateFields(msgspec.Struct):
+    """The fields of ``kv_transfer_params`` the coordinates come from; the others (the
+    prefill's block ids: thousands, for a long prompt) are skipped unparsed."""
+
+    remote_engine_id: object = None
+    remote_host: object = None
+    remote_port: object = None
+    tp_size: object = None
+    pp_size: object = 1
+    transfer_mode: object = None
+
+
+_read_coordinates = msgspec.json.Decoder(_CoordinateFields).decode
+
+
 @dataclass(frozen=True)
 class Coordinates:
     """Where a prefill server's NIXL agent is, as its answers' ``kv_transfer_params`` say."""
@@ -99,20 +116,29 @@ class Coordinates:
         if not raw:
             return None
         try:
-            params = orjson.loads(raw)
-        except orjson.JSONDecodeError:
+            params = _read_coordinates(raw)
+        except msgspec.DecodeError:
             return None
-        if not isinstance(params, dict):
-            return None
-        engine, host, port, tp = (params.get(k) for k in ("remote_engine_id", "remote_host", "remote_port", "tp_size"))
-        pp = params.get("pp_size", 1)
-        mode = params.get("transfer_mode")
+        engine, host, port, tp = params.remote_engine_id, params.remote_host, params.remote_port, params.tp_size
+        pp, mode = params.pp_size, params.transfer_mode
         if not isinstance(engine, str) or not engine or not isinstance(host, str) or not host:
             return None
         numbers = [n for n in (port, tp, pp) if isinstance(n, int) and not isinstance(n, bool) and n > 0]
         if len(numbers) != 3:
             return None
         return cls(engine, host, numbers[0], numbers[1], numbers[2], mode if isinstance(mode, str) else None)
+
+    @functools.cached_property
+    def _members(self) -> tuple[bytes, ...]:
+        named = {"remote_engine_id": self.engine_id, "remote_host": self.host, "remote_port": self.port}
+        if self.transfer_mode is not None:
+            named["transfer_mode"] = self.transfer_mode
+        return tuple(orjson.dumps({key: value})[1:-1] for key, value in named.items())
+
+    def named_in(self, kv_params: bytes) -> bool:
+        """Whether an answer's ``kv_transfer_params`` hold these coordinates, as vLLM writes
+        them (compact JSON): a substring test, where a parse would read every block id."""
+        return all(member in kv_params for member in self._members)
 
     def same_server(self, other: Coordinates) -> bool:
         """Whether a WRITE from ``other`` would reach a decode registered with these."""
@@ -159,6 +185,9 @@ class CoordinateBook:
         self._lock = threading.Lock()
 
     def learn(self, url: str, kv_params: bytes | None) -> Coordinates | None:
+        known = self._by_url.get(url)
+        if known is not None and kv_params and known.named_in(kv_params):
+            return known  # the same server as last time: no parse on the handoff's path
         coordinates = Coordinates.from_kv_params(kv_params)
         with self._lock:
             if coordinates is None:

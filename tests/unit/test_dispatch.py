@@ -71,3 +71,17 @@ def test_a_first_event_without_end_is_given_up() -> None:
     assert not peek.feed(b"data: " + b"1," * 1000)
     assert peek.feed(b"1," * dispatch.MAX_FIRST_EVENT_BYTES)
     assert peek.ids is None
+
+
+def test_the_same_server_is_recognised_without_a_parse() -> None:
+    book = dispatch.CoordinateBook()
+    raw = orjson.dumps({**PARAMS, "remote_block_ids": list(range(2048)), "transfer_mode": "push"})
+    first = book.learn("http://p", raw)
+    assert first is not None and first.named_in(raw)
+    assert book.learn("http://p", raw) is first
+    for changed in ({"remote_engine_id": "e2"}, {"remote_port": 5601}, {"transfer_mode": "pull"}):
+        again = book.learn("http://p", orjson.dumps({**PARAMS, "transfer_mode": "push", **changed}))
+        assert again is not None and again is not first and not again.named_in(raw)
+        book.learn("http://p", raw)
+    assert book.learn("http://p", orjson.dumps({"do_remote_prefill": True})) is None
+    assert book.get("http://p") is None
