@@ -100,7 +100,8 @@ class CallerBody:
 
     def events(self, events: list[bytes]) -> bytes:
         """Whole events framed already (a tracked stream's, ``migration.Tracker``): through
-        every step without being framed again."""
+        every step without being framed again, nor parsed again where the tracker parsed
+        one (``wire.ParsedEvent``)."""
         if self._framer is None:
             return self.feed(b"".join(events))
         return b"".join([self._event(event) for event in events])

@@ -51,7 +51,7 @@ import orjson
 
 from .._trace import Migration
 from ..pools import Endpoint
-from ..wire import SSEFramer, event_data, is_done
+from ..wire import ParsedEvent, SSEFramer, event_data, is_done
 from ..wire import _bodies as wire
 
 if TYPE_CHECKING:
@@ -642,24 +642,27 @@ class Tracker:
     def _output(
         self, original: bytes, event: bytes, obj: dict[str, Any], choice: dict[str, Any] | None, delta: Any
     ) -> bytes:
+        """The event the caller gets; a ``ParsedEvent`` carrying ``obj`` where ``obj`` is its
+        data, so the caller's steps (``handoff.CallerBody``) do not parse it again."""
         if self._splice is not None:
-            return self._splice.rewrite(obj, choice, delta)
+            spliced = self._splice.rewrite(obj, choice, delta)
+            return ParsedEvent(spliced, obj) if spliced else spliced
         if self.keep_ids:
-            return original
+            return ParsedEvent(original, obj) if original is event else original
         out = event
         if choice is not None and "token_ids" in choice:
             out = _cut(out, _TOKEN_IDS)
         holder = obj if self.chat else choice
         if out and holder is not None and "prompt_token_ids" in holder:
             out = _cut(out, _PROMPT_TOKEN_IDS)
-        if out:
-            return out
-        # Not the compact JSON vLLM writes: the event re-encoded without them.
         if choice is not None:
             choice.pop("token_ids", None)
             choice.pop("prompt_token_ids", None)
         obj.pop("prompt_token_ids", None)
-        return b"data: " + orjson.dumps(obj) + b"\n\n"
+        if out:
+            return ParsedEvent(out, obj)
+        # Not the compact JSON vLLM writes: the event re-encoded without them.
+        return ParsedEvent(b"data: " + orjson.dumps(obj) + b"\n\n", obj)
 
 
 def _cut(event: bytes, key: bytes) -> bytes:

@@ -38,6 +38,7 @@ from ._parts import TEXT_PART_TYPES, has_media, is_text_part
 from ._signing import DEFAULT_TTL, SECRET_ENV, SIGNATURE_HEADER, signature
 from ._sse import (
     FLUSH_UNFRAMED,
+    ParsedEvent,
     SSEFramer,
     ends_event_stream,
     event_data,
@@ -81,6 +82,7 @@ __all__ = [
     "SIGNATURE_HEADER",
     "UploadScan",
     "FLUSH_UNFRAMED",
+    "ParsedEvent",
     "SSEFramer",
     "USAGE_KEY",
     "UsageMerge",

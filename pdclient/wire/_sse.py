@@ -121,9 +121,23 @@ def pass_events(framer: SSEFramer, data: bytes, each: Callable[[bytes], bytes]) 
     return out
 
 
+class ParsedEvent(bytes):
+    """A whole event whose data a step has parsed already (``payload``, as ``event_json``
+    would give it for these bytes): the steps after it read that, not the bytes again."""
+
+    payload: object
+
+    def __new__(cls, raw: bytes, payload: object) -> ParsedEvent:
+        event = super().__new__(cls, raw)
+        event.payload = payload
+        return event
+
+
 def event_json(raw: bytes) -> object:
     """One event's data as JSON, parsed once for every step that reads it: None for an event
     without data or the stream's ``[DONE]``; the data's bytes when they are not JSON."""
+    if type(raw) is ParsedEvent:
+        return raw.payload
     data = event_data(raw)
     if data is None or is_done(data):
         return None

@@ -389,6 +389,45 @@ def test_the_callers_stream_is_framed_once_and_each_event_parsed_once(monkeypatc
     assert call.remote.conversation.collector.answer() == Answer("Hello", (), 2, False)
 
 
+def test_a_tracked_streams_events_reach_the_callers_steps_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream that may move is parsed by its tracker; the collector and the usage strip
+    read what it parsed (its ids taken out, as from the bytes), not the bytes again."""
+    import pdclient.wire._sse as sse
+    from pdclient.migration import Tracker
+
+    reparsed: list[bytes] = []
+    real = sse.event_data
+
+    def counted(raw: bytes) -> bytes | None:
+        reparsed.append(raw)
+        return real(raw)
+
+    monkeypatch.setattr(sse, "event_data", counted)
+    call = make_call(chat("hi"), remote_prefill="never")
+    assert not call.wants_prefill() and call.remote.conversation is not None
+    call.prefill_result = None
+    chunks = [
+        {
+            "id": "c",
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}],
+            "prompt_token_ids": [1, 2],
+        },
+        {"id": "c", "choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": None, "token_ids": [7]}]},
+        {"id": "c", "choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": "stop", "token_ids": [8]}]},
+        {"id": "c", "choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}},
+    ]
+    body = b"".join(b"data: " + json.dumps(c, separators=(",", ":")).encode() + b"\n\n" for c in chunks)
+    body += b"data: [DONE]\n\n"
+    caller = call.caller_body
+    caller.begin("text/event-stream", None, None, usage_strip())
+    tracker = Tracker(chat=True, keep_ids=False, want_prompt_ids=True)
+    out = b"".join(caller.events(tracker.events(body[i : i + 7])) for i in range(0, len(body), 7))
+    assert reparsed == [b"data: [DONE]\n\n"]  # the one event the tracker passes on unparsed
+    assert tracker.prompt_ids == [1, 2] and tracker.ids == [7, 8]
+    assert b"token_ids" not in out and b'"usage"' not in out and out.endswith(b"data: [DONE]\n\n")
+    assert call.remote.conversation.collector.answer() == Answer("Hello", (), 2, False)
+
+
 def usage_strip() -> Any:
     from pdclient.wire import UsageStrip
 
