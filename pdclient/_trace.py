@@ -129,7 +129,8 @@ class PDTrace(BaseModel):
     """Why a concurrent call's decode went out again, sequentially, machine-readable:
     ``prefill_moved`` (the prefill ran on another server than the decode registered with: a
     restart, a retry elsewhere), ``decode_failed``, ``prompt_drift`` (the decode rendered
-    another prompt than the prefill's ids: the servers' models or chat templates differ)."""
+    another prompt than the prefill's ids: the servers' models or chat templates differ),
+    ``prompt_unchecked`` (its first event gave no prompt ids to compare)."""
     migrations: tuple[Migration, ...] = ()
     """Each time the decode stream broke and the answer continued on another decode endpoint
     (``max_decode_migrations``), in order. Not in the response headers: known only later."""

@@ -24,7 +24,8 @@ Metrics (``namespace`` prefix, ``pdclient`` by default; times in seconds):
                                                   concurrent: how the legs went out, ``PDOptions.dispatch``) and
                                                   ``fallback`` (``PDTrace.dispatch_fallback``, empty when none):
                                                   ``fallback="prompt_drift"`` counts decodes that rendered another
-                                                  prompt than their prefill (the servers' templates differ)
+                                                  prompt than their prefill (the servers' templates differ),
+                                                  ``prompt_unchecked`` those that gave no prompt ids to compare
 ``pdclient_calls_in_flight``           gauge      calls started and not yet finished, by ``route``
 ``pdclient_call_duration_seconds``     histogram  call start to end (the whole stream), by ``route``
 ``pdclient_time_to_first_token_seconds`` histogram  call start to the decode's first body byte

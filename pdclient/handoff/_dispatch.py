@@ -81,6 +81,7 @@ CONCURRENT = "concurrent"
 PREFILL_MOVED = "prefill_moved"
 DECODE_FAILED = "decode_failed"
 PROMPT_DRIFT = "prompt_drift"
+PROMPT_UNCHECKED = "prompt_unchecked"
 
 
 class _CoordinateFields(msgspec.Struct):
@@ -180,8 +181,9 @@ class CoordinateBook:
 
     def __init__(self) -> None:
         self._by_url: dict[str, Coordinates] = {}
-        self._drifted: set[str] = set()
-        """Engine ids of prefill servers a concurrent decode rendered another prompt for."""
+        self._sequential_only: set[str] = set()
+        """Engine ids of prefill servers whose concurrent decodes cannot be trusted: one
+        rendered another prompt, or gave no prompt ids to check."""
         self._lock = threading.Lock()
 
     def learn(self, url: str, kv_params: bytes | None) -> Coordinates | None:
@@ -199,13 +201,13 @@ class CoordinateBook:
     def get(self, url: str) -> Coordinates | None:
         return self._by_url.get(url)
 
-    def drifted(self, coordinates: Coordinates) -> None:
-        """A decode rendered another prompt than this prefill server: sequential handoffs only."""
+    def sequential_only(self, coordinates: Coordinates) -> None:
+        """This prefill server gets sequential handoffs only (until it restarts: a new engine id)."""
         with self._lock:
-            self._drifted.add(coordinates.engine_id)
+            self._sequential_only.add(coordinates.engine_id)
 
-    def has_drifted(self, coordinates: Coordinates) -> bool:
-        return coordinates.engine_id in self._drifted
+    def is_sequential_only(self, coordinates: Coordinates) -> bool:
+        return coordinates.engine_id in self._sequential_only
 
 
 _books: weakref.WeakKeyDictionary[Fleet, CoordinateBook] = weakref.WeakKeyDictionary()
@@ -264,8 +266,8 @@ def concurrent_decode(call: Call) -> ConcurrentDecode | None:
     if not usable(mode_of(call), coordinates):
         return None
     assert coordinates is not None
-    if book.has_drifted(coordinates):
-        return None  # a decode rendered another prompt for this prefill server before
+    if book.is_sequential_only(coordinates):
+        return None  # a decode's prompt for this prefill server differed, or could not be checked
     assert call.dialect is not None
     checks_prompt = call.dialect.migration_refusal is None  # its events carry the prompt's ids
     if not checks_prompt and mode_of(call) == "auto":
@@ -360,24 +362,28 @@ past a million tokens; longer without its end, it is not vLLM's."""
 
 def prompt_drift(call: Call, sent: ConcurrentDecode, decode_prompt: list[int] | None) -> str | None:
     """Why the concurrent decode's answer is not the handoff's (the prompt it rendered differs
-    from the prefill's ids), or None: it is. A prefill that sent no ids leaves nothing to
-    check, as in a sequential handoff without them."""
+    from the prefill's ids, or it gave none to check: a decode server, or something on the
+    way, that does not pass ``return_token_ids`` on), or None: it is. Either way that prefill
+    server gets sequential handoffs from then on. A prefill that sent no ids leaves nothing
+    to check, as in a sequential handoff without them."""
     result = call.prefill_result
     if result is None or result.ids is None or call.migration is None or not call.migration.armed:
         return None
+    book = book_of(call.context.fleet)
     if decode_prompt is None:
-        why = "the decode's first event carried no prompt ids to check"
-    else:
-        prefill_prompt = orjson.loads(result.ids)
-        if decode_prompt == prefill_prompt:
-            return None
-        at = next((i for i, (a, b) in enumerate(zip(decode_prompt, prefill_prompt, strict=False)) if a != b), None)
-        where = f", first at token {at}" if at is not None else ""
-        why = (
-            f"the decode rendered another prompt than the prefill ({len(decode_prompt)} tokens against "
-            f"{len(prefill_prompt)}{where}): do both servers run the same model and chat template?"
-        )
-    book_of(call.context.fleet).drifted(sent.coordinates)
+        book.sequential_only(sent.coordinates)
+        call.dispatch_fallback = PROMPT_UNCHECKED
+        return "the decode's first event carried no prompt ids to check it against the prefill's"
+    prefill_prompt = orjson.loads(result.ids)
+    if decode_prompt == prefill_prompt:
+        return None
+    at = next((i for i, (a, b) in enumerate(zip(decode_prompt, prefill_prompt, strict=False)) if a != b), None)
+    where = f", first at token {at}" if at is not None else ""
+    why = (
+        f"the decode rendered another prompt than the prefill ({len(decode_prompt)} tokens against "
+        f"{len(prefill_prompt)}{where}): do both servers run the same model and chat template?"
+    )
+    book.sequential_only(sent.coordinates)
     call.dispatch_fallback = PROMPT_DRIFT
     return why
 
@@ -403,6 +409,7 @@ __all__ = [
     "DECODE_FAILED",
     "PREFILL_MOVED",
     "PROMPT_DRIFT",
+    "PROMPT_UNCHECKED",
     "SEQUENTIAL",
     "ConcurrentDecode",
     "CoordinateBook",

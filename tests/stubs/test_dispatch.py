@@ -15,6 +15,7 @@ import pytest
 from pdclient import PDTrace
 from pdclient.metrics import PrometheusObserver
 from pdclient.pools import RetrySettings
+from tests import fake_vllm
 from tests.stubserver import Fault, StubServer
 from tests.twins import Twin
 
@@ -156,3 +157,20 @@ async def test_caller_leaving_ends_both_legs() -> None:
         assert time.monotonic() - started < 3.0
         assert traces[-1].dispatch == "concurrent" and traces[-1].outcome.value == "failed"
         await twin.close()
+
+
+async def test_a_decode_without_prompt_ids_is_not_trusted(
+    mode: str, pair: tuple[StubServer, StubServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode whose first event has no prompt ids (something on the way drops
+    ``return_token_ids``) cannot be checked: it is cut and sent again like a drifted one, and
+    that prefill server gets sequential handoffs from then on, not a cut decode per call."""
+    monkeypatch.setattr(fake_vllm, "wants_ids", lambda body: False)
+    traces: list[PDTrace] = []
+    twin = _twin(mode, pair, traces)
+    answers = [await twin.stream_text(messages=MESSAGES, max_tokens=16) for _ in range(3)]
+    assert all("".join(answer) == "".join(answers[0]) for answer in answers)
+    assert [t.dispatch_fallback for t in traces] == [None, "prompt_unchecked", None]
+    assert [t.dispatch for t in traces] == ["sequential"] * 3
+    assert len(pair[1].legs("decode")) == 4
+    await twin.close()

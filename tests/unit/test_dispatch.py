@@ -1,5 +1,5 @@
 """Concurrent dispatch's pure parts: the coordinates read from a prefill answer, the book of
-drifted prefill servers, and the first event of a decode stream read for its prompt ids."""
+prefill servers that get sequential handoffs only, and the first event of a decode stream read for its prompt ids."""
 
 from __future__ import annotations
 
@@ -25,14 +25,14 @@ def test_coordinates_need_every_field() -> None:
         assert dispatch.Coordinates.from_kv_params(odd) is None
 
 
-def test_a_drifted_engine_is_known_until_it_restarts() -> None:
+def test_a_sequential_only_engine_is_known_until_it_restarts() -> None:
     book = dispatch.CoordinateBook()
     first = book.learn("http://p", orjson.dumps(PARAMS))
-    assert first is not None and not book.has_drifted(first)
-    book.drifted(first)
-    assert book.has_drifted(first)
+    assert first is not None and not book.is_sequential_only(first)
+    book.sequential_only(first)
+    assert book.is_sequential_only(first)
     restarted = book.learn("http://p", orjson.dumps({**PARAMS, "remote_engine_id": "e2"}))
-    assert restarted is not None and not book.has_drifted(restarted)
+    assert restarted is not None and not book.is_sequential_only(restarted)
 
 
 def _event(obj: object) -> bytes:
