@@ -16,6 +16,7 @@ from ._background import (
     Resolver,
     fetch,
     host_header,
+    running_library,
     system_resolver,
 )
 from ._discovery import DiscoverySettings, DnsDiscovery, is_address, members_of, request_overrides
@@ -55,6 +56,7 @@ __all__ = [
     "members_of",
     "parse_metrics",
     "request_overrides",
+    "running_library",
     "server_url",
     "step",
     "system_resolver",

@@ -29,10 +29,13 @@ Failures: a prefill that fails for good cancels the decode (closing its connecti
 aborts it in vLLM; the decode server's ``push_registration_timeout`` is only the backstop)
 and the call goes on as the failure policy says; a decode that fails or answers an error
 is sent again sequentially once the prefill answered (that decode takes the KV and frees
-the prefill's blocks, or gets the error a sequential call would); a caller that leaves
-cancels both legs (vLLM 0.32's decode server then keeps the blocks of an aborted decode
-whose registration went out and that no WRITE reaches: its receiving side has no lease,
-vLLM issue #46283).
+the prefill's blocks, or gets the error a sequential call would). vLLM 0.32's decode
+server keeps the blocks of an aborted decode whose registration went out until a WRITE
+reaches them (its receiving side has no lease: vLLM issue #46283), so a caller that leaves
+cuts the decode at once but not the prefill: the async transport reads it to its end in a
+task of its own, and its WRITE frees the cut decode's blocks (a sync caller cannot leave
+while its own thread reads the prefill). After a prefill that fails for good no WRITE
+comes, and those blocks stay held until vLLM fixes it.
 
 In concurrent mode the decode server renders the prompt itself (no ids are forwarded: they
 are not known yet), so both servers must run the same model and chat template. vLLM does

@@ -12,6 +12,7 @@ bodies and drive the retries, and the two differ only by ``await``.
 
 from __future__ import annotations
 
+import asyncio
 from typing import ClassVar
 
 import anyio
@@ -21,7 +22,7 @@ from typing_extensions import Self
 from .._errors import PDConfigError
 from .._observe import Observers, TraceCallback
 from .._options import PDOptions
-from ..fleet import Fleet
+from ..fleet import Fleet, running_library
 from ..handoff import Call, CallContext, HandoffInstead, Leg, dispatch, release_request
 from ..pools import AllEndpointsOpen, URLArg
 from ..pools import _retry as retry
@@ -251,6 +252,8 @@ class AsyncPDTransport(_TransportBase, httpx.AsyncBaseTransport):
     ) -> None:
         self._context = _context(_resolve(prefill_base_url, decode_base_url, options), None, asynchronous=True)
         self._legs = AsyncLegClient(leg_transport)
+        self._outliving: set[asyncio.Future[httpx.Response]] = set()
+        """Concurrent calls' prefills whose callers left before they answered (``_read_to_the_end``)."""
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         self._context.fleet.start()
@@ -326,12 +329,35 @@ class AsyncPDTransport(_TransportBase, httpx.AsyncBaseTransport):
 
     async def _prefill_attempt(self, call: Call) -> httpx.Response | None:
         request = call.prefill_request()
+        concurrent = call.dispatch == dispatch.CONCURRENT
         try:
-            response = await self._read(request)
+            response = await (self._read_to_the_end(request) if concurrent else self._read(request))
         except BaseException as exc:
             call.prefill.end(None, exc)
             raise
         return call.check_prefill(response)
+
+    async def _read_to_the_end(self, request: httpx.Request) -> httpx.Response:
+        """A concurrent call's prefill, read to its end even if the caller leaves meanwhile.
+
+        The decode sent with it has registered its blocks with the prefill server, and vLLM
+        0.32 frees the blocks of an aborted push-mode decode only once a WRITE lands (vLLM
+        issue #46283): a prefill cut with its caller would leave them held for good. So the
+        caller's cancel ends the decode and returns at once, and the prefill goes on in a
+        task of its own until its server answers; its WRITE then frees the decode's blocks.
+        Under trio no task outlives its caller's nursery: the prefill is read as any leg.
+        """
+        if running_library() != "asyncio":
+            return await self._read(request)
+        task = asyncio.ensure_future(self._read(request))
+        self._outliving.add(task)
+        task.add_done_callback(self._outlived)
+        return await asyncio.shield(task)
+
+    def _outlived(self, task: asyncio.Future[httpx.Response]) -> None:
+        self._outliving.discard(task)
+        if not task.cancelled():
+            task.exception()  # its caller, if it left, no longer reads it: retrieved here
 
     async def _decode(self, call: Call) -> httpx.Response:
         try:
@@ -394,6 +420,10 @@ class AsyncPDTransport(_TransportBase, httpx.AsyncBaseTransport):
         return response
 
     async def aclose(self) -> None:
+        if self._outliving:
+            # Closing the legs' connections would abort them, and with them the WRITE that
+            # frees their decodes' blocks: they get the prefill phase's time to answer.
+            await asyncio.wait(set(self._outliving), timeout=self._context.options.retries.prefill_timeout)
         await self._context.fleet.aclose()
         await self._legs.aclose()
 

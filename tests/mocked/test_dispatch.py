@@ -197,3 +197,49 @@ async def test_streamed_answer_and_usage_merge(mode: str, fake: FakeVLLM) -> Non
     assert "".join(pieces) == "echo:What is P/D?"
     assert traces[-1].dispatch == "concurrent" and traces[-1].forwarded_tokens == 0
     await twin.close()
+
+
+async def test_a_leaving_caller_lets_the_concurrent_prefill_answer() -> None:
+    """The caller leaves while both legs are out: the decode is cut at once, and the prefill
+    is read to its end all the same (its WRITE is what frees a cut push decode's blocks in
+    vLLM 0.32); the caller's cancel does not wait for it, closing the client does."""
+    import asyncio
+
+    from pdclient import AsyncPDTransport
+    from tests.fake_vllm import DECODE, PREFILL, VLLMAnswers, is_prefill
+
+    answers = VLLMAnswers(kv_params=push_params())
+    ended: list[str] = []
+    hold = {"prefill": 0.0, "decode": 0.0}
+
+    async def legs(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        leg = "prefill" if is_prefill(body) else "decode"
+        try:
+            await asyncio.sleep(hold[leg])
+        except asyncio.CancelledError:
+            ended.append(f"{leg} cut")
+            raise
+        ended.append(f"{leg} answered")
+        if leg == "prefill":
+            return httpx.Response(200, json=answers.prefill(request.url.path, body))
+        return httpx.Response(200, json=answers.decode(request.url.path, body))
+
+    options = PDOptions(PREFILL, DECODE, dispatch="auto", remote_prefill="always")
+    transport = AsyncPDTransport(options=options, leg_transport=httpx.MockTransport(legs))
+    client = openai.AsyncOpenAI(
+        base_url=DECODE, api_key="-", max_retries=0, http_client=httpx.AsyncClient(transport=transport)
+    )
+    await client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=4)  # learns the coordinates
+    ended.clear()
+    hold.update(prefill=0.5, decode=30.0)
+    call = asyncio.ensure_future(client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=4))
+    await asyncio.sleep(0.1)
+    started = asyncio.get_running_loop().time()
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert asyncio.get_running_loop().time() - started < 0.2  # the cancel did not wait for the prefill
+    assert ended == ["decode cut"]
+    await client.close()  # waits for the prefill: closing its connection would abort it
+    assert ended == ["decode cut", "prefill answered"]

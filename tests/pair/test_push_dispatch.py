@@ -3,7 +3,8 @@
 One push-mode pair of its own, started once for this module (the tier's shared pair runs
 pull mode). The answers are compared with the sequential handoff's on the same pair, the
 KV transfer is read from the decode's ``/metrics``, and after normal, failed and
-abandoned calls both servers' KV cache usage must come back to idle.
+abandoned calls both servers' KV cache usage must come back to idle. The failed prefill
+runs last: vLLM 0.32 keeps its cut decode's blocks (``decode_kv_released``).
 """
 
 from __future__ import annotations
@@ -156,6 +157,32 @@ def test_a_drifted_prompt_is_cut_before_the_caller_reads_it(push: LocalPD) -> No
     client.close()
 
 
+def test_abandoned_call_frees_both_servers(push: LocalPD) -> None:
+    async def abandon() -> PDTrace:
+        traces: list[PDTrace] = []
+        client = AsyncPDChatClient(
+            prefill_base_url=push.prefill_urls, decode_base_url=push.decode_urls, api_key="EMPTY",
+            dispatch="auto", max_retries=0, on_trace=traces.append,
+        )  # fmt: skip
+        await client.chat.completions.create(model=push.model, messages=messages("learn2"), max_tokens=1)
+        call = asyncio.ensure_future(
+            client.chat.completions.create(model=push.model, messages=messages("d"), max_tokens=64, temperature=0)
+        )
+        await asyncio.sleep(0.3)  # both legs sent, the prefill computing
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        await client.close()
+        return traces[-1]
+
+    trace = asyncio.run(abandon())
+    assert trace.dispatch == "concurrent"
+    # The prefill was read to its end (the client's close waited for it): its WRITE freed the
+    # cut decode's blocks, and the prefill server freed its own after the WRITE.
+    assert wait_idle(push.prefill_url) == 0
+    assert wait_idle(push.decode_url) == 0
+
+
 class FailThePrefill(httpx.BaseTransport):
     """Leg transport: once armed, prefills answer 503 after a moment (the decode has registered by then)."""
 
@@ -193,28 +220,4 @@ def test_failed_prefill_aborts_the_registered_decode(push: LocalPD) -> None:
     assert traces[-1].dispatch == "concurrent" and traces[-1].failed_leg == "prefill"
     assert wait_idle(push.prefill_url, 15) == 0  # no prefill ran
     client.close()
-    decode_kv_released(push)
-
-
-def test_abandoned_call_frees_both_servers(push: LocalPD) -> None:
-    async def abandon() -> PDTrace:
-        traces: list[PDTrace] = []
-        client = AsyncPDChatClient(
-            prefill_base_url=push.prefill_urls, decode_base_url=push.decode_urls, api_key="EMPTY",
-            dispatch="auto", max_retries=0, on_trace=traces.append,
-        )  # fmt: skip
-        await client.chat.completions.create(model=push.model, messages=messages("learn2"), max_tokens=1)
-        call = asyncio.ensure_future(
-            client.chat.completions.create(model=push.model, messages=messages("d"), max_tokens=64, temperature=0)
-        )
-        await asyncio.sleep(0.3)  # both legs sent, the prefill computing
-        call.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await call
-        await client.close()
-        return traces[-1]
-
-    trace = asyncio.run(abandon())
-    assert trace.dispatch == "concurrent"
-    assert wait_idle(push.prefill_url) == 0  # the cancelled prefill freed its blocks
     decode_kv_released(push)
