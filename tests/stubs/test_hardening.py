@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -95,6 +96,9 @@ def test_11_ctrl_c_between_the_legs_sends_the_release_before_exiting(mode: str) 
             text=True,
             timeout=180,  # a hang guard only: a starved machine takes seconds to import openai
             env={**os.environ, "PYTHONPATH": REPO},
+            # A test run started in the background by a shell without job control inherits
+            # SIGINT ignored, and so would the script: Python then raises no KeyboardInterrupt.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         assert run.returncode != 0 and "KeyboardInterrupt" in run.stderr, run.stderr[-2000:]
         releases = decode.legs("decode")
