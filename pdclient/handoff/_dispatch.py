@@ -297,12 +297,13 @@ def learn(call: Call) -> Coordinates | None:
 def moved_on(call: Call, sent: ConcurrentDecode) -> str | None:
     """Why the decode sent with the prefill will never receive its KV, or None: it will.
 
-    Called once the prefill phase is over (the coordinates learnt): the prefill failed,
-    or it ran on a server other than the one the decode registered with.
+    Called once the prefill phase is over (its answer's coordinates learnt by
+    ``Call.check_prefill``): the prefill failed, or it ran on a server other than the one
+    the decode registered with.
     """
     if call.prefill_result is None:
         return "the prefill failed"
-    answered = learn(call)
+    answered = book_of(call.context.fleet).get(call.prefill.url)
     if answered is None or not answered.same_server(sent.coordinates):
         call.dispatch_fallback = PREFILL_MOVED
     if answered is None:
