@@ -72,3 +72,24 @@ def same_greedy_answer(answer: Sequence[Top], reference: Sequence[Top]) -> str:
         assert END_OF_TURN in dict(went_on), f"one answer ended at token {at}, the other went on: {went_on}"
         return f"one answer ended at token {at}, at a near-tie: {went_on[:2]}"
     return "equal"
+
+
+async def agent_outcome(agents: Any, agent: Any, question: str, max_turns: int = 3) -> tuple[list[str], str]:
+    """What an Agents SDK run did, whatever the model says: its streamed deltas and how it ended.
+
+    The same tiny model gives different greedy answers on different CPUs, and on some of them
+    it calls a tool with arguments that are not JSON, loops on the tool, or runs past the token
+    budget, which the SDK reports as an error (``response.incomplete`` on the Responses
+    model). Each is an outcome the direct run reaches too, so a P/D run is compared with it
+    token for token and ending for ending rather than asserted to succeed.
+    """
+    deltas: list[str] = []
+    run = agents.Runner.run_streamed(agent, question, max_turns=max_turns)
+    try:
+        async for event in run.stream_events():
+            data = getattr(event, "data", None)
+            if event.type == "raw_response_event" and str(getattr(data, "type", "")).endswith(".delta"):
+                deltas.append(str(getattr(data, "delta", "")))
+    except agents.exceptions.AgentsException as error:
+        return deltas, f"{type(error).__name__}: {error}"
+    return deltas, f"final output: {run.final_output!r}"

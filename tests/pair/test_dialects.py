@@ -21,6 +21,7 @@ from pdclient.local import PDServers
 from tests.serve.process import ServeProcess, metric_samples
 
 from ._pair import Pair
+from .helpers import agent_outcome
 
 anthropic = pytest.importorskip("anthropic")
 
@@ -48,7 +49,6 @@ def pair(pd: PDServers) -> Pair:
 def test_responses_create_and_stream_are_handoffs(pair: Pair, plain: openai.OpenAI) -> None:
     request = {"model": pair.model, "input": QUESTION, "temperature": 0, "max_output_tokens": MAX_TOKENS}
     reference = plain.responses.create(**request).output_text  # type: ignore[call-overload]
-    assert reference
     traces: list[PDTrace] = []
     with pair.client(on_trace=traces.append) as client:
         answer = client.responses.create(**request)  # type: ignore[call-overload]
@@ -88,9 +88,7 @@ def test_a_previous_response_id_follow_up_runs_where_the_response_is(pair: Pair,
 def _messages_reference(pd: PDServers) -> str:
     plain = anthropic.Anthropic(base_url=pd.decode_url.removesuffix("/v1"), api_key="-", max_retries=0)
     message = plain.messages.create(**_message_request(pd.model))
-    text = "".join(block.text for block in message.content if block.type == "text")
-    assert text
-    return text
+    return "".join(block.text for block in message.content if block.type == "text")
 
 
 def _message_request(model: str) -> dict[str, object]:
@@ -154,7 +152,6 @@ async def test_agents_sdk_default_model_with_a_function_tool(pair: Pair) -> None
         """Get the current weather for a city."""
         return f"sunny in {city}"
 
-    # Room for a whole answer: the SDK refuses a response cut at max_output_tokens (``incomplete``).
     settings = agents.ModelSettings(temperature=0, max_tokens=64)
 
     def agent(client: openai.AsyncOpenAI) -> object:
@@ -165,13 +162,12 @@ async def test_agents_sdk_default_model_with_a_function_tool(pair: Pair) -> None
 
     plain = openai.AsyncOpenAI(base_url=pair.decode_url, api_key="EMPTY", max_retries=0)
     question = "What is the capital of France?"
-    expected = (await agents.Runner.run(agent(plain), question)).final_output
+    expected = await agent_outcome(agents, agent(plain), question)
     traces: list[PDTrace] = []
     client = pair.async_client(on_trace=traces.append, max_retries=0)
-    result = await agents.Runner.run(agent(client), question)
-    assert result.final_output == expected
-    handed_off(traces, len(traces), "responses")
+    assert await agent_outcome(agents, agent(client), question) == expected
     assert traces
+    handed_off(traces, len(traces), "responses")
 
 
 def test_langchain_chat_openai_on_the_responses_api(pair: Pair, plain: openai.OpenAI) -> None:
@@ -193,7 +189,6 @@ def test_langchain_chat_openai_on_the_responses_api(pair: Pair, plain: openai.Op
         return str(found() if callable(found) else found)
 
     expected = text(reference.invoke(QUESTION))
-    assert expected
     assert text(pd.invoke(QUESTION)) == expected
     assert "".join(text(chunk) for chunk in pd.stream(QUESTION)) == expected
     handed_off(traces, 2, "responses")

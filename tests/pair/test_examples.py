@@ -30,7 +30,7 @@ SCRIPTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "raw_response_trace.py": ((), ("x-pd-forwarded-tokens", "answer:")),
     "openai_client_transport.py": ((), ("sync: ", "async:", "models via decode:")),
     "langchain_chat.py": (("langchain_openai",), ("invoke:", "stream:", "astream:")),
-    "openai_agents.py": (("agents",), ("agent:", "1 model call(s)")),
+    "openai_agents.py": (("agents",), ("agent:", "model call(s), each a P/D handoff")),
     "litellm_chat.py": (("litellm",), ("completion:", "async stream:")),
     "otel_spans.py": (("opentelemetry.sdk",), ("pdclient.prefill", "pdclient.decode", "pdclient.forwarded_tokens")),
 }

@@ -45,8 +45,13 @@ def test_decode_follows_forwarded_ids_not_messages(pd: PDServers, plain: openai.
     question_a = "What is the capital of Italy?"
     question_b = "List two kinds of fruit."
     answer_a = chat_text(plain, pd.model, question_a)
-    answer_b = chat_text(plain, pd.model, question_b)
-    assert answer_a != answer_b
     ids_a = _prefill_ids(pd, question_a)
-    probe = chat_text(plain, pd.model, question_b, extra_body={"kv_transfer_params": {"prompt_token_ids": ids_a}})
-    assert probe == answer_a
+    assert ids_a != _prefill_ids(pd, question_b)
+    forwarded = {"kv_transfer_params": {"prompt_token_ids": ids_a}, "return_token_ids": True}
+    raw = plain.chat.completions.with_raw_response.create(
+        model=pd.model, messages=user(question_b), **GREEDY, extra_body=forwarded
+    )
+    # The engine ran A's ids (the answer echoes them) and so gave A's answer, whatever it says
+    # on this CPU; the two answers' texts may even agree, the prompts' ids cannot.
+    assert raw.http_response.json()["prompt_token_ids"] == ids_a
+    assert raw.parse().choices[0].message.content == answer_a

@@ -98,7 +98,9 @@ def first_turn(http: httpx.Client, pd: PDServers, block: int) -> Turn:
     prompt_ids = handoff["prompt_token_ids"]
     assert len(prompt_ids) % block == block - 8, "the filler was not one token each: the test's assumption broke"
     kv = {**handoff["kv_transfer_params"], "prompt_token_ids": prompt_ids}
-    body = {"model": pd.model, "messages": messages(padding), "max_tokens": 64, "temperature": 0, "stream": True}
+    # min_tokens: an answer long enough to fill a block whatever this CPU's greedy answer says.
+    body = {"model": pd.model, "messages": messages(padding), "max_tokens": 64, "min_tokens": 16, "temperature": 0}
+    body["stream"] = True
     answer, answer_ids, _, _ = stream(http, pd.decode_url, {**body, "return_token_ids": True, "kv_transfer_params": kv})
     assert len(answer_ids) >= 9, f"the answer is too short to fill a block: {answer!r}"
     return Turn(messages(padding), prompt_ids, answer, answer_ids)
