@@ -139,26 +139,24 @@ class PDTransport(_TransportBase, httpx.BaseTransport):
     def _concurrent(self, call: Call, sent: dispatch.ConcurrentDecode) -> httpx.Response:
         """Both legs at once (``handoff._dispatch``): the decode in a thread, the prefill here."""
         decode = DecodeInFlight(self._legs.fresh_connections(), sent.request, call)
+        answered = False
         try:
             ended = self._prefill(call)
             why = dispatch.moved_on(call, sent) if ended is None else "the prefill failed"
-        except BaseException:
-            decode.cancel()
-            raise
-        answered = False
-        if why is None:
-            response = decode.result()
-            why = decode.failure(response)
-            if why is None and response is not None:
-                answered = True
-                try:
+            if why is None:
+                response = decode.result()
+                why = decode.failure(response)
+                if why is None and response is not None:
+                    answered = True
                     why = decode.check_prompt(response, sent)
                     if why is None:
                         leg_io = LegIO(self._read, self._open_decode, self._send_release)
                         return call.decode_response(response, decode_stream(response, call, leg_io))
-                except BaseException:
-                    response.close()
-                    raise
+        except BaseException:
+            # Whatever ends the call here (a Ctrl-C while the decode's headers are awaited
+            # too) cuts the decode: left running, it would generate its answer for nobody.
+            decode.cancel()
+            raise
         decode.cancel()
         if ended is not None:
             return ended
@@ -292,6 +290,7 @@ class AsyncPDTransport(_TransportBase, httpx.AsyncBaseTransport):
     async def _concurrent(self, call: Call, sent: dispatch.ConcurrentDecode) -> httpx.Response:
         """Async twin of ``PDTransport._concurrent``: the decode in a task, the prefill here."""
         decode = AsyncDecodeInFlight(self._legs, sent.request, call)
+        answered = False
         try:
             async with anyio.create_task_group() as legs:
                 legs.start_soon(decode.run)
@@ -303,23 +302,19 @@ class AsyncPDTransport(_TransportBase, httpx.AsyncBaseTransport):
                     raise
                 if why is not None:
                     decode.cancel()
-        except BaseException:
-            await decode.discard()
-            raise
-        answered = False
-        if why is None:
-            response = decode.result()
-            why = decode.failure(response)
-            if why is None and response is not None:
-                answered = True
-                try:
+            if why is None:
+                response = decode.result()
+                why = decode.failure(response)
+                if why is None and response is not None:
+                    answered = True
                     why = await decode.check_prompt(response, sent)
                     if why is None:
                         leg_io = AsyncLegIO(self._read, self._open_decode, self._send_release)
                         return call.decode_response(response, async_decode_stream(response, call, leg_io))
-                except BaseException:
-                    await response.aclose()
-                    raise
+        except BaseException:
+            decode.cancel()
+            await decode.discard()
+            raise
         decode.cancel()
         await decode.discard()
         if ended is not None:
