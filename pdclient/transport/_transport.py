@@ -51,7 +51,7 @@ def _context(options: PDOptions, fleet: Fleet | None, *, asynchronous: bool) -> 
 
 
 class _TransportBase:
-    """What the two transports share besides sending: their options, their fleet, derived copies."""
+    """What the two transports share besides sending: their options, their fleet, a copy's context."""
 
     _context: CallContext
     _legs: LegClient | AsyncLegClient
@@ -67,12 +67,9 @@ class _TransportBase:
         """The endpoint pools this transport routes over: health and load per endpoint."""
         return self._context.fleet
 
-    def with_options(self, options: PDOptions) -> Self:
-        """A transport with other options, sharing this one's connections (and its fleet, if it still fits)."""
-        derived = object.__new__(type(self))
-        derived._context = _context(options, self._context.fleet, asynchronous=self._asynchronous)
-        derived._legs = self._legs
-        return derived
+    def _derived_context(self, options: PDOptions) -> CallContext:
+        """A ``with_options`` copy's context: ``options``, on this fleet if it still fits them."""
+        return _context(options, self._context.fleet, asynchronous=self._asynchronous)
 
 
 class PDTransport(_TransportBase, httpx.BaseTransport):
@@ -99,8 +96,22 @@ class PDTransport(_TransportBase, httpx.BaseTransport):
         options: PDOptions | None = None,
         leg_transport: httpx.BaseTransport | None = None,
     ) -> None:
-        self._context = _context(_resolve(prefill_base_url, decode_base_url, options), None, asynchronous=False)
-        self._legs = LegClient(leg_transport)
+        self._setup(
+            _context(_resolve(prefill_base_url, decode_base_url, options), None, asynchronous=False),
+            LegClient(leg_transport),
+        )
+
+    def _setup(self, context: CallContext, legs: LegClient) -> None:
+        """Every attribute a transport has, set here for the constructor and ``with_options``
+        alike: a copy that skipped one would fail only when a call reached for it."""
+        self._context = context
+        self._legs = legs
+
+    def with_options(self, options: PDOptions) -> Self:
+        """A transport with other options, sharing this one's connections (and its fleet, if it still fits)."""
+        derived = object.__new__(type(self))
+        derived._setup(self._derived_context(options), self._legs)
+        return derived
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         self._context.fleet.start()
@@ -248,10 +259,28 @@ class AsyncPDTransport(_TransportBase, httpx.AsyncBaseTransport):
         options: PDOptions | None = None,
         leg_transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        self._context = _context(_resolve(prefill_base_url, decode_base_url, options), None, asynchronous=True)
-        self._legs = AsyncLegClient(leg_transport)
-        self._outliving: set[asyncio.Future[httpx.Response]] = set()
-        """Concurrent calls' prefills whose callers left before they answered (``_read_to_the_end``)."""
+        self._setup(
+            _context(_resolve(prefill_base_url, decode_base_url, options), None, asynchronous=True),
+            AsyncLegClient(leg_transport),
+            set(),
+        )
+
+    def _setup(
+        self, context: CallContext, legs: AsyncLegClient, outliving: set[asyncio.Future[httpx.Response]]
+    ) -> None:
+        """Async twin of ``PDTransport._setup``."""
+        self._context = context
+        self._legs = legs
+        self._outliving = outliving
+        """Concurrent calls' prefills whose callers left before they answered (``_read_to_the_end``),
+        on ``_legs``' connections: shared with the copies, as the connections are, so whichever
+        closes them first waits for every such prefill."""
+
+    def with_options(self, options: PDOptions) -> Self:
+        """A transport with other options, sharing this one's connections (and its fleet, if it still fits)."""
+        derived = object.__new__(type(self))
+        derived._setup(self._derived_context(options), self._legs, self._outliving)
+        return derived
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         self._context.fleet.start()

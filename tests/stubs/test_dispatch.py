@@ -165,6 +165,29 @@ async def test_caller_leaving_ends_both_legs() -> None:
         await twin.close()
 
 
+async def test_a_copy_s_caller_leaving_ends_both_legs_as_the_original_s() -> None:
+    """A ``with_options`` copy with other P/D options runs concurrent calls as its original
+    does: a caller that leaves cuts the decode and returns at once, the prefill is read to
+    its end meanwhile, and closing either client (they share the connections) waits for it."""
+    with StubServer(prompt_tokens=64) as prefill, StubServer(prompt_tokens=64) as decode:
+        prefill._kv_params = _push_params  # type: ignore[method-assign]
+        traces: list[PDTrace] = []
+        twin = _twin("async", (prefill, decode), traces)
+        copy = twin.client.with_options(dispatch="concurrent")
+        await twin.chat(copy, messages=MESSAGES, max_tokens=4)
+        prefill.inject(Fault(delay=2.0), leg="prefill")
+        decode.inject(Fault(hold=HELD), leg="decode")
+        started = time.monotonic()
+        with anyio.move_on_after(0.5):
+            await twin.chat(copy, messages=MESSAGES, max_tokens=4)
+        assert time.monotonic() - started < 1.5
+        assert traces[-1].dispatch == "concurrent" and traces[-1].outcome.value == "failed"
+        await twin.close()  # the original: it closes the connections the copy's prefill is on
+        assert time.monotonic() - started > 1.5, "the close waited for the prefill's answer"
+        assert [(s.events_sent, s.how) for s in decode.streams] == [(0, "client closed")]
+        await twin.call(copy.close)
+
+
 _CTRL_C = """
 import asyncio, os, signal, sys, threading
 from pdclient import {client}, PDObserver
