@@ -124,6 +124,10 @@ class Fault:
 
     delay: float = 0.0
     """Seconds to wait before answering (a slow server, or a client timeout)."""
+    hold: float = 0.0
+    """Seconds to wait before answering, watching the connection: a client that closes it
+    ends the request there, recorded in ``streams`` as ``client closed`` after 0 events (a
+    decode waiting for its KV, which vLLM aborts when its client goes away)."""
     status: int | None = None
     """Answer with this HTTP status and an OpenAI-style error body instead."""
     drop: bool = False
@@ -154,8 +158,8 @@ class StreamEnd:
     events_sent: int
     """SSE events written, ``[DONE]`` included."""
     how: str
-    """``completed``, ``client closed`` (the client went away mid-stream), ``dropped``
-    (a ``drop_after_events`` fault) or ``gate timeout``."""
+    """``completed``, ``client closed`` (the client went away mid-stream, or during a
+    ``hold``), ``dropped`` (a ``drop_after_events`` fault) or ``gate timeout``."""
     at: float
     """``time.monotonic()`` when it ended."""
 
@@ -675,10 +679,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _wait_before_event(self, fault: Fault) -> str | None:
         """Wait as the fault says; why the stream must stop (the client left), or None."""
-        deadline = time.monotonic() + fault.event_delay
-        while (left := deadline - time.monotonic()) > 0:
-            if self._client_gone(min(left, 0.05)):
-                return "client closed"
+        if self._client_left_within(fault.event_delay):
+            return "client closed"
         if fault.event_gate is not None:
             give_up = time.monotonic() + GATE_TIMEOUT
             while not fault.event_gate.acquire(timeout=0.02):
@@ -687,6 +689,13 @@ class _Handler(BaseHTTPRequestHandler):
                 if time.monotonic() > give_up:
                     return "gate timeout"
         return None
+
+    def _client_left_within(self, seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if self._client_gone(min(left, 0.05)):
+                return True
+        return False
 
     def _client_gone(self, timeout: float) -> bool:
         """Whether the client closed its end (waiting up to ``timeout`` for a sign of it)."""
@@ -793,6 +802,10 @@ class _Handler(BaseHTTPRequestHandler):
             return False
         if fault.delay:
             time.sleep(fault.delay)
+        if self._client_left_within(fault.hold):
+            self.close_connection = True
+            self.stub._stream_ended(self.headers.get("x-request-id"), 0, "client closed")
+            return True
         if fault.drop:
             self._drop(fault.reset)
             return True

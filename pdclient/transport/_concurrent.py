@@ -1,7 +1,8 @@
 """A decode leg in flight while its prefill runs (``handoff._dispatch``), and how it is cut.
 
 The sync twin sends it from a thread: its caller's thread runs the prefill and, when the
-prefill fails or ran elsewhere, cuts the decode's connection (a shutdown of its socket
+prefill fails or ran elsewhere, or the call ends with an exception (a Ctrl-C while the
+decode's headers are awaited too), cuts the decode's connection (a shutdown of its socket
 ends a read blocked in the other thread; the decode server sees the client go away and
 aborts the request, freeing its blocks). The async twin sends it from a task and cancels
 it. Either way a decode already answered (headers in) is closed instead. The decode

@@ -51,7 +51,7 @@ def _context(options: PDOptions, fleet: Fleet | None, *, asynchronous: bool) -> 
 
 
 class _TransportBase:
-    """What the two transports share besides sending: their options, their fleet, derived copies."""
+    """What the two transports share besides sending: their options, their fleet, a copy's context."""
 
     _context: CallContext
     _legs: LegClient | AsyncLegClient
@@ -67,12 +67,9 @@ class _TransportBase:
         """The endpoint pools this transport routes over: health and load per endpoint."""
         return self._context.fleet
 
-    def with_options(self, options: PDOptions) -> Self:
-        """A transport with other options, sharing this one's connections (and its fleet, if it still fits)."""
-        derived = object.__new__(type(self))
-        derived._context = _context(options, self._context.fleet, asynchronous=self._asynchronous)
-        derived._legs = self._legs
-        return derived
+    def _derived_context(self, options: PDOptions) -> CallContext:
+        """A ``with_options`` copy's context: ``options``, on this fleet if it still fits them."""
+        return _context(options, self._context.fleet, asynchronous=self._asynchronous)
 
 
 class PDTransport(_TransportBase, httpx.BaseTransport):
@@ -99,8 +96,22 @@ class PDTransport(_TransportBase, httpx.BaseTransport):
         options: PDOptions | None = None,
         leg_transport: httpx.BaseTransport | None = None,
     ) -> None:
-        self._context = _context(_resolve(prefill_base_url, decode_base_url, options), None, asynchronous=False)
-        self._legs = LegClient(leg_transport)
+        self._setup(
+            _context(_resolve(prefill_base_url, decode_base_url, options), None, asynchronous=False),
+            LegClient(leg_transport),
+        )
+
+    def _setup(self, context: CallContext, legs: LegClient) -> None:
+        """Every attribute a transport has, set here for the constructor and ``with_options``
+        alike: a copy that skipped one would fail only when a call reached for it."""
+        self._context = context
+        self._legs = legs
+
+    def with_options(self, options: PDOptions) -> Self:
+        """A transport with other options, sharing this one's connections (and its fleet, if it still fits)."""
+        derived = object.__new__(type(self))
+        derived._setup(self._derived_context(options), self._legs)
+        return derived
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         self._context.fleet.start()
@@ -139,26 +150,24 @@ class PDTransport(_TransportBase, httpx.BaseTransport):
     def _concurrent(self, call: Call, sent: dispatch.ConcurrentDecode) -> httpx.Response:
         """Both legs at once (``handoff._dispatch``): the decode in a thread, the prefill here."""
         decode = DecodeInFlight(self._legs.fresh_connections(), sent.request, call)
+        answered = False
         try:
             ended = self._prefill(call)
             why = dispatch.moved_on(call, sent) if ended is None else "the prefill failed"
-        except BaseException:
-            decode.cancel()
-            raise
-        answered = False
-        if why is None:
-            response = decode.result()
-            why = decode.failure(response)
-            if why is None and response is not None:
-                answered = True
-                try:
+            if why is None:
+                response = decode.result()
+                why = decode.failure(response)
+                if why is None and response is not None:
+                    answered = True
                     why = decode.check_prompt(response, sent)
                     if why is None:
                         leg_io = LegIO(self._read, self._open_decode, self._send_release)
                         return call.decode_response(response, decode_stream(response, call, leg_io))
-                except BaseException:
-                    response.close()
-                    raise
+        except BaseException:
+            # Whatever ends the call here (a Ctrl-C while the decode's headers are awaited
+            # too) cuts the decode: left running, it would generate its answer for nobody.
+            decode.cancel()
+            raise
         decode.cancel()
         if ended is not None:
             return ended
@@ -250,10 +259,28 @@ class AsyncPDTransport(_TransportBase, httpx.AsyncBaseTransport):
         options: PDOptions | None = None,
         leg_transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        self._context = _context(_resolve(prefill_base_url, decode_base_url, options), None, asynchronous=True)
-        self._legs = AsyncLegClient(leg_transport)
-        self._outliving: set[asyncio.Future[httpx.Response]] = set()
-        """Concurrent calls' prefills whose callers left before they answered (``_read_to_the_end``)."""
+        self._setup(
+            _context(_resolve(prefill_base_url, decode_base_url, options), None, asynchronous=True),
+            AsyncLegClient(leg_transport),
+            set(),
+        )
+
+    def _setup(
+        self, context: CallContext, legs: AsyncLegClient, outliving: set[asyncio.Future[httpx.Response]]
+    ) -> None:
+        """Async twin of ``PDTransport._setup``."""
+        self._context = context
+        self._legs = legs
+        self._outliving = outliving
+        """Concurrent calls' prefills whose callers left before they answered (``_read_to_the_end``),
+        on ``_legs``' connections: shared with the copies, as the connections are, so whichever
+        closes them first waits for every such prefill."""
+
+    def with_options(self, options: PDOptions) -> Self:
+        """A transport with other options, sharing this one's connections (and its fleet, if it still fits)."""
+        derived = object.__new__(type(self))
+        derived._setup(self._derived_context(options), self._legs, self._outliving)
+        return derived
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         self._context.fleet.start()
@@ -292,6 +319,7 @@ class AsyncPDTransport(_TransportBase, httpx.AsyncBaseTransport):
     async def _concurrent(self, call: Call, sent: dispatch.ConcurrentDecode) -> httpx.Response:
         """Async twin of ``PDTransport._concurrent``: the decode in a task, the prefill here."""
         decode = AsyncDecodeInFlight(self._legs, sent.request, call)
+        answered = False
         try:
             async with anyio.create_task_group() as legs:
                 legs.start_soon(decode.run)
@@ -303,23 +331,19 @@ class AsyncPDTransport(_TransportBase, httpx.AsyncBaseTransport):
                     raise
                 if why is not None:
                     decode.cancel()
-        except BaseException:
-            await decode.discard()
-            raise
-        answered = False
-        if why is None:
-            response = decode.result()
-            why = decode.failure(response)
-            if why is None and response is not None:
-                answered = True
-                try:
+            if why is None:
+                response = decode.result()
+                why = decode.failure(response)
+                if why is None and response is not None:
+                    answered = True
                     why = await decode.check_prompt(response, sent)
                     if why is None:
                         leg_io = AsyncLegIO(self._read, self._open_decode, self._send_release)
                         return call.decode_response(response, async_decode_stream(response, call, leg_io))
-                except BaseException:
-                    await response.aclose()
-                    raise
+        except BaseException:
+            decode.cancel()
+            await decode.discard()
+            raise
         decode.cancel()
         await decode.discard()
         if ended is not None:

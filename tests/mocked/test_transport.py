@@ -181,6 +181,19 @@ async def test_with_options_can_move_the_decode_leg(mode: str, pd_routes: respx.
     assert pd_routes["prefill"].call_count == 1 and pd_routes["decode"].call_count == 0
 
 
+async def test_a_copy_with_other_pd_options_closes_cleanly(mode: str, pd_routes: respx.MockRouter) -> None:
+    """A copy with other P/D options gets a transport of its own (on the same connections),
+    built as the constructor builds one: it sends and closes as the original does."""
+    twin = Twin(mode)
+    copy = twin.client.with_options(dispatch="concurrent")
+    assert copy._pd_transport is not twin.client._pd_transport
+    assert copy.pd_options.dispatch == "concurrent" and copy.pd_fleet is twin.client.pd_fleet
+    await twin.chat(copy, messages=MESSAGES)
+    await twin.call(copy.close)
+    assert copy.is_closed()
+    await twin.close()
+
+
 async def test_context_manager_and_close(mode: str, pd_routes: respx.MockRouter) -> None:
     if mode == "sync":
         with PDChatClient(prefill_base_url=PREFILL, decode_base_url=DECODE, api_key="k") as client:

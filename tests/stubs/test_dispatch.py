@@ -3,6 +3,11 @@ is cut when its prefill fails, and both legs end when the caller leaves; sync an
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import textwrap
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -23,6 +28,7 @@ MESSAGES: Any = [{"role": "user", "content": "Say hello."}]
 FAST = RetrySettings(backoff_initial=0.001, backoff_max=0.01)
 HELD = 20.0
 """How long the decode stub holds its answer: a decode waiting for a KV WRITE that never comes."""
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _push_params(request_id: str, n_ids: int) -> dict[str, Any]:
@@ -157,6 +163,105 @@ async def test_caller_leaving_ends_both_legs() -> None:
         assert time.monotonic() - started < 1.5
         assert traces[-1].dispatch == "concurrent" and traces[-1].outcome.value == "failed"
         await twin.close()
+
+
+async def test_a_copy_s_caller_leaving_ends_both_legs_as_the_original_s() -> None:
+    """A ``with_options`` copy with other P/D options runs concurrent calls as its original
+    does: a caller that leaves cuts the decode and returns at once, the prefill is read to
+    its end meanwhile, and closing either client (they share the connections) waits for it."""
+    with StubServer(prompt_tokens=64) as prefill, StubServer(prompt_tokens=64) as decode:
+        prefill._kv_params = _push_params  # type: ignore[method-assign]
+        traces: list[PDTrace] = []
+        twin = _twin("async", (prefill, decode), traces)
+        copy = twin.client.with_options(dispatch="concurrent")
+        await twin.chat(copy, messages=MESSAGES, max_tokens=4)
+        prefill.inject(Fault(delay=2.0), leg="prefill")
+        decode.inject(Fault(hold=HELD), leg="decode")
+        started = time.monotonic()
+        with anyio.move_on_after(0.5):
+            await twin.chat(copy, messages=MESSAGES, max_tokens=4)
+        assert time.monotonic() - started < 1.5
+        assert traces[-1].dispatch == "concurrent" and traces[-1].outcome.value == "failed"
+        await twin.close()  # the original: it closes the connections the copy's prefill is on
+        assert time.monotonic() - started > 1.5, "the close waited for the prefill's answer"
+        assert [(s.events_sent, s.how) for s in decode.streams] == [(0, "client closed")]
+        await twin.call(copy.close)
+
+
+_CTRL_C = """
+import asyncio, os, signal, sys, threading
+from pdclient import {client}, PDObserver
+
+prefill, decode = sys.argv[1], sys.argv[2]
+
+
+class CtrlCAfterThePrefill(PDObserver):
+    # Ctrl-C once the second (concurrent) call's prefill answered: its decode waits for headers.
+    prefills = 0
+
+    def on_leg_end(self, call, leg, status, error):
+        if leg.name == "prefill":
+            self.prefills += 1
+            if self.prefills == 2:
+                threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+
+
+client = {client}(
+    prefill_base_url=prefill, decode_base_url=decode, dispatch="auto", observers=[CtrlCAfterThePrefill()],
+    api_key="k", max_retries=0,
+)
+
+
+{defn} calls():
+    for _ in range(2):
+        {await_}client.chat.completions.create(model="m", messages=[{{"role": "user", "content": "hi"}}])
+
+
+try:
+    {run}
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+sys.stdin.read()  # alive until the test has looked: the decode's connection is not closed by the exit
+"""
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_ctrl_c_while_the_decode_waits_cuts_it(mode: str, pair: tuple[StubServer, StubServer]) -> None:
+    """A KeyboardInterrupt after the prefill answered and before the concurrent decode's
+    headers came cuts the decode's connection (the decode server then aborts it), as it does
+    in sequential mode, instead of leaving it to generate its answer for nobody."""
+    prefill, decode = pair
+    sync = mode == "sync"
+    script = _CTRL_C.format(
+        client="PDChatClient" if sync else "AsyncPDChatClient",
+        defn="def" if sync else "async def",
+        await_="" if sync else "await ",
+        run="calls()" if sync else "asyncio.run(calls())",
+    )
+    decode.inject(Fault(), leg="decode")  # the first call's (sequential) decode answers at once
+    decode.inject(Fault(hold=HELD), leg="decode")
+    child = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(script), prefill.url, decode.url],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": REPO},
+        # A test run in the background by a shell without job control inherits SIGINT
+        # ignored, and so would the script: Python then raises no KeyboardInterrupt.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        assert child.stdout is not None
+        line = child.stdout.readline()  # a hang guard: the held decode's 20 s, then the call ends
+        assert line == "interrupted\n", child.stderr.read() if child.stderr else ""
+        deadline = time.monotonic() + 5.0
+        while not decode.streams and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert [(s.events_sent, s.how) for s in decode.streams] == [(0, "client closed")], "the decode is cut"
+        assert [leg.forwarded_ids for leg in decode.legs("decode")] == [64, None]  # sequential, then concurrent
+    finally:
+        child.communicate(timeout=60)
 
 
 async def test_a_decode_without_prompt_ids_is_not_trusted(
