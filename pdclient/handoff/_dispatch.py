@@ -33,9 +33,10 @@ the prefill's blocks, or gets the error a sequential call would). vLLM 0.32's de
 server keeps the blocks of an aborted decode whose registration went out until a WRITE
 reaches them (its receiving side has no lease: vLLM issue #46283), so a caller that leaves
 cuts the decode at once but not the prefill: the async transport reads it to its end in a
-task of its own, and its WRITE frees the cut decode's blocks (a sync caller cannot leave
-while its own thread reads the prefill). After a prefill that fails for good no WRITE
-comes, and those blocks stay held until vLLM fixes it.
+task of its own, and its WRITE frees the cut decode's blocks. A sync caller leaves only
+by an exception in its own thread (Ctrl-C), which cuts the prefill's read with the decode:
+the blocks then wait as after a failed prefill. After a prefill that fails for good no
+WRITE comes, and those blocks stay held until vLLM fixes it.
 
 In concurrent mode the decode server renders the prompt itself (no ids are forwarded: they
 are not known yet), so both servers must run the same model and chat template. vLLM does
