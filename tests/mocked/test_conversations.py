@@ -381,8 +381,8 @@ async def test_a_decode_only_call_whose_endpoint_stops_admitting_is_handed_off(m
     holder = next(e for e in t.client.pd_fleet.decode.endpoints if e.url == DECODE)
     real_estimate = t.client.pd_fleet.memory.estimate
 
-    def estimate_then_trip(*args: Any) -> Any:
-        estimate = real_estimate(*args)
+    def estimate_then_trip(*args: Any, **kwargs: Any) -> Any:
+        estimate = real_estimate(*args, **kwargs)
         holder.trip()
         return estimate
 
