@@ -119,6 +119,13 @@ class ConversationSettings:
     """The learned ratio is over this many most recent samples."""
     overhead_tokens_per_message: int = 8
     """Template tokens per message (role markers, separators) added to every estimate."""
+    unseen_history_tokens: int = 2048
+    """Of a call's history that this memory did not see answered (turns another replica or
+    worker answered, or turns made up), at most this many tokens count as cached on the
+    call's word alone: the most such a call can put on a decode server's prefill if the
+    history is not there (made up, or evicted). Enough for a conversation's first follow-up
+    through another replica after a ~1,000-token first turn; 0 trusts none of it (a process
+    then hands off the first follow-up it sees of a conversation another one answered)."""
     warm_prefill: bool = True
     """A decode-only call by ``auto`` also sends its prompt to the prefill server, off the
     caller's path, so a later P/D turn prefills only what is new (``fleet._warm``)."""
@@ -126,7 +133,7 @@ class ConversationSettings:
     def __post_init__(self) -> None:
         if not isinstance(self.warm_prefill, bool):
             raise PDConfigError(f"conversations.warm_prefill must be a bool, got {self.warm_prefill!r}")
-        for name in ("threshold_tokens", "ratio_warmup", "overhead_tokens_per_message"):
+        for name in ("threshold_tokens", "ratio_warmup", "overhead_tokens_per_message", "unseen_history_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise PDConfigError(f"conversations.{name} must be an int >= 0, got {value!r}")
@@ -161,6 +168,10 @@ class Match(str, enum.Enum):
     """Read from the call alone: its last assistant message ends what the conversation's
     decode endpoint computed (a turn this process did not see: another replica's or
     worker's, or one older than what it remembers)."""
+    UNSEEN_HISTORY = "unseen_history"
+    """As ``EXTENDS_HISTORY``, but more of the history than this memory saw answered would
+    count as cached than ``ConversationSettings.unseen_history_tokens``: only that much does
+    (a history made up by the caller, say a long document and an answer no server wrote)."""
 
 
 @dataclass(frozen=True)
@@ -737,6 +748,9 @@ class ConversationMemory:
         call's first messages and their prompt's length in ids as a server counted it (a
         turn this memory saw), so that only the rest is estimated from its text.
 
+        Of what this memory did not see answered, at most ``unseen_history_tokens`` count
+        as cached (``Match.UNSEEN_HISTORY`` beyond): the call's history may be made up.
+
         What the call does not tell bounds the error. The prompt's length comes from its
         text, so where its last whole block ends is a guess: short by up to one block (as
         often long). After a P/D turn vLLM 0.32's decode server may not hit the block that
@@ -761,9 +775,15 @@ class ConversationMemory:
         if answer is not None:
             # Its ids and the end-of-turn id, the last of which was never computed.
             reused += self.tokens_for(len(answer), 0, ratio, tenant=tenant)
+        match = Match.EXTENDS_HISTORY
+        # Nothing but the call says that history was ever answered there: a made-up one
+        # reads alike, and its prefill would land on the decode server whole.
+        trusted = head + self.settings.unseen_history_tokens
+        if reused > trusted:
+            reused, match = trusted, Match.UNSEEN_HISTORY
         block = self.settings.block_size
         cached = (min(reused, total - 1) // block) * block
-        return Estimate(total, total - cached, endpoint, Match.EXTENDS_HISTORY, adds_media(messages[last:]))
+        return Estimate(total, total - cached, endpoint, match, adds_media(messages[last:]))
 
     def _fresh(self, messages: Sequence[object], tools: object, match: Match, tenant: str | None) -> Estimate:
         # +1: the generation prompt that ends every prompt.

@@ -800,6 +800,38 @@ def test_a_short_follow_up_through_a_replica_that_saw_one_turn_goes_decode_only(
     assert 66 <= estimate.uncached_tokens < 66 + 128 + 40, estimate
 
 
+def test_a_made_up_history_with_a_long_document_is_not_taken_as_cached() -> None:
+    """A first call whose history no one here answered: a long document, a short assistant
+    message no server wrote, a question. Only ``unseen_history_tokens`` of it count as
+    cached on the call's word, so it goes through the prefill."""
+    mem = warm_memory()  # 4 chars per token
+    document = {"role": "user", "content": "word " * 80_000}  # 100,000 tokens
+    call = body(document, {"role": "assistant", "content": "Noted."}, {"role": "user", "content": "And its title?"})
+    estimate = mem.estimate(key_of(call), call, ADMITTED, home=D1)
+    decision = decide_remote_prefill("auto", estimate, mem.settings)
+    assert (estimate.match, estimate.endpoint) == (Match.UNSEEN_HISTORY, D1)
+    assert estimate.cached_tokens <= mem.settings.unseen_history_tokens
+    assert estimate.uncached_tokens >= 100_000 - mem.settings.unseen_history_tokens
+    assert (decision.remote_prefill, decision.reason) == (True, Reason.UNCACHED_AT_OR_ABOVE_THRESHOLD)
+    # With 0, nothing this process did not see answered counts as cached at all.
+    strict = memory(ratio_warmup=1, unseen_history_tokens=0)
+    strict.learn(sample(4000), 1000)
+    short = conversation_read_from_the_call({"role": "assistant", "content": "a" * 1200})
+    assert strict.estimate("k", short, ADMITTED, home=D2).cached_tokens == 0
+
+
+def test_made_up_turns_after_a_remembered_one_count_only_what_was_remembered() -> None:
+    mem = warm_memory()
+    first = [{"role": "system", "content": "x" * 3890}, {"role": "user", "content": "q"}]
+    mem.remember("k", body(*first), Answer("a" * 40, completion_tokens=11), D2, prompt_tokens=1019)
+    later = [*first, {"role": "assistant", "content": "a" * 40}, {"role": "user", "content": "word " * 80_000}]
+    later += [{"role": "assistant", "content": "Noted."}, {"role": "user", "content": "And its title?"}]
+    estimate = mem.estimate("k", body(*later), ADMITTED, home=D2)
+    assert estimate.match is Match.UNSEEN_HISTORY
+    assert estimate.cached_tokens <= 1019 + mem.settings.unseen_history_tokens
+    assert decide_remote_prefill("auto", estimate, mem.settings).remote_prefill
+
+
 def test_a_remembered_prompt_anchors_the_turns_answered_elsewhere_since() -> None:
     """A replica that answered turn 1 and sees turn 3 knows turn 1's prompt length from its
     server: only turn 2's answer and question and turn 3's are estimated from their text."""
