@@ -37,7 +37,12 @@ chars-per-token ratio learned from the servers' own counts (the text length of a
 messages against a prefill's ``len(prompt_token_ids)`` or a decode-only call's
 ``usage.prompt_tokens``), used from the first count on with a margin (more tokens) until
 it has seen ``ratio_warmup`` calls; a remembered conversation's new text is estimated
-with its own last prompt's ratio (its language, its style).
+with its own last prompt's ratio (its language, its style). The ratio is one per tenant,
+learned from that tenant's calls only, and bounded (``_Ratio``): no caller's calls move
+another's estimates, and none moves its own far.
+
+A history the memory did not see answered (another replica's turns, or the caller's own
+invention) is taken as cached on the call's word only up to ``unseen_history_tokens``.
 """
 
 from __future__ import annotations
@@ -116,7 +121,7 @@ class ConversationSettings:
     initial_chars_per_token: float = 2.0
     """The ratio before the first server count: low, so tokens are over-estimated."""
     ratio_window: int = 64
-    """The learned ratio is over this many most recent samples."""
+    """A tenant's learned ratio is over its this many most recent samples."""
     overhead_tokens_per_message: int = 8
     """Template tokens per message (role markers, separators) added to every estimate."""
     unseen_history_tokens: int = 2048
@@ -545,7 +550,7 @@ class _Ratio:
 
 
 class ConversationMemory:
-    """A bounded LRU memory of conversations and a learned chars-per-token ratio.
+    """A bounded LRU memory of conversations and learned chars-per-token ratios (one per tenant).
 
     ``learn`` after each prefill response, ``remember`` after each answered turn,
     ``estimate`` before each call. All methods may be called from any thread.
