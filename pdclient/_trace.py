@@ -112,7 +112,7 @@ class PDTrace(BaseModel):
     conversation: str | None = None
     """How an ``auto`` chat call related to the conversation remembered under its key:
     ``extends_answer``, ``extends_prompt``, ``unknown``, ``edited``, ``reshaped``,
-    ``endpoint_unavailable`` (``conversations._memory.Match``)."""
+    ``endpoint_unavailable``, ``extends_history``, ``unseen_history`` (``conversations._memory.Match``)."""
     estimated_prompt_tokens: int | None = None
     """``auto``: the prompt's estimated length in tokens."""
     estimated_uncached_tokens: int | None = None

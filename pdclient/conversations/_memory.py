@@ -37,7 +37,12 @@ chars-per-token ratio learned from the servers' own counts (the text length of a
 messages against a prefill's ``len(prompt_token_ids)`` or a decode-only call's
 ``usage.prompt_tokens``), used from the first count on with a margin (more tokens) until
 it has seen ``ratio_warmup`` calls; a remembered conversation's new text is estimated
-with its own last prompt's ratio (its language, its style).
+with its own last prompt's ratio (its language, its style). The ratio is one per tenant,
+learned from that tenant's calls only, and bounded (``_Ratio``): no caller's calls move
+another's estimates, and none moves its own far.
+
+A history the memory did not see answered (another replica's turns, or the caller's own
+invention) is taken as cached on the call's word only up to ``unseen_history_tokens``.
 """
 
 from __future__ import annotations
@@ -49,9 +54,10 @@ import math
 import struct
 import sys
 import threading
-from collections import OrderedDict, deque
+from array import array
+from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -78,6 +84,12 @@ _SHAPE_FIELDS = (
 SHAPE_FIELDS = _SHAPE_FIELDS
 """The request fields besides ``messages`` that ``ConversationMemory`` reads of a call."""
 _ANSWER_KEYS = frozenset({"role", "content", "tool_calls"})
+_TEMPLATE_FIELDS = frozenset(
+    {"role", "content", "tool_calls", "reasoning", "reasoning_content", "name", "tool_call_id", "task", "tools"}
+)
+"""The message fields vLLM hands the chat template (0.32: ``renderers/chat_utils.py``,
+``_parse_chat_message_content``; ``reasoning_content`` before ``reasoning``); a message's
+other fields are dropped unrendered."""
 # A one-part content of these types is the same message as its text as a plain string
 # (how an answer comes back and how the caller may send it again); a narrower question
 # than whether a part is text at all (``wire.is_text_part``).
@@ -109,9 +121,16 @@ class ConversationSettings:
     initial_chars_per_token: float = 2.0
     """The ratio before the first server count: low, so tokens are over-estimated."""
     ratio_window: int = 64
-    """The learned ratio is over this many most recent samples."""
+    """A tenant's learned ratio is over its this many most recent samples."""
     overhead_tokens_per_message: int = 8
     """Template tokens per message (role markers, separators) added to every estimate."""
+    unseen_history_tokens: int = 2048
+    """Of a call's history that this memory did not see answered (turns another replica or
+    worker answered, or turns made up), at most this many tokens count as cached on the
+    call's word alone: the most such a call can put on a decode server's prefill if the
+    history is not there (made up, or evicted). Enough for a conversation's first follow-up
+    through another replica after a ~1,000-token first turn; 0 trusts none of it (a process
+    then hands off the first follow-up it sees of a conversation another one answered)."""
     warm_prefill: bool = True
     """A decode-only call by ``auto`` also sends its prompt to the prefill server, off the
     caller's path, so a later P/D turn prefills only what is new (``fleet._warm``)."""
@@ -119,7 +138,7 @@ class ConversationSettings:
     def __post_init__(self) -> None:
         if not isinstance(self.warm_prefill, bool):
             raise PDConfigError(f"conversations.warm_prefill must be a bool, got {self.warm_prefill!r}")
-        for name in ("threshold_tokens", "ratio_warmup", "overhead_tokens_per_message"):
+        for name in ("threshold_tokens", "ratio_warmup", "overhead_tokens_per_message", "unseen_history_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise PDConfigError(f"conversations.{name} must be an int >= 0, got {value!r}")
@@ -154,6 +173,10 @@ class Match(str, enum.Enum):
     """Read from the call alone: its last assistant message ends what the conversation's
     decode endpoint computed (a turn this process did not see: another replica's or
     worker's, or one older than what it remembers)."""
+    UNSEEN_HISTORY = "unseen_history"
+    """As ``EXTENDS_HISTORY``, but more of the history than this memory saw answered would
+    count as cached than ``ConversationSettings.unseen_history_tokens``: only that much does
+    (a history made up by the caller, say a long document and an answer no server wrote)."""
 
 
 @dataclass(frozen=True)
@@ -312,24 +335,55 @@ def _as_answer_digest(message: object) -> bytes | None:
 
 def rendered_chars(messages: Sequence[object], tools: object = None) -> int:
     """The length of the text a chat template renders from these messages and tools,
-    without the template's own markup (counted per message by the settings)."""
+    without the template's own markup (counted per message by the settings).
+
+    Only what the server hands the template counts (``_TEMPLATE_FIELDS``; of a tool call
+    its id, type, name and arguments; of a tool its type and function): any other field
+    of a message is dropped before rendering, and counting it would read a padded call
+    as text the template never renders.
+    """
     total = 0
     for message in messages:
         if not isinstance(message, dict):
             total += len(_encode(message))
             continue
         for key, value in message.items():
-            if value is None:
+            if value is None or key not in _TEMPLATE_FIELDS:
                 continue
             if key == "content":
                 total += _content_chars(value)
+            elif key == "tool_calls":
+                total += len(_encode(_tool_calls_rendered(value)))
             elif isinstance(value, str):
                 total += len(value)
-            else:  # tool_calls and the like: the template renders them as JSON or close to it
+            else:  # the template renders them as JSON or close to it
                 total += len(_encode(value))
     if tools:
-        total += len(_encode(tools))
+        total += len(_encode(_tools_rendered(tools)))
     return total
+
+
+def _tool_calls_rendered(calls: object) -> object:
+    if not isinstance(calls, list):
+        return calls
+    rendered: list[object] = []
+    for call in calls:
+        if not isinstance(call, dict):
+            rendered.append(call)
+            continue
+        function = call.get("function")
+        if isinstance(function, dict):
+            function = {k: function[k] for k in ("name", "arguments") if k in function}
+        rendered.append({k: function if k == "function" else call[k] for k in ("id", "type", "function") if k in call})
+    return rendered
+
+
+def _tools_rendered(tools: object) -> object:
+    if not isinstance(tools, list):
+        return tools
+    return [
+        {k: tool[k] for k in ("type", "function") if k in tool} if isinstance(tool, dict) else tool for tool in tools
+    ]
 
 
 def _content_chars(content: object) -> int:
@@ -443,14 +497,60 @@ class _Packed:
         )
 
 
-@dataclass
+_MIN_CHARS_PER_TOKEN = 0.5
+_MAX_CHARS_PER_TOKEN = 8.0
+"""The range of a learned ratio, what real tokenizers give on what a template renders.
+Long English prose reads at 4-6.5 chars per token (6.5: SmolLM2 on the benchmark's
+words), code at ~3, CJK text at 1-1.5, and scripts a tokenizer splits into bytes, or short
+prompts that are mostly markup, below 1. Above the range lies only text the server never
+counted (a field no template renders), which would read every later call as almost no
+tokens: decode-only, with the whole prefill on the decode server. The floor is lower than
+any text should go, since a low ratio only over-estimates tokens (a handoff)."""
+_MAX_RATIO_STEP = 1.25
+"""One server count moves a learned ratio by at most this factor (either way): one odd
+call (a prompt mostly of a field the estimate counts and the template drops, a huge
+document in another script) shifts the estimates a quarter, not eight-fold; steady traffic
+of a new kind still gets there in a few calls (4 to 1.3 chars per token in five)."""
+_MAX_TENANT_RATIOS = 1024
+"""Tenants whose ratios are kept (LRU): ~1.3 KB each. A tenant forgotten starts again
+from ``initial_chars_per_token``, which over-estimates tokens: its calls hand off more."""
+
+
 class _Ratio:
-    samples: deque[tuple[int, int]] = field(default_factory=deque)
-    seen: int = 0
+    """One tenant's learned chars per token: its last ``window`` server counts, weighted by
+    tokens, each kept within the range and moving the ratio by a bounded step."""
+
+    __slots__ = ("chars", "next", "seen", "tokens")
+
+    def __init__(self, window: int) -> None:
+        self.chars = array("d", bytes(8 * window))
+        self.tokens = array("d", bytes(8 * window))
+        self.next = 0
+        self.seen = 0
+
+    def learned(self) -> float | None:
+        tokens = sum(self.tokens)
+        return sum(self.chars) / tokens if tokens > 0 else None
+
+    def add(self, chars: int, tokens: int) -> None:
+        kept = min(max(float(chars), _MIN_CHARS_PER_TOKEN * tokens), _MAX_CHARS_PER_TOKEN * tokens)
+        before = self.learned()
+        if before is not None:
+            # The chars that would move the window's ratio (this sample in, the oldest
+            # out) to the step's bounds, then the range again (a sample of its own text).
+            others_chars = sum(self.chars) - self.chars[self.next]
+            others_tokens = sum(self.tokens) - self.tokens[self.next] + tokens
+            low = before / _MAX_RATIO_STEP * others_tokens - others_chars
+            high = before * _MAX_RATIO_STEP * others_tokens - others_chars
+            kept = min(max(kept, low), high)
+            kept = min(max(kept, _MIN_CHARS_PER_TOKEN * tokens), _MAX_CHARS_PER_TOKEN * tokens)
+        self.chars[self.next], self.tokens[self.next] = kept, float(tokens)
+        self.next = (self.next + 1) % len(self.chars)
+        self.seen += 1
 
 
 class ConversationMemory:
-    """A bounded LRU memory of conversations and a learned chars-per-token ratio.
+    """A bounded LRU memory of conversations and learned chars-per-token ratios (one per tenant).
 
     ``learn`` after each prefill response, ``remember`` after each answered turn,
     ``estimate`` before each call. All methods may be called from any thread.
@@ -459,7 +559,8 @@ class ConversationMemory:
     def __init__(self, settings: ConversationSettings | None = None) -> None:
         self.settings = settings or ConversationSettings()
         self._turns: OrderedDict[bytes, _Packed] = OrderedDict()
-        self._ratio = _Ratio(deque(maxlen=self.settings.ratio_window))
+        self._ratios: OrderedDict[str | None, _Ratio] = OrderedDict()
+        """Per tenant (None: a client in process), so no tenant's calls move another's estimates."""
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -468,48 +569,64 @@ class ConversationMemory:
 
     # -- chars per token ----------------------------------------------------------------
 
-    def learn(self, body: Mapping[str, Any], prompt_tokens: int) -> None:
-        """One sample: a chat call's messages and tools against its ``len(prompt_token_ids)``."""
+    def learn(self, body: Mapping[str, Any], prompt_tokens: int, *, tenant: str | None = None) -> None:
+        """One sample of ``tenant``'s ratio: a chat call's messages and tools against its
+        ``len(prompt_token_ids)``. A call with media teaches nothing: its ids are mostly
+        what the server's encoder made of the media, which its JSON's length does not tell."""
         messages = body.get("messages")
-        if not isinstance(messages, list) or prompt_tokens < 1:
+        if not isinstance(messages, list) or prompt_tokens < 1 or adds_media(messages):
             return
         chars = rendered_chars(messages, body.get("tools"))
         if chars < 1:
             return
         with self._lock:
-            self._ratio.samples.append((chars, prompt_tokens))
-            self._ratio.seen += 1
+            ratio = self._ratios.get(tenant)
+            if ratio is None:
+                ratio = self._ratios[tenant] = _Ratio(self.settings.ratio_window)
+                while len(self._ratios) > _MAX_TENANT_RATIOS:
+                    self._ratios.popitem(last=False)
+            self._ratios.move_to_end(tenant)
+            ratio.add(chars, prompt_tokens)
 
     @property
     def chars_per_token(self) -> float:
-        with self._lock:
-            return self._chars_per_token()
+        """The ratio estimates use for calls without a tenant (a client in process)."""
+        return self.tenant_chars_per_token(None)
 
-    def _chars_per_token(self) -> float:
-        """Chars over tokens of the recent samples, with the cold margin until warm; the
-        initial ratio before the first sample.
+    def tenant_chars_per_token(self, tenant: str | None) -> float:
+        """The ratio estimates use for ``tenant``'s calls."""
+        with self._lock:
+            return self._chars_per_token(tenant)[0]
+
+    def _chars_per_token(self, tenant: str | None) -> tuple[float, bool]:
+        """``tenant``'s chars over tokens of its recent samples, with the cold margin until
+        warm, and whether it is warm; the initial ratio before its first sample.
 
         The samples' tokens include the template's markup, which lowers the ratio: more
         tokens estimated, on top of the per-message overhead the estimates add. Weighted
         by tokens, so a short prompt, mostly markup, moves it little.
         """
-        samples = self._ratio.samples
-        if not samples:
-            return self.settings.initial_chars_per_token
-        learned = sum(c for c, _ in samples) / sum(t for _, t in samples)
-        return learned if self._ratio.seen >= self.settings.ratio_warmup else learned * _COLD_RATIO_MARGIN
+        ratio = self._ratios.get(tenant)
+        learned = ratio.learned() if ratio is not None else None
+        if ratio is None or learned is None:
+            return self.settings.initial_chars_per_token, False
+        self._ratios.move_to_end(tenant)
+        warm = ratio.seen >= self.settings.ratio_warmup
+        return (learned if warm else learned * _COLD_RATIO_MARGIN), warm
 
-    def tokens_for(self, chars: int, messages: int, own_ratio: float | None = None) -> int:
-        """Estimated tokens of ``chars`` characters of text in ``messages`` messages.
+    def tokens_for(
+        self, chars: int, messages: int, own_ratio: float | None = None, *, tenant: str | None = None
+    ) -> int:
+        """Estimated tokens of ``chars`` characters of text in ``messages`` messages of ``tenant``'s.
 
         ``own_ratio``: the conversation's own chars per token, measured on its last
         prompt (its language and style), used instead of the learned one, and capped
         by it until warm.
         """
         with self._lock:
-            ratio = self._chars_per_token()
-            if own_ratio is not None:
-                ratio = own_ratio if self._ratio.seen >= self.settings.ratio_warmup else min(own_ratio, ratio)
+            ratio, warm = self._chars_per_token(tenant)
+        if own_ratio is not None:
+            ratio = own_ratio if warm else min(own_ratio, ratio)
         return math.ceil(chars / ratio) + messages * self.settings.overhead_tokens_per_message
 
     # -- conversations ------------------------------------------------------------------
@@ -537,7 +654,11 @@ class ConversationMemory:
             return
         reusable = answer.content is not None and not answer.tool_calls and not answer.reasoning
         chars = rendered_chars(messages, body.get("tools"))
-        own_ratio = chars / prompt_tokens if prompt_tokens and chars > 0 else None
+        own_ratio = (
+            min(max(chars / prompt_tokens, _MIN_CHARS_PER_TOKEN), _MAX_CHARS_PER_TOKEN)
+            if prompt_tokens and chars > 0
+            else None
+        )
         answer_digest = _answer_digest(answer.content, answer.tool_calls)
         turn = _Turn(
             digests=_messages_digest(messages) + _shape_digest(body) + answer_digest,
@@ -558,7 +679,13 @@ class ConversationMemory:
                 self._turns.popitem(last=False)
 
     def estimate(
-        self, key: str, body: Mapping[str, Any], admitted: Collection[str], home: str | None = None
+        self,
+        key: str,
+        body: Mapping[str, Any],
+        admitted: Collection[str],
+        home: str | None = None,
+        *,
+        tenant: str | None = None,
     ) -> Estimate:
         """The call's estimated total and uncached tokens on the decode endpoint holding it.
 
@@ -568,7 +695,8 @@ class ConversationMemory:
         routes this conversation to (``routing.Rendezvous``), None when that is unknown or
         was passed over for its load. A call this memory knows nothing of, or that goes on
         past the remembered turn's answer, is read from its own messages on that endpoint
-        (``Match.EXTENDS_HISTORY``); anything else is wholly uncached.
+        (``Match.EXTENDS_HISTORY``); anything else is wholly uncached. Text no server
+        counted is read with ``tenant``'s learned ratio (``learn``).
         """
         messages = body.get("messages")
         if not isinstance(messages, list):
@@ -581,8 +709,8 @@ class ConversationMemory:
                 self._turns.move_to_end(key_digest)
         if packed is None:
             if home is not None:
-                return self._from_history(messages, tools, home, None)
-            return self._fresh(messages, tools, Match.UNKNOWN)
+                return self._from_history(messages, tools, home, None, tenant=tenant)
+            return self._fresh(messages, tools, Match.UNKNOWN, tenant)
         turn = packed.turn()
         prompt_digest, shape_digest, answer_digest = (
             turn.digests[:_DIGEST_SIZE],
@@ -590,11 +718,11 @@ class ConversationMemory:
             turn.digests[2 * _DIGEST_SIZE :],
         )
         if _shape_digest(body) != shape_digest:
-            return self._fresh(messages, tools, Match.RESHAPED)
+            return self._fresh(messages, tools, Match.RESHAPED, tenant)
         if len(messages) < turn.messages or _messages_digest(messages[: turn.messages]) != prompt_digest:
-            return self._fresh(messages, tools, Match.EDITED)
+            return self._fresh(messages, tools, Match.EDITED, tenant)
         if turn.endpoint not in admitted:
-            return self._fresh(messages, tools, Match.ENDPOINT_UNAVAILABLE)
+            return self._fresh(messages, tools, Match.ENDPOINT_UNAVAILABLE, tenant)
         answered = len(messages) > turn.messages and _as_answer_digest(messages[turn.messages]) == answer_digest
         if any(_is_assistant(m) for m in messages[turn.messages + 1 :]):
             # Turns since the remembered one were answered elsewhere in the fleet (another
@@ -602,8 +730,8 @@ class ConversationMemory:
             # The remembered prompt's exact length still anchors the count: only what came
             # after it is estimated from its text.
             known = (turn.messages, turn.prompt_tokens) if turn.prompt_tokens is not None else None
-            return self._from_history(messages, tools, turn.endpoint, turn.chars_per_token, known)
-        return self._extension(turn, messages, answered)
+            return self._from_history(messages, tools, turn.endpoint, turn.chars_per_token, known, tenant=tenant)
+        return self._extension(turn, messages, answered, tenant)
 
     def _from_history(
         self,
@@ -612,6 +740,8 @@ class ConversationMemory:
         endpoint: str,
         ratio: float | None,
         known: tuple[int, int] | None = None,
+        *,
+        tenant: str | None,
     ) -> Estimate:
         """What the conversation's decode endpoint holds, read from the call alone.
 
@@ -623,6 +753,9 @@ class ConversationMemory:
         call's first messages and their prompt's length in ids as a server counted it (a
         turn this memory saw), so that only the rest is estimated from its text.
 
+        Of what this memory did not see answered, at most ``unseen_history_tokens`` count
+        as cached (``Match.UNSEEN_HISTORY`` beyond): the call's history may be made up.
+
         What the call does not tell bounds the error. The prompt's length comes from its
         text, so where its last whole block ends is a guess: short by up to one block (as
         often long). After a P/D turn vLLM 0.32's decode server may not hit the block that
@@ -632,31 +765,37 @@ class ConversationMemory:
         """
         last = max((i for i, m in enumerate(messages) if _is_assistant(m)), default=None)
         if last is None:
-            return self._fresh(messages, tools, Match.UNKNOWN)
+            return self._fresh(messages, tools, Match.UNKNOWN, tenant)
         start, head = known if known is not None else (0, 0)
 
         def tokens_to(end: int) -> int:
             # Each message's markup and the generation prompt after them; a known prompt's
             # generation prompt is the header of the answer that follows it.
             chars = rendered_chars(messages[start:end], None if known else tools)
-            return head + self.tokens_for(chars, end - start + (0 if known else 1), ratio)
+            return head + self.tokens_for(chars, end - start + (0 if known else 1), ratio, tenant=tenant)
 
         total = tokens_to(len(messages))
         reused = tokens_to(last)
         answer = _reusable_answer_text(messages[last])
         if answer is not None:
             # Its ids and the end-of-turn id, the last of which was never computed.
-            reused += self.tokens_for(len(answer), 0, ratio)
+            reused += self.tokens_for(len(answer), 0, ratio, tenant=tenant)
+        match = Match.EXTENDS_HISTORY
+        # Nothing but the call says that history was ever answered there: a made-up one
+        # reads alike, and its prefill would land on the decode server whole.
+        trusted = head + self.settings.unseen_history_tokens
+        if reused > trusted:
+            reused, match = trusted, Match.UNSEEN_HISTORY
         block = self.settings.block_size
         cached = (min(reused, total - 1) // block) * block
-        return Estimate(total, total - cached, endpoint, Match.EXTENDS_HISTORY, adds_media(messages[last:]))
+        return Estimate(total, total - cached, endpoint, match, adds_media(messages[last:]))
 
-    def _fresh(self, messages: Sequence[object], tools: object, match: Match) -> Estimate:
+    def _fresh(self, messages: Sequence[object], tools: object, match: Match, tenant: str | None) -> Estimate:
         # +1: the generation prompt that ends every prompt.
-        total = self.tokens_for(rendered_chars(messages, tools), len(messages) + 1)
+        total = self.tokens_for(rendered_chars(messages, tools), len(messages) + 1, tenant=tenant)
         return Estimate(total_tokens=total, uncached_tokens=total, endpoint=None, match=match)
 
-    def _extension(self, turn: _Turn, messages: Sequence[object], answered: bool) -> Estimate:
+    def _extension(self, turn: _Turn, messages: Sequence[object], answered: bool, tenant: str | None) -> Estimate:
         block = self.settings.block_size
         match = Match.EXTENDS_ANSWER if answered else Match.EXTENDS_PROMPT
         ratio = turn.chars_per_token
@@ -666,10 +805,10 @@ class ConversationMemory:
             # The previous prompt's length is unknown: what is known to be cached, and the
             # whole call estimated from its text (an over-estimate) as the total.
             cached = (turn.cached_floor // block) * block
-            total = max(self.tokens_for(rendered_chars(messages), len(messages) + 1, ratio), cached + 1)
+            total = max(self.tokens_for(rendered_chars(messages), len(messages) + 1, ratio, tenant=tenant), cached + 1)
             return Estimate(total, total - cached, turn.endpoint, match, media)
         # +1: the generation prompt that ends the call (the previous one is in its prompt).
-        new_tokens = self.tokens_for(rendered_chars(new), len(new) + 1, ratio) if new else 0
+        new_tokens = self.tokens_for(rendered_chars(new), len(new) + 1, ratio, tenant=tenant) if new else 0
         if answered and turn.answer_tokens is not None:
             # The template re-renders the answer to the ids that were generated; the last
             # one (the end-of-turn token, or the last before the length cap) was never
@@ -678,7 +817,7 @@ class ConversationMemory:
             total = turn.prompt_tokens + turn.answer_tokens + new_tokens
         else:
             reused = turn.prompt_tokens
-            answer = self.tokens_for(turn.answer_chars, 1, ratio) if answered else 0
+            answer = self.tokens_for(turn.answer_chars, 1, ratio, tenant=tenant) if answered else 0
             total = turn.prompt_tokens + answer + new_tokens
         # Whole blocks only, and vLLM computes at least a prompt's last token itself.
         cached = (min(reused, total - 1) // block) * block

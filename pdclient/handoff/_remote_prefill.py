@@ -137,11 +137,11 @@ class ConversationTurn:
         """What the call would cost on the decode endpoint holding it, among those ``admitted``."""
         # The rendezvous endpoint holds the conversation only when no load moved it there.
         held = home.endpoint.url if home is not None and home.rule == "key" else None
-        return self.memory.estimate(self.plan.affinity_key, self.body(), admitted, held)
+        return self.memory.estimate(self.plan.affinity_key, self.body(), admitted, held, tenant=self.plan.tenant)
 
     def learn(self, prompt_tokens: int) -> None:
-        """The chars-per-token ratio ``auto``'s estimates use, from a server's own count."""
-        self.memory.learn(self.body(), prompt_tokens)
+        """The chars-per-token ratio ``auto``'s estimates of the caller's tenant use, from a server's own count."""
+        self.memory.learn(self.body(), prompt_tokens, tenant=self.plan.tenant)
 
     def remember(self, decision: Decision, endpoint: str, *, decode_only: bool, prefill_tokens: int | None) -> None:
         """A whole answer of a call that went as planned: the next turn's prefix on ``endpoint``.

@@ -220,8 +220,10 @@ _CLIENT_HELP: Mapping[str, str] = {
     "conversation_max_conversations": "conversations remembered (LRU, about 400 bytes each)",
     "conversation_ratio_warmup": "server counts before the learned chars-per-token ratio loses its 25%% margin",
     "conversation_initial_chars_per_token": "the ratio before the first server count (low: over-estimates tokens)",
-    "conversation_ratio_window": "recent prefill answers the learned ratio is computed over",
+    "conversation_ratio_window": "a tenant's recent server counts its learned ratio is computed over",
     "conversation_overhead_tokens_per_message": "template tokens added per message to every estimate",
+    "conversation_unseen_history_tokens": "auto: of a call's history this process did not see answered, at most "
+    "this many tokens count as cached (0: none)",
     "conversation_warm_prefill": "auto: a decode-only call's prompt also goes to the prefill server, off its path",
 }
 

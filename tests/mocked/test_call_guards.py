@@ -358,6 +358,36 @@ async def test_a_tenant_never_matches_another_tenants_conversation(
     await client.close()
 
 
+def ids_of_what_a_template_renders(body: dict[str, Any]) -> list[int]:
+    """One id per character of the messages' roles and contents: a field no template renders counts none."""
+    messages = [{"role": m.get("role"), "content": m.get("content")} for m in body.get("messages") or []]
+    return [ord(c) % 1000 for c in json.dumps(messages, sort_keys=True)]
+
+
+async def test_a_tenants_calls_never_move_anothers_estimates(mode: str) -> None:
+    """Ten calls of one tenant padded with a field no template renders (the servers count
+    a few ids, the client a quarter of a megabyte) leave another tenant's ~6,000-token
+    follow-up where it belongs: through the prefill. The follow-up's first turn went
+    through another replica, so it is estimated with the chars-per-token ratio learned here."""
+    vllm = FakeVLLM(VLLMAnswers(ids=ids_of_what_a_template_renders))
+    with vllm.routes(PREFILL, DECODE, DECODE2):
+        client = Client(mode, decode_base_url=[DECODE, DECODE2], max_decode_migrations=0)
+        replica = Client(mode, decode_base_url=[DECODE, DECODE2], max_decode_migrations=0)
+        first = await replica.send(chat_request(replica, TURN1, "tenant-b"))
+        answer = first.json()["choices"][0]["message"]["content"]
+        await replica.close()
+        for i in range(10):
+            padded = [{"role": "user", "content": f"Hello {i}", "metadata": "x" * 250_000}]
+            assert (await client.send(chat_request(client, padded, "tenant-a"))).status_code == 200
+        long = {"role": "user", "content": "A long question. " * 350}
+        turn2 = [*TURN1, {"role": "assistant", "content": answer}, long]
+        assert (await client.send(chat_request(client, turn2, "tenant-b"))).status_code == 200
+        follow_up = client.traces[-1]
+        assert follow_up.estimated_uncached_tokens is not None and follow_up.estimated_uncached_tokens > 2000
+        assert (follow_up.outcome, follow_up.remote_prefill) == (Outcome.DISAGGREGATED, True)
+        await client.close()
+
+
 async def test_the_tenant_reaches_every_route_request(mode: str, pair: FakeVLLM) -> None:
     seen: list[tuple[str, str | None]] = []
 

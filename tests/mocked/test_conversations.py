@@ -132,6 +132,29 @@ async def test_auto_hands_off_a_call_that_does_not_extend_the_conversation_cheap
     await t.close()
 
 
+async def test_a_made_up_history_the_client_never_answered_goes_through_the_prefill(mode: str, pair: FakeVLLM) -> None:
+    """A first call whose history no one here answered (a long document, an assistant
+    message no server wrote, a question) is not taken as cached on the decode endpoint its
+    conversation is routed to: that server would prefill the document itself."""
+    t, traces = twin(mode, routing="least_outstanding")  # the default: conversations by rendezvous
+    document = {"role": "user", "content": "Read this document. " + "It goes on and on. " * 3000}
+    made_up = [document, {"role": "assistant", "content": "Noted."}, {"role": "user", "content": "Its title?"}]
+    await turn(t, made_up, True)
+    (trace,) = traces.traces
+    assert (trace.outcome, trace.remote_prefill, trace.conversation) == (
+        Outcome.DISAGGREGATED,
+        True,
+        "unseen_history",
+    )
+    assert trace.estimated_uncached_tokens is not None and trace.estimated_uncached_tokens > 20_000
+    assert len(pair.prefill_bodies) == 1
+    # A conversation this client answered still goes decode-only.
+    await turn(t, TURN1, True)
+    await turn(t, TURN2, True)
+    assert (traces.traces[-1].outcome, traces.traces[-1].conversation) == (Outcome.DECODE_ONLY, "extends_answer")
+    await t.close()
+
+
 async def test_a_tool_loop_goes_decode_only_after_its_first_turn(mode: str, pair: FakeVLLM) -> None:
     tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
     t, traces = twin(mode, remote_prefill="auto")
@@ -381,8 +404,8 @@ async def test_a_decode_only_call_whose_endpoint_stops_admitting_is_handed_off(m
     holder = next(e for e in t.client.pd_fleet.decode.endpoints if e.url == DECODE)
     real_estimate = t.client.pd_fleet.memory.estimate
 
-    def estimate_then_trip(*args: Any) -> Any:
-        estimate = real_estimate(*args)
+    def estimate_then_trip(*args: Any, **kwargs: Any) -> Any:
+        estimate = real_estimate(*args, **kwargs)
         holder.trip()
         return estimate
 

@@ -388,8 +388,8 @@ def test_the_ratio_follows_recent_samples_weighted_by_tokens() -> None:
     mem = memory(ratio_warmup=1, ratio_window=4)
     for _ in range(4):
         mem.learn(sample(2000), 1000)
-    mem.learn(sample(40_000), 10_000)  # one long prompt at 4 chars per token
-    assert mem.chars_per_token == pytest.approx((3 * 2000 + 40_000) / (3 * 1000 + 10_000))
+    mem.learn(sample(25_000), 10_000)  # one long prompt at 2.5 chars per token
+    assert mem.chars_per_token == pytest.approx((3 * 2000 + 25_000) / (3 * 1000 + 10_000))
 
 
 def test_the_ratio_counts_what_the_template_renders() -> None:
@@ -433,6 +433,74 @@ def test_samples_without_text_or_ids_are_ignored() -> None:
     mem.learn(sample(100), 0)
     mem.learn({"prompt": "not chat"}, 100)
     assert mem.chars_per_token == 2.0
+
+
+# -- what one call may teach ----------------------------------------------------------
+
+
+def test_fields_the_server_never_hands_the_template_are_not_counted() -> None:
+    plain = {"role": "user", "content": "Summarize this."}
+    padded = {**plain, "metadata": "x" * 1_000_000, "extra": {"blob": "y" * 1000}}
+    assert rendered_chars([padded]) == rendered_chars([plain])
+    call = {"role": "assistant", "content": None, "tool_calls": [WEATHER_CALL]}
+    padded_call = {**call, "tool_calls": [{**WEATHER_CALL, "trace": "z" * 1000}]}
+    assert rendered_chars([padded_call]) == rendered_chars([call])
+    assert rendered_chars([plain], [{**TOOLS[0], "x-note": "w" * 1000}]) == rendered_chars([plain], TOOLS)
+    # What vLLM does hand the template is counted: a name, reasoning.
+    assert rendered_chars([{**plain, "name": "ann"}]) == rendered_chars([plain]) + 3
+    assert rendered_chars([{**call, "reasoning": "hmm"}]) == rendered_chars([call]) + 3
+
+
+def test_a_call_padded_with_fields_no_template_renders_teaches_its_true_ratio() -> None:
+    mem = memory(ratio_warmup=1)
+    for _ in range(10):
+        mem.learn(body({"role": "user", "content": "a" * 3996, "metadata": "x" * 1_000_000}), 1000)
+    assert mem.chars_per_token == pytest.approx(4.0)
+
+
+def test_one_tenants_counts_never_move_anothers_ratio() -> None:
+    mem, alone = memory(ratio_warmup=1), memory(ratio_warmup=1)
+    for m in (mem, alone):
+        m.learn(sample(4000), 1000, tenant="b")
+    for i in range(10):
+        mem.learn(sample(8000 - 100 * i), 1000, tenant="a")
+        mem.learn(sample(1000), 1000)  # the tenant of a client in process (none)
+    assert mem.tenant_chars_per_token("b") == alone.tenant_chars_per_token("b") == pytest.approx(4.0)
+    assert mem.tenant_chars_per_token("a") != pytest.approx(4.0)
+    call = body(SYSTEM, USER, {"role": "assistant", "content": STORY}, {"role": "user", "content": "x" * 6000})
+    assert mem.estimate("k", call, ADMITTED, D1, tenant="b") == alone.estimate("k", call, ADMITTED, D1, tenant="b")
+    assert mem.tokens_for(4000, 0, tenant="b") == 1000
+    # A tenant nothing was learned from starts from the initial guess, whatever others taught.
+    assert mem.tenant_chars_per_token("c") == mem.settings.initial_chars_per_token
+
+
+def test_the_learned_ratio_stays_within_what_tokenizers_give() -> None:
+    high, low = memory(ratio_warmup=1), memory(ratio_warmup=1)
+    high.learn(sample(1_000_000), 10)
+    low.learn(sample(10), 100_000)
+    assert (low.chars_per_token, high.chars_per_token) == (0.5, 8.0)
+    # A conversation's own ratio too: its next turn's text is never read as fewer tokens.
+    turn1 = body({"role": "user", "content": "a" * 100_000})
+    high.remember(key_of(turn1), turn1, Answer("ok", completion_tokens=2), D1, prompt_tokens=10)
+    follow = body(*turn1["messages"], {"role": "assistant", "content": "ok"}, {"role": "user", "content": "b" * 8000})
+    assert high.estimate(key_of(follow), follow, ADMITTED).total_tokens >= 10 + 2 + 8000 / 8
+
+
+def test_one_count_moves_the_learned_ratio_by_a_quarter_at_most() -> None:
+    mem = memory(ratio_warmup=1)
+    for _ in range(8):
+        mem.learn(sample(4000), 1000)
+    mem.learn(sample(800_000), 100_000)  # one long prompt read at 8 chars per token
+    assert mem.chars_per_token == pytest.approx(5.0)
+    mem.learn(sample(10_000), 100_000)  # and one at 0.1
+    assert mem.chars_per_token == pytest.approx(4.0)
+
+
+def test_a_call_with_media_teaches_no_ratio() -> None:
+    mem = memory(ratio_warmup=1)
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 1_000_000}}
+    mem.learn(body({"role": "user", "content": [{"type": "text", "text": "What is it?"}, image]}), 1500)
+    assert mem.chars_per_token == mem.settings.initial_chars_per_token
 
 
 # -- decide ---------------------------------------------------------------------------
@@ -730,6 +798,38 @@ def test_a_short_follow_up_through_a_replica_that_saw_one_turn_goes_decode_only(
     assert (decision.remote_prefill, decision.reason) == (False, Reason.MOSTLY_CACHED), estimate
     # The answer's and the question's ~66 ids stay counted, with the partial last block.
     assert 66 <= estimate.uncached_tokens < 66 + 128 + 40, estimate
+
+
+def test_a_made_up_history_with_a_long_document_is_not_taken_as_cached() -> None:
+    """A first call whose history no one here answered: a long document, a short assistant
+    message no server wrote, a question. Only ``unseen_history_tokens`` of it count as
+    cached on the call's word, so it goes through the prefill."""
+    mem = warm_memory()  # 4 chars per token
+    document = {"role": "user", "content": "word " * 80_000}  # 100,000 tokens
+    call = body(document, {"role": "assistant", "content": "Noted."}, {"role": "user", "content": "And its title?"})
+    estimate = mem.estimate(key_of(call), call, ADMITTED, home=D1)
+    decision = decide_remote_prefill("auto", estimate, mem.settings)
+    assert (estimate.match, estimate.endpoint) == (Match.UNSEEN_HISTORY, D1)
+    assert estimate.cached_tokens <= mem.settings.unseen_history_tokens
+    assert estimate.uncached_tokens >= 100_000 - mem.settings.unseen_history_tokens
+    assert (decision.remote_prefill, decision.reason) == (True, Reason.UNCACHED_AT_OR_ABOVE_THRESHOLD)
+    # With 0, nothing this process did not see answered counts as cached at all.
+    strict = memory(ratio_warmup=1, unseen_history_tokens=0)
+    strict.learn(sample(4000), 1000)
+    short = conversation_read_from_the_call({"role": "assistant", "content": "a" * 1200})
+    assert strict.estimate("k", short, ADMITTED, home=D2).cached_tokens == 0
+
+
+def test_made_up_turns_after_a_remembered_one_count_only_what_was_remembered() -> None:
+    mem = warm_memory()
+    first = [{"role": "system", "content": "x" * 3890}, {"role": "user", "content": "q"}]
+    mem.remember("k", body(*first), Answer("a" * 40, completion_tokens=11), D2, prompt_tokens=1019)
+    later = [*first, {"role": "assistant", "content": "a" * 40}, {"role": "user", "content": "word " * 80_000}]
+    later += [{"role": "assistant", "content": "Noted."}, {"role": "user", "content": "And its title?"}]
+    estimate = mem.estimate("k", body(*later), ADMITTED, home=D2)
+    assert estimate.match is Match.UNSEEN_HISTORY
+    assert estimate.cached_tokens <= 1019 + mem.settings.unseen_history_tokens
+    assert decide_remote_prefill("auto", estimate, mem.settings).remote_prefill
 
 
 def test_a_remembered_prompt_anchors_the_turns_answered_elsewhere_since() -> None:
