@@ -52,9 +52,9 @@ from ..migration import _core as migrate
 from ..pools import AllEndpointsOpen
 from ..pools import _retry as retry
 from ..routing import TENANT_EXTENSION, RouteRequest, plan_text
+from ..wire import EventTooLarge, error_event, redact_url
 from ..wire import _bodies as wire
 from ..wire import _usage as usage
-from ..wire import redact_url
 from . import _dispatch
 from ._failure import (
     error_response,
@@ -410,6 +410,15 @@ class Call:
         return stream_error(
             self.request, f"{self.error} (decode {redact_url(self.decode.url)}, request {self.request_id})"
         )
+
+    def event_too_large(self, error: EventTooLarge, received: int) -> bytes:
+        """A decode stream with an event longer than pdclient handles whole: the call fails,
+        and the caller's stream ends with an error event saying so (its 200 is sent; the
+        openai and anthropic SDKs raise the event's message)."""
+        self.outcome = Outcome.FAILED
+        self.error = f"decode stream cut after {received} bytes: {error}"
+        self.decode.end(self.decode.status, error)
+        return error_event(f"pdclient: {error} (decode {redact_url(self.decode.url)}, request {self.request_id})")
 
     def decode_closed(self) -> None:
         """The caller's response body was closed: read to its end, abandoned, or broken."""
