@@ -46,6 +46,7 @@ import openai
 from .._observe import Observers
 from .._options import PDOptions
 from .._trace import Outcome, PDTrace
+from ..conversations import SHAPE_FIELDS
 from ..dialects import endpoint_for, names_a_response
 from ..fleet import Fleet
 from ..migration import _core as migrate
@@ -164,6 +165,8 @@ class Call:
         try:
             wire.check_content_encoding(self.request.headers.get("content-encoding"))
             self.plan = self.dialect.plan(self.request.content, self.tenant)
+            for name in SHAPE_FIELDS:  # the conversation memory reads them later: refused now if it cannot
+                wire.field_value(self.plan.fields, name)
         except wire.Refusal as exc:
             return self.refuse(str(exc))
         refused = call_options_refusal(self.plan.options, self.context.options)
