@@ -32,18 +32,15 @@ def plan_with_conversation(
     """The generic plan (options taken, ``kv_transfer_params`` refused), with the call's
     conversation as chat messages: the affinity key, the media check and ``auto`` read it."""
     plan = wire.plan_call(kind, content, tenant)
-    try:
-        messages = conversation(plan.fields)
-    except orjson.JSONDecodeError as exc:
-        raise wire.Refusal(f"request body is not JSON pdclient can read: {exc}") from None
+    messages = conversation(plan.fields)
     ids_skipped = "media" if has_media(messages) else plan.ids_skipped
     key = wire.affinity_key(wire.Kind.CHAT, messages, None, plan.options.session, tenant)
     return replace(plan, messages=messages, ids_skipped=ids_skipped, affinity_key=key)
 
 
 def value(fields: wire.Fields, name: str) -> Any:
-    raw = fields.get(name)
-    return None if raw is None else orjson.loads(memoryview(raw))
+    """A field as JSON (``wire.field_value``: a ``Refusal`` naming one pdclient cannot read)."""
+    return wire.field_value(fields, name)
 
 
 def prefill_kv(plan: wire.Plan) -> msgspec.Raw:

@@ -102,7 +102,9 @@ class Responses(Dialect):
     migration_refusal: str | None = "the Responses API (its events carry no token ids to continue from)"
 
     def plan(self, content: bytes, tenant: str | None) -> wire.Plan:
-        return rendered.plan_with_conversation(self.kind, content, tenant, conversation)
+        plan = rendered.plan_with_conversation(self.kind, content, tenant, conversation)
+        self.stored_state(plan)  # read now: one pdclient cannot read is a 400 before any leg
+        return plan
 
     def stored_state(self, plan: wire.Plan) -> str | None:
         for name in _STORED_STATE:

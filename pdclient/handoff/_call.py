@@ -46,15 +46,16 @@ import openai
 from .._observe import Observers
 from .._options import PDOptions
 from .._trace import Outcome, PDTrace
+from ..conversations import SHAPE_FIELDS
 from ..dialects import endpoint_for, names_a_response
 from ..fleet import Fleet
 from ..migration import _core as migrate
 from ..pools import AllEndpointsOpen
 from ..pools import _retry as retry
 from ..routing import TENANT_EXTENSION, RouteRequest, plan_text
+from ..wire import EventTooLarge, error_event, redact_url
 from ..wire import _bodies as wire
 from ..wire import _usage as usage
-from ..wire import redact_url
 from . import _dispatch
 from ._failure import (
     error_response,
@@ -164,6 +165,8 @@ class Call:
         try:
             wire.check_content_encoding(self.request.headers.get("content-encoding"))
             self.plan = self.dialect.plan(self.request.content, self.tenant)
+            for name in SHAPE_FIELDS:  # the conversation memory reads them later: refused now if it cannot
+                wire.field_value(self.plan.fields, name)
         except wire.Refusal as exc:
             return self.refuse(str(exc))
         refused = call_options_refusal(self.plan.options, self.context.options)
@@ -410,6 +413,15 @@ class Call:
         return stream_error(
             self.request, f"{self.error} (decode {redact_url(self.decode.url)}, request {self.request_id})"
         )
+
+    def event_too_large(self, error: EventTooLarge, received: int) -> bytes:
+        """A decode stream with an event longer than pdclient handles whole: the call fails,
+        and the caller's stream ends with an error event saying so (its 200 is sent; the
+        openai and anthropic SDKs raise the event's message)."""
+        self.outcome = Outcome.FAILED
+        self.error = f"decode stream cut after {received} bytes: {error}"
+        self.decode.end(self.decode.status, error)
+        return error_event(f"pdclient: {error} (decode {redact_url(self.decode.url)}, request {self.request_id})")
 
     def decode_closed(self) -> None:
         """The caller's response body was closed: read to its end, abandoned, or broken."""

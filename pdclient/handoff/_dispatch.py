@@ -69,7 +69,7 @@ import msgspec
 import orjson
 
 from ..pools import AllEndpointsOpen
-from ..wire import SSEFramer, event_data, is_done
+from ..wire import EventTooLarge, SSEFramer, event_data, is_done
 from ..wire import _bodies as wire
 
 if TYPE_CHECKING:
@@ -331,14 +331,18 @@ class PromptPeek:
 
     def feed(self, data: bytes) -> bool:
         """Whether the first event with data has been read (or the stream is not one vLLM writes)."""
-        for event in self._framer.feed(data):
+        try:
+            events = self._framer.feed(data)
+        except EventTooLarge:
+            return True  # not vLLM's: the caller's body then fails the call, naming the bound
+        for event in events:
             payload = event_data(event)
             if payload is None:
                 continue  # a comment: the next event says
             if not is_done(payload):
                 self._read(payload)
             return True
-        return self._framer.pending > MAX_FIRST_EVENT_BYTES
+        return False
 
     def _read(self, payload: bytes) -> None:
         try:
@@ -358,11 +362,6 @@ class PromptPeek:
 def prompt_peek(call: Call) -> PromptPeek:
     assert call.plan is not None
     return PromptPeek(chat=call.plan.kind is wire.Kind.CHAT)
-
-
-MAX_FIRST_EVENT_BYTES = 16 << 20
-"""The first event of a decode stream carries the prompt's ids: ~8 bytes each, for prompts
-past a million tokens; longer without its end, it is not vLLM's."""
 
 
 def prompt_drift(call: Call, sent: ConcurrentDecode, decode_prompt: list[int] | None) -> str | None:

@@ -16,8 +16,6 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import orjson
-
 from .._options import DEFAULT_ROUTING, PDOptions
 from .._trace import Outcome
 from ..conversations import (
@@ -122,13 +120,9 @@ class ConversationTurn:
         """The fields ``ConversationMemory`` reads of this chat call: its messages and its shape."""
         if self._body is None:
             body: dict[str, Any] = {}
-            for name in SHAPE_FIELDS:
-                raw = self.plan.fields.get(name)
-                if raw is not None:
-                    try:
-                        body[name] = orjson.loads(memoryview(raw))
-                    except orjson.JSONDecodeError:
-                        body[name] = bytes(raw).decode("utf-8", "replace")
+            for name in SHAPE_FIELDS:  # read when the call was planned (Call.plan_or_refuse): readable
+                if name in self.plan.fields:
+                    body[name] = wire.field_value(self.plan.fields, name)
             body["messages"] = self.plan.messages
             self._body = body
         return self._body

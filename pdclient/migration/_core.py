@@ -62,9 +62,6 @@ REMOTE_PREFILL_MIN_TOKENS = 1024
 many tokens is computed by a prefill endpoint and handed over; a shorter one by the decode
 endpoint itself. See ``continuation_route``."""
 
-MAX_EVENT_BYTES = 4 << 20
-"""An SSE event longer than this (no blank line seen) ends the tracking: it is not vLLM's."""
-
 _TRUE = msgspec.Raw(b"true")
 _INCLUDE_USAGE = msgspec.Raw(b'{"include_usage":true}')
 _TOKEN_IDS = b',"token_ids":'
@@ -531,12 +528,7 @@ class Tracker:
     def events(self, data: bytes) -> list[bytes]:
         """The body bytes just read; returns the events that go to the caller now, each whole
         and framed once (the caller's body takes them as they are: ``handoff.CallerBody``)."""
-        framer = self._framer
-        out = [piece for event in framer.feed(data) for piece in self._event(event)]
-        if framer.pending > MAX_EVENT_BYTES:
-            self._stop("the decode's body is not a stream of SSE events")
-            out += [*self._flush(), self._framer.rest()]
-        return out
+        return [piece for event in self._framer.feed(data) for piece in self._event(event)]
 
     def end(self) -> list[bytes]:
         """The body ended without ``[DONE]``: what is left, as it is."""

@@ -28,6 +28,7 @@ import httpx
 
 from ..handoff import STREAM_ERRORS, Call, Leg, OpenDecode, Release, SendPrefill, Step, move
 from ..migration import Assembler, CallMigration, CannotAssemble
+from ..wire import EventTooLarge
 from ._streams import AsyncDecodeStream, DecodeStream, _until_error, _until_error_async
 
 _Pending = tuple[Leg, httpx.Request] | None
@@ -136,6 +137,14 @@ class _Body:
             out = self._call.caller_body.feed(body)
         return out + self._call.caller_body.rest()
 
+    def _too_large(self, error: EventTooLarge) -> bytes:
+        """The end of a body whose decode sent an event longer than pdclient handles whole."""
+        self._drained = True
+        self._tracker.cut()
+        if self._assembler is not None:
+            raise self._unassembled(CannotAssemble(str(error)))
+        return self._call.event_too_large(error, self._received)
+
     def _unassembled(self, error: CannotAssemble) -> Exception:
         # The caller's 200 is on its way already: the body it cannot have is an error of its reading.
         return self._call.broken_stream(httpx.DecodingError(str(error)), self._received)
@@ -183,6 +192,9 @@ class MigratingDecodeStream(_Body, DecodeStream):
                     continue
                 if ending := self._pass_on(self._migration.ending()):
                     yield ending
+            except EventTooLarge as exc:
+                yield self._too_large(exc)
+                return
             if rest := self._end():
                 yield rest
             return
@@ -255,6 +267,9 @@ class AsyncMigratingDecodeStream(_Body, AsyncDecodeStream):
                     continue
                 if ending := self._pass_on(self._migration.ending()):
                     yield ending
+            except EventTooLarge as exc:
+                yield self._too_large(exc)
+                return
             if rest := self._end():
                 yield rest
             return

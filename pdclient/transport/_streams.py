@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Iterator
 import httpx
 
 from ..handoff import STREAM_ERRORS, Call
-from ..wire import ends_event_stream, stream_tail
+from ..wire import EventTooLarge, ends_event_stream, stream_tail
 
 
 class DecodeStream(httpx.SyncByteStream):
@@ -46,10 +46,13 @@ class DecodeStream(httpx.SyncByteStream):
                     self._call.decode_streamed(reads)
                 if out := self._call.caller_body.feed(chunk):
                     yield out
+            held = self._call.caller_body.rest()
         except STREAM_ERRORS as exc:
             raise self._call.broken_stream(exc, received) from exc
+        except EventTooLarge as exc:
+            held = self._call.event_too_large(exc, received)
         self._drained = True
-        if held := self._call.caller_body.rest():
+        if held:
             yield held
 
     def close(self) -> None:
@@ -89,10 +92,13 @@ class AsyncDecodeStream(httpx.AsyncByteStream):
                     self._call.decode_streamed(reads)
                 if out := self._call.caller_body.feed(chunk):
                     yield out
+            held = self._call.caller_body.rest()
         except STREAM_ERRORS as exc:
             raise self._call.broken_stream(exc, received) from exc
+        except EventTooLarge as exc:
+            held = self._call.event_too_large(exc, received)
         self._drained = True
-        if held := self._call.caller_body.rest():
+        if held:
             yield held
 
     async def aclose(self) -> None:

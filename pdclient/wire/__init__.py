@@ -37,10 +37,12 @@ from ._headers import FAILED_LEG_HEADER, HOP_BY_HOP, RAW_TRACE_HEADER_PREFIX, TR
 from ._parts import TEXT_PART_TYPES, has_media, is_text_part
 from ._signing import DEFAULT_TTL, SECRET_ENV, SIGNATURE_HEADER, signature
 from ._sse import (
-    FLUSH_UNFRAMED,
+    MAX_EVENT_BYTES,
+    EventTooLarge,
     ParsedEvent,
     SSEFramer,
     ends_event_stream,
+    error_event,
     event_data,
     event_json,
     is_done,
@@ -81,7 +83,8 @@ __all__ = [
     "SECRET_ENV",
     "SIGNATURE_HEADER",
     "UploadScan",
-    "FLUSH_UNFRAMED",
+    "MAX_EVENT_BYTES",
+    "EventTooLarge",
     "ParsedEvent",
     "SSEFramer",
     "USAGE_KEY",
@@ -96,6 +99,7 @@ __all__ = [
     "check_remote_prefill",
     "decode_body",
     "ends_event_stream",
+    "error_event",
     "event_data",
     "event_json",
     "is_done",

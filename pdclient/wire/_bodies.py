@@ -234,9 +234,33 @@ def encode_fields(fields: Mapping[str, msgspec.Raw | Any]) -> bytes:
     return _encoder.encode(fields)
 
 
-def _value(fields: Fields, name: str) -> Any:
+MAX_NESTING = 254
+"""The deepest JSON pdclient writes back (orjson's limit): a field it reads (and so may
+encode again, in a key, a digest, a leg's body) nested deeper is refused."""
+
+
+def field_value(fields: Fields, name: str) -> Any:
+    """A field of the caller's body as JSON, None when absent: the one way pdclient reads one.
+
+    ``Refusal`` naming the field when pdclient cannot read it (a number beyond a double's
+    range, ``1e999``, which vLLM's Python reads as infinity) or write it back (nested deeper
+    than ``MAX_NESTING``, which vLLM reads up to Python's recursion limit).
+    """
     raw = fields.get(name)
-    return None if raw is None else orjson.loads(memoryview(raw))
+    if raw is None:
+        return None
+    try:
+        value = orjson.loads(memoryview(raw))
+    except orjson.JSONDecodeError as exc:
+        raise Refusal(f"{name}: not JSON pdclient can read ({exc})") from None
+    if isinstance(value, (list, dict)) and len(raw) > 2 * MAX_NESTING:  # shallower ones are too short to nest deeper
+        try:
+            orjson.dumps(value)
+        except orjson.JSONEncodeError:
+            raise Refusal(
+                f"{name}: JSON nested deeper than {MAX_NESTING} levels, the most pdclient encodes again"
+            ) from None
+    return value
 
 
 @dataclass(frozen=True)
@@ -267,13 +291,10 @@ def plan_call(kind: Kind, content: bytes, tenant: str | None = None) -> Plan:
     nested = kv_params_in_json(content)  # e.g. in vllm_xargs, which vLLM hands to the connector too
     if nested is not None:
         raise Refusal(_kv_refusal(f"at {nested}"))
-    try:
-        messages = _value(fields, "messages") if kind is Kind.CHAT else None
-        prompt = _value(fields, "prompt") if kind is Kind.COMPLETIONS else None
-        stream = bool(_value(fields, "stream"))
-        echo = bool(_value(fields, "echo"))
-    except orjson.JSONDecodeError as exc:  # msgspec accepted what orjson does not (e.g. a huge number)
-        raise Refusal(f"request body is not JSON pdclient can read: {exc}") from None
+    messages = field_value(fields, "messages") if kind is Kind.CHAT else None
+    prompt = field_value(fields, "prompt") if kind is Kind.COMPLETIONS else None
+    stream = bool(field_value(fields, "stream"))
+    echo = bool(field_value(fields, "echo"))
     if kind is Kind.CHAT and not isinstance(messages, list):
         raise Refusal("messages: a chat call needs a list of messages")
     if kind is Kind.COMPLETIONS:
@@ -602,8 +623,9 @@ def without_call_options(content: bytes) -> bytes:
 
 
 def _take_call_options(fields: Fields) -> CallOptions:
-    raw = fields.pop(CALL_OPTIONS_KEY, None)
+    given = field_value(fields, CALL_OPTIONS_KEY)
+    fields.pop(CALL_OPTIONS_KEY, None)
     try:
-        return parse_call_options(None if raw is None else orjson.loads(memoryview(raw)))
+        return parse_call_options(given)
     except PDConfigError as exc:
         raise Refusal(str(exc)) from None

@@ -4,7 +4,8 @@ The rules are the WHATWG event-stream's: a line ends with CRLF, LF or CR, and an
 ends at a blank line, so ``\\n\\n``, ``\\r\\n\\r\\n`` and ``\\r\\r`` (or any two line ends in a
 row) close one. An event's ``data`` is its ``data:`` lines' values (one leading space cut),
 joined by ``\\n``; comments (``:``) and other fields are kept in the bytes and ignored.
-``SSEFramer`` works across network reads: a partial event waits for its end. An event
+``SSEFramer`` works across network reads: a partial event waits for its end, up to
+``MAX_EVENT_BYTES`` (past it, ``EventTooLarge``: a step never gets half an event). An event
 is the exact bytes the server sent (its blank line included), so a body passed on event
 by event is byte for byte the body that came in; ``event_data`` reads its data, once,
 where it is needed (a framer that paid for every event's data would cost a stream that
@@ -27,8 +28,31 @@ _DONE_TAIL = 32
 _BLANK_LINE = re.compile(rb"(?:\r\n|\r(?!\n)|\n)(?:\r\n|\r|\n)")
 _LINE_END = re.compile(rb"\r\n|\r|\n")
 
-FLUSH_UNFRAMED = 1 << 16
-"""An SSE body with no event end in this many bytes is passed on as it is."""
+MAX_EVENT_BYTES = 16 << 20
+"""The longest event pdclient holds to handle it whole (16 MiB). A Responses answer echoes
+its whole response object (``instructions``, ``tools``, the output so far) in its lifecycle
+events, and a chat stream's first event carries the prompt's token ids (~8 bytes each):
+both stay far below this for any prompt a server takes. An event still without its end
+past it is not one to handle: the call fails (``EventTooLarge``) at the read that passes it."""
+
+
+class EventTooLarge(ValueError):
+    """An event of a stream pdclient handles event by event passed ``MAX_EVENT_BYTES``."""
+
+    def __init__(self, held: int) -> None:
+        super().__init__(
+            f"an event of the decode's stream is longer than {MAX_EVENT_BYTES >> 20} MiB "
+            "(MAX_EVENT_BYTES), the most pdclient holds to handle one event whole; the stream ends there"
+        )
+        self.held = held
+
+
+def error_event(message: str, code: int = 502) -> bytes:
+    """An event that ends a stream with an error, in the shape both SDKs raise on: the openai
+    SDK raises ``APIError`` with the message for any event whose data has an ``error``, the
+    anthropic SDK its status error for an ``error`` event."""
+    error = {"type": "error", "error": {"message": message, "type": "pdclient_error", "code": code}}
+    return b"event: error\ndata: " + orjson.dumps(error) + b"\n\n"
 
 
 def event_data(raw: bytes) -> bytes | None:
@@ -64,19 +88,38 @@ def split_events(data: bytes, start: int = 0) -> tuple[list[bytes], int]:
 
 
 class SSEFramer:
-    """An event stream as it arrives: ``feed`` the bytes read, get the events they completed."""
+    """An event stream as it arrives: ``feed`` the bytes read, get the events they completed.
 
-    __slots__ = ("_after_cr", "_buffer")
+    An event that spans reads gathers in one buffer, and each read is searched for its end
+    only where the read's bytes are (not the whole event again), so a long event costs its
+    length, not its length times its reads. One longer than ``MAX_EVENT_BYTES`` raises
+    ``EventTooLarge`` at the read that passes the bound (or at ``rest``).
+    """
+
+    __slots__ = ("_after_cr", "_held")
 
     def __init__(self) -> None:
-        self._buffer = b""
+        self._held = bytearray()
         self._after_cr = False
 
     def feed(self, data: bytes) -> list[bytes]:
         """The bytes of each event ``data`` completed."""
-        buffer = self._buffer + data if self._buffer else data
+        held = self._held
+        if held:
+            _check_length(len(held))  # a read longer than the bound held it: refused now
+            # A blank line that ends the held event may begin up to 3 bytes before ``data``.
+            searched = max(len(held) - 3, 0)
+            held += data
+            end = _BLANK_LINE.search(held, searched)
+            _check_length(len(held) if end is None else end.end())
+            if end is None:
+                return []
+            buffer = bytes(held)
+            held.clear()
+        else:
+            buffer = data
         if buffer.endswith(b"\n\n") and buffer.find(b"\n\n") == len(buffer) - 2 and b"\r" not in buffer:
-            self._buffer, self._after_cr = b"", False
+            self._after_cr = False
             return [buffer]  # most network reads of a stream: one whole event
         lf: list[bytes] = []
         if self._after_cr and buffer.startswith(b"\n"):
@@ -85,19 +128,26 @@ class SSEFramer:
             lf, buffer = [b"\n"], buffer[1:]
         events, start = split_events(buffer)
         self._after_cr = bool(events) and start == len(buffer) and buffer.endswith(b"\r")
-        self._buffer = buffer[start:]
+        held += memoryview(buffer)[start:]
         return lf + events if lf else events
 
     @property
     def pending(self) -> int:
         """Bytes of an event not yet ended."""
-        return len(self._buffer)
+        return len(self._held)
 
     def rest(self) -> bytes:
         """The bytes of an event not yet ended, which the framer then forgets (the body ended)."""
-        rest, self._buffer = self._buffer, b""
+        rest = bytes(self._held)
+        self._held.clear()
         self._after_cr = False
+        _check_length(len(rest))
         return rest
+
+
+def _check_length(held: int) -> None:
+    if held > MAX_EVENT_BYTES:
+        raise EventTooLarge(held)
 
 
 def ends_event_stream(chunk: bytes) -> bool:
@@ -112,13 +162,10 @@ def stream_tail(previous: bytes, chunk: bytes) -> bytes:
 
 
 def pass_events(framer: SSEFramer, data: bytes, each: Callable[[bytes], bytes]) -> bytes:
-    """The events ``data`` completed, each as ``each`` rewrites it (b"": left out), then the
-    bytes of a body with no event end in ``FLUSH_UNFRAMED`` bytes as they are: the one way
-    a step that passes a stream on in whole events frames it."""
-    out = b"".join([each(event) for event in framer.feed(data)])
-    if framer.pending >= FLUSH_UNFRAMED:
-        out += framer.rest()
-    return out
+    """The events ``data`` completed, each as ``each`` rewrites it (b"": left out): the one
+    way a step that passes a stream on in whole events frames it (``EventTooLarge`` past
+    ``MAX_EVENT_BYTES``: never half an event)."""
+    return b"".join([each(event) for event in framer.feed(data)])
 
 
 class ParsedEvent(bytes):

@@ -255,6 +255,63 @@ async def test_the_openai_sdk_gets_a_bad_request_naming_the_field(mode: str, pd_
     await twin.close()
 
 
+# -- JSON pdclient cannot read or write back ------------------------------------------------------
+
+
+def nested(depth: int) -> Any:
+    """A JSON value ``depth`` lists deep: vLLM reads it, orjson writes at most 254 levels."""
+    value: Any = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+DEEP = nested(300)
+USER = {"role": "user", "content": "hi"}
+TOOL_USE = {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {"a": DEEP}}]}
+INFINITY = "number is infinity"
+TOO_DEEP = "nested deeper than 254 levels"
+CHAT_TOOL: Any = {"type": "function", "function": {"name": "f", "parameters": DEEP}}
+UNREADABLE: list[tuple[str, bytes, str, str]] = [
+    ("chat/completions", b'{"model":"m","messages":[],"pdclient":1e999}', "pdclient", INFINITY),
+    ("completions", b'{"model":"m","prompt":"hi","pdclient":{"session":1e999}}', "pdclient", INFINITY),
+    ("responses", b'{"model":"m","input":"hi","previous_response_id":1e999}', "previous_response_id", INFINITY),
+    ("messages", b'{"model":"m","max_tokens":5,"messages":[],"pdclient":-1e999}', "pdclient", INFINITY),
+    ("embeddings", b'{"model":"m","input":"hi","pdclient":1e999}', "pdclient", INFINITY),  # a pass-through
+    ("chat/completions", body(messages=[{**USER, "content": [{"type": "text", "x": DEEP}]}]), "messages", TOO_DEEP),
+    ("chat/completions", body(messages=[USER], tools=[CHAT_TOOL]), "tools", TOO_DEEP),
+    ("responses", body(input=[USER, {"type": "function_call_output", "output": DEEP}]), "input", TOO_DEEP),
+    ("responses", body(input="hi", tools=[{"type": "function", "name": "f", "parameters": DEEP}]), "tools", TOO_DEEP),
+    ("messages", body(max_tokens=5, messages=[USER, TOOL_USE, USER]), "messages", TOO_DEEP),
+    ("messages", body(max_tokens=5, messages=[USER], tools=[{"name": "f", "input_schema": DEEP}]), "tools", TOO_DEEP),
+]
+"""(route, body, the field named, why): bodies vLLM takes and pdclient refuses with a 400."""
+
+
+@pytest.mark.parametrize(
+    ("route", "content", "field", "why"), UNREADABLE, ids=[f"{c[0]}-{c[2]}-{c[3]}" for c in UNREADABLE]
+)
+async def test_json_pdclient_cannot_read_or_write_back_is_a_400_naming_the_field(
+    mode: str, upstream: Upstream, route: str, content: bytes, field: str, why: str
+) -> None:
+    client = Client(mode)
+    response = await client.post(f"{DECODE}/{route}", content=content, headers={"content-type": "application/json"})
+    assert_refused(response, field, why)
+    assert upstream.calls == 0
+    assert all(trace.outcome is Outcome.REFUSED for trace in client.traces)  # a pass-through has none
+    await client.close()
+
+
+async def test_the_openai_sdk_gets_a_bad_request_for_json_nested_too_deep(mode: str, upstream: Upstream) -> None:
+    twin = Twin(mode)
+    with pytest.raises(openai.BadRequestError, match=f"tools: JSON {TOO_DEEP}"):
+        await twin.chat(messages=MESSAGES, tools=[CHAT_TOOL])
+    with pytest.raises(openai.BadRequestError, match=f"input: JSON {TOO_DEEP}"):
+        await twin.call(twin.client.responses.create, model="m", input=[{**USER, "content": [DEEP]}])
+    assert upstream.calls == 0
+    await twin.close()
+
+
 # -- per-call options that override the client's -------------------------------------------------
 
 OVERRIDES = [

@@ -7,6 +7,7 @@ import orjson
 import pytest
 
 from pdclient.handoff import dispatch
+from pdclient.wire import MAX_EVENT_BYTES
 
 PARAMS = {"remote_engine_id": "e1", "remote_host": "10.0.0.1", "remote_port": 5600, "tp_size": 1}
 
@@ -69,7 +70,7 @@ def test_the_first_event_gives_the_prompt_ids_or_none(chat: bool, chunks: list[b
 def test_a_first_event_without_end_is_given_up() -> None:
     peek = dispatch.PromptPeek(chat=True)
     assert not peek.feed(b"data: " + b"1," * 1000)
-    assert peek.feed(b"1," * dispatch.MAX_FIRST_EVENT_BYTES)
+    assert peek.feed(b"1," * MAX_EVENT_BYTES)
     assert peek.ids is None
 
 

@@ -1,10 +1,10 @@
-"""The SSE framer: one table of framings, each fed whole and byte by byte."""
+"""The SSE framer: one table of framings, each fed whole and byte by byte; long events."""
 
 from __future__ import annotations
 
 import pytest
 
-from pdclient.wire import SSEFramer, event_data, is_done, split_events
+from pdclient.wire import MAX_EVENT_BYTES, EventTooLarge, SSEFramer, event_data, is_done, split_events
 
 # (body, the events' data in order, the bytes left as a partial event)
 CASES = [
@@ -53,3 +53,29 @@ def test_event_data_without_its_blank_line() -> None:
     assert event_data(b"data: x") == b"x"
     assert event_data(b": comment") is None
     assert event_data(b"data: a\rb\n\n") == b"a"  # a CR ends a line, wherever it stands
+
+
+@pytest.mark.parametrize("end", [b"\n\n", b"\r\n\r\n", b"\r\r"])
+def test_an_event_over_many_reads_is_one_event_as_sent(end: bytes) -> None:
+    """A Responses event with 100 KB of instructions takes many network reads: it comes out
+    whole, once, whatever read its blank line is split across."""
+    long = b"event: response.created\ndata: " + b"x" * 100_000 + end
+    body = long + b"data: next" + end + long
+    for read in (7, 4096, 65536):
+        framer = SSEFramer()
+        events = [e for i in range(0, len(body), read) for e in framer.feed(body[i : i + read])]
+        assert framer.pending == 0 and b"".join(events) == body
+        assert [event_data(e) for e in events if e.strip()] == [b"x" * 100_000, b"next", b"x" * 100_000]
+
+
+def test_an_event_longer_than_the_bound_raises_at_the_read_that_passes_it() -> None:
+    framer = SSEFramer()
+    assert framer.feed(b"data: " + b"x" * (MAX_EVENT_BYTES - 8)) == []
+    assert framer.feed(b"\n\n") == [b"data: " + b"x" * (MAX_EVENT_BYTES - 8) + b"\n\n"]  # the bound itself passes
+    assert framer.feed(b"data: " + b"x" * (MAX_EVENT_BYTES - 8)) == []
+    with pytest.raises(EventTooLarge, match=r"longer than 16 MiB \(MAX_EVENT_BYTES\)"):
+        framer.feed(b"xxx\n\n")  # ends it, but past the bound: never handed on
+    framer = SSEFramer()
+    framer.feed(b"data: " + b"x" * MAX_EVENT_BYTES)
+    with pytest.raises(EventTooLarge):
+        framer.rest()
