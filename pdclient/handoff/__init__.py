@@ -6,7 +6,15 @@ KV release."""
 from . import _dispatch as dispatch
 from ._call import Call, CallContext, Phase
 from ._leg import Leg
-from ._leg_requests import LegRequests, asks_usage, decode_body, leg_url, new_request_id, request_with_content
+from ._leg_requests import (
+    LegRequests,
+    asks_usage,
+    decode_body,
+    leg_url,
+    new_correlation_id,
+    new_leg_id,
+    request_with_content,
+)
 from ._move import STREAM_ERRORS, Move, OpenDecode, ReadRefusal, Release, SendPrefill, Step, move
 from ._release import RELEASE_TIMEOUT, release_leg, release_request
 from ._remote_prefill import (
@@ -48,7 +56,8 @@ __all__ = [
     "id_tags_for",
     "leg_url",
     "move",
-    "new_request_id",
+    "new_correlation_id",
+    "new_leg_id",
     "release_leg",
     "release_request",
     "remote_prefill_decision",

@@ -71,7 +71,8 @@ from ._leg_requests import (
     call_options_refusal,
     caller_target,
     decode_body,
-    new_request_id,
+    new_correlation_id,
+    new_leg_id,
     pass_through_body,
     streams_upload,
 )
@@ -109,7 +110,10 @@ class Call:
         self.context = context
         self.observers = context.observers
         self.request = request
-        self.request_id = request.headers.get("x-request-id") or new_request_id()
+        self.request_id = request.headers.get("x-request-id") or new_correlation_id()
+        """The caller's correlation id: its ``x-request-id``, else a random one (logs, traces)."""
+        self.leg_request_id = new_leg_id()
+        """The id both legs carry (``new_leg_id``): never the caller's, never told to it."""
         tenant = request.extensions.get(TENANT_EXTENSION)
         self.tenant: str | None = None if tenant is None else str(tenant)
         """Who is calling, as the server passing its callers' requests on named them (``TENANT_EXTENSION``)."""
@@ -120,7 +124,7 @@ class Call:
         self.relative_path, self.dialect, self.stored_tag = caller_target(request, fleet.decode)
         """The path below the decode base; the API a P/D call speaks (None: a pass-through)
         (``pdclient.dialects``); the decode endpoint's tag its stored response carries."""
-        self.requests = LegRequests(request, self.request_id, self.relative_path, context.options.reuse_secret)
+        self.requests = LegRequests(request, self.leg_request_id, self.relative_path, context.options.reuse_secret)
         self.kind = self.dialect.kind if self.dialect is not None else None
         self.route = self.kind.value if self.kind else "passthrough"
         self.plan: wire.Plan | None = None
@@ -437,7 +441,7 @@ class Call:
             self.remote.remember(self.outcome, self.decode.endpoint.url, self.prefill_result)
         trace = self.trace()
         if self.kind is not None:
-            log_end(self.request_id, trace)
+            log_end(trace)
         self.observers.call_end(self, trace)
 
     def _fail(

@@ -48,7 +48,7 @@ from starlette.types import Receive, Scope, Send
 
 from .. import AsyncPDTransport, CallView, LegView, PDObserver, __version__
 from ..fleet import DiscoverySettings, Fleet, HealthProber
-from ..handoff import leg_url, new_request_id, request_with_content  # the per-call costs, cut once (see each)
+from ..handoff import leg_url, new_correlation_id, request_with_content  # the per-call costs, cut once (see each)
 from ..metrics import BuildInfo, PrometheusObserver, WithoutCreated
 from ..pools import AllEndpointsOpen, Endpoint
 from ..routing import TENANT_EXTENSION
@@ -277,8 +277,10 @@ class Proxy:
             return
         except _CallerLeft:
             return
+        # The caller's id, or a random one, is a correlation id (logs, the answer's header): the
+        # legs carry one of the transport's own (``handoff.new_leg_id``) no caller can choose.
         given_id = _header(headers, b"x-request-id")
-        request_id = given_id.decode("latin-1") if given_id else new_request_id()
+        request_id = given_id.decode("latin-1") if given_id else new_correlation_id()
         extensions: dict[str, Any] = {"timeout": self._timeouts, LEG_ERRORS: {}}
         if tenant is not None:
             extensions[TENANT_EXTENSION] = tenant

@@ -193,7 +193,7 @@ def test_chat_legs_one_token_prefill_then_the_decode_with_its_ids_and_kv() -> No
     body = sent(prefill)
     assert (body["stream"], body["max_tokens"], body["return_token_ids"]) == (False, 1, True)
     assert body["kv_transfer_params"]["do_remote_decode"] is True
-    assert prefill.headers["x-request-id"] == call.request_id and "connection" not in prefill.headers
+    assert prefill.headers["x-request-id"] == call.leg_request_id and "connection" not in prefill.headers
     decode = sent(prefilled_after(call, prefill))
     assert decode["stream"] is True and decode["max_tokens"] == 8
     assert decode["kv_transfer_params"]["remote_engine_id"] == NIXL_PARAMS["remote_engine_id"]
@@ -282,7 +282,7 @@ def test_dispatch_goes_concurrent_only_on_learnt_coordinates_its_mode_accepts(
     if sent_with is not None:
         kv = sent(sent_with.request)["kv_transfer_params"]
         assert kv["do_remote_prefill"] is True and kv["remote_block_ids"] == []
-        assert kv["remote_request_id"] == call.request_id and "prompt_token_ids" not in kv
+        assert kv["remote_request_id"] == call.leg_request_id and "prompt_token_ids" not in kv
         # The prefill's first attempt goes to the endpoint the decode registered with.
         assert call.prefill_request().url.host == "p"
 
