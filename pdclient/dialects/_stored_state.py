@@ -5,10 +5,14 @@ the server that answered it, so a later call naming it (``previous_response_id``
 ``GET /responses/{id}``, ``POST /responses/{id}/cancel``) must reach that server. Every
 Responses answer from a decode endpoint gets its ids tagged on the way out
 (``resp_<id>.pd<tag>``), and a tagged id coming in is stripped before it is forwarded
-(the server sees its own id) and names the endpoint to pin. The tag is a hash of the
-endpoint's URL as configured (credentials redacted), so every process and replica
-computes the same one with nothing shared; a tag no configured endpoint has any more
-(the pool changed) routes as an untagged id does, and that server answers (its 404).
+(the server sees its own id) and names the endpoint to pin. The tag is an HMAC of the
+endpoint's URL as configured (credentials redacted), keyed with the operator's secret
+(``reuse_secret``), so every process and replica given that secret computes the same one
+and nobody without it can tell from a tag which server it names. Without a secret the key
+is a fixed one: the tag still routes, but whoever can guess the candidate URLs (every port
+of a host) can hash them and find the server. A tag no configured endpoint has any more
+(the pool changed, or the secret did) routes as an untagged id does, and that server
+answers (its 404).
 
 The ids stay opaque strings to the openai and Agents SDKs: ASCII letters, digits, ``_``
 and ``.``, valid in a URL path segment as they are.
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import hmac
 import re
 from collections.abc import Iterable
 from functools import lru_cache
@@ -32,7 +37,8 @@ TAG_LENGTH = 10
 """Base32 characters of the tag: 50 bits, ample to tell a pool's endpoints apart."""
 _SEPARATOR = ".pd"
 _KEY = b"pdclient decode endpoint of a stored response\x00"
-"""Fixed, so that every process derives the same tag; it keeps the tag from being a bare hash of the URL."""
+"""Hashed with the URL without a secret (every process derives the same tag); with one,
+the secret's HMAC of it keys the tags: a key of their own (the secret itself signs the legs)."""
 _TAGGED = re.compile(rf"\.pd([a-z2-7]{{{TAG_LENGTH}}})\Z")
 _RESPONSE_PATH = re.compile(r"/responses/([^/]+)(/cancel|/input_items)?/?\Z")
 """The pass-through routes that name a stored response (vLLM 0.32 serves GET and ``/cancel``)."""
@@ -41,9 +47,14 @@ _ID_FIELDS = ("id", "previous_response_id")
 
 
 @lru_cache(maxsize=256)
-def endpoint_tag(url: str) -> str:
-    """The tag of a decode endpoint's URL: the same in every process that configures it alike."""
-    digest = hashlib.sha256(_KEY + call_options.redact_url(url).encode("utf-8")).digest()
+def endpoint_tag(url: str, secret: str | None = None) -> str:
+    """The tag of a decode endpoint's URL: the same in every process that configures it
+    alike with the same ``secret`` (``PDOptions.reuse_secret``; None: the fixed key)."""
+    named = call_options.redact_url(url).encode("utf-8")
+    if secret is None:  # as before secrets keyed it: tags already handed out still route
+        digest = hashlib.sha256(_KEY + named).digest()
+    else:
+        digest = hmac.digest(hmac.digest(secret.encode("utf-8"), _KEY, hashlib.sha256), named, hashlib.sha256)
     return base64.b32encode(digest).decode("ascii")[:TAG_LENGTH].lower()
 
 
@@ -68,11 +79,11 @@ def tag_id(response_id: str, tag: str) -> str:
     return f"{response_id}{_SEPARATOR}{tag}"
 
 
-def endpoint_for(tag: str | None, urls: Iterable[str]) -> str | None:
-    """The URL among ``urls`` (the pool now) whose tag is ``tag``; None if none is."""
+def endpoint_for(tag: str | None, urls: Iterable[str], secret: str | None = None) -> str | None:
+    """The URL among ``urls`` (the pool now) whose tag under ``secret`` is ``tag``; None if none is."""
     if tag is None:
         return None
-    return next((url for url in urls if endpoint_tag(url) == tag), None)
+    return next((url for url in urls if endpoint_tag(url, secret) == tag), None)
 
 
 def untag_path(relative_path: str) -> tuple[str, str | None]:

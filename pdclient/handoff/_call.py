@@ -291,7 +291,10 @@ class Call:
             base = self.decode.use(self.fallback_url)
         else:
             pool = self.context.fleet.decode
-            stored_at = endpoint_for(self.stored_tag, (e.url for e in pool.endpoints)) if self.stored_tag else None
+            urls = (e.url for e in pool.endpoints)
+            stored_at = (
+                endpoint_for(self.stored_tag, urls, self.context.options.reuse_secret) if self.stored_tag else None
+            )
             try:
                 pinned = self.remote.pin_decode(self.decode, stored_at, self.context.options.conversations)
             except HandoffInstead:
@@ -385,7 +388,12 @@ class Call:
         tags = self.dialect.tags_answer_ids if self.dialect is not None else names_a_response(self.relative_path)
         endpoint = self.decode.endpoint.url if self.decode.endpoint is not None else None
         strip = usage.UsageStrip() if asked else None
-        body.begin(content_type, merge, id_tags_for(tags, endpoint, status, content_type), strip)
+        body.begin(
+            content_type,
+            merge,
+            id_tags_for(tags, endpoint, status, content_type, self.context.options.reuse_secret),
+            strip,
+        )
         return caller_response(response, stream, body, self.trace().to_headers() if self.kind is not None else None)
 
     def decode_unavailable(self, error: AllEndpointsOpen) -> httpx.Response:
