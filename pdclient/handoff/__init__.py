@@ -5,6 +5,7 @@ KV release."""
 
 from . import _dispatch as dispatch
 from ._call import Call, CallContext, Phase
+from ._failure import PREFILL_FAILURES, PrefillRedirected
 from ._leg import Leg
 from ._leg_requests import (
     LegRequests,
@@ -29,6 +30,8 @@ from ._report import CALL_RECORD, STORED_STATE
 from ._to_caller import CallerBody, id_tags_for, usage_merge_for
 
 __all__ = [
+    "PREFILL_FAILURES",
+    "PrefillRedirected",
     "CALL_RECORD",
     "RELEASE_TIMEOUT",
     "STORED_STATE",

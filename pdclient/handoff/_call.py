@@ -57,6 +57,7 @@ from ..wire import _usage as usage
 from ..wire import redact_url
 from . import _dispatch
 from ._failure import (
+    PrefillRedirected,
     error_response,
     fallback_for,
     leg_error_response,
@@ -248,10 +249,15 @@ class Call:
         return self.prefill.start(request)
 
     def check_prefill(self, response: httpx.Response) -> httpx.Response | None:
-        """Judge one prefill attempt, body read: raise to retry, return a response to end the call, or None."""
+        """Judge one prefill attempt, body read: raise to retry (``PrefillRedirected``: to fail
+        the leg at once), return a response to end the call, or None."""
         assert self.dialect is not None
         if response.status_code < 300:
             self.prefill.answered()  # one token
+        elif response.status_code < 400:
+            redirected = PrefillRedirected(response.status_code)
+            self.prefill.end(response.status_code, redirected)
+            raise redirected
         self.prefill.end(response.status_code, None)
         if retry.is_transient_status(response.status_code):
             raise retry.RetryableStatus(response)
