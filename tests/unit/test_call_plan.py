@@ -349,13 +349,13 @@ def test_only_a_decode_only_chat_stream_asks_for_the_usage_the_caller_did_not() 
 
 
 def test_the_answers_ids_are_tagged_in_json_and_event_streams_only() -> None:
-    stream = id_tags_for(True, DECODES[0], 200, "text/event-stream; charset=utf-8")
-    body = id_tags_for(True, DECODES[0], 200, "application/json")
+    stream = id_tags_for(True, DECODES[0], 200, "text/event-stream; charset=utf-8", None)
+    body = id_tags_for(True, DECODES[0], 200, "application/json", None)
     assert stream is not None and stream.stream and body is not None and not body.stream
-    assert id_tags_for(True, DECODES[0], 200, "text/plain") is None
-    assert id_tags_for(True, DECODES[0], 404, "application/json") is None
-    assert id_tags_for(True, None, 200, "application/json") is None
-    assert id_tags_for(False, DECODES[0], 200, "application/json") is None
+    assert id_tags_for(True, DECODES[0], 200, "text/plain", None) is None
+    assert id_tags_for(True, DECODES[0], 404, "application/json", None) is None
+    assert id_tags_for(True, None, 200, "application/json", None) is None
+    assert id_tags_for(False, DECODES[0], 200, "application/json", None) is None
 
 
 def test_the_callers_stream_is_framed_once_and_each_event_parsed_once(monkeypatch: pytest.MonkeyPatch) -> None:
