@@ -21,11 +21,11 @@ and ``.``, valid in a URL path segment as they are.
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import hmac
 import re
 from collections.abc import Iterable
-from functools import lru_cache
 from typing import Any
 
 import orjson
@@ -39,14 +39,23 @@ _SEPARATOR = ".pd"
 _KEY = b"pdclient decode endpoint of a stored response\x00"
 """Hashed with the URL without a secret (every process derives the same tag); with one,
 the secret's HMAC of it keys the tags: a key of their own (the secret itself signs the legs)."""
+MAX_ID_LENGTH = 256
+"""The longest ``request_id`` or (untagged) ``previous_response_id`` a Responses call may
+carry, in characters: vLLM's own ids are ~40 (``resp_`` and 32 hex digits), and vLLM
+echoes each in its answer, whose ids are tagged on the way out."""
 _TAGGED = re.compile(rf"\.pd([a-z2-7]{{{TAG_LENGTH}}})\Z")
 _RESPONSE_PATH = re.compile(r"/responses/([^/]+)(/cancel|/input_items)?/?\Z")
 """The pass-through routes that name a stored response (vLLM 0.32 serves GET and ``/cancel``)."""
 _RESPONSE_KEY = b'"response"'
-_ID_FIELDS = ("id", "previous_response_id")
+_ID_FIELDS = tuple(
+    (name, re.compile(rb'("%s"\s*:\s*)("[^"\\]*(?:\\.[^"\\]*)*")' % name.encode("ascii")))
+    for name in ("id", "previous_response_id")
+)
+"""Each id field and where it stands with its value (a JSON string) in the raw answer:
+compiled once, in linear time on any id (a pattern per id cost ~1 s per MB to compile)."""
 
 
-@lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=256)
 def endpoint_tag(url: str, secret: str | None = None) -> str:
     """The tag of a decode endpoint's URL: the same in every process that configures it
     alike with the same ``secret`` (``PDOptions.reuse_secret``; None: the fixed key)."""
@@ -112,12 +121,16 @@ def _tag_payload(raw: bytes, response: object, tag: str) -> bytes | None:
     if not isinstance(response, dict):
         return None
     out = raw
-    for name in _ID_FIELDS:
+    for name, field in _ID_FIELDS:
         own = response.get(name)
         if isinstance(own, str) and (new := tag_id(own, tag)) != own:
-            field = re.compile(rb'("%s"\s*:\s*)%s' % (name.encode("ascii"), re.escape(orjson.dumps(own))))
-            out = field.sub(lambda match: match.group(1) + orjson.dumps(new), out)
+            out = field.sub(functools.partial(_tagged_value, orjson.dumps(own), orjson.dumps(new)), out)
     return None if out == raw else out
+
+
+def _tagged_value(written: bytes, tagged: bytes, match: re.Match[bytes]) -> bytes:
+    """A field's value replaced by ``tagged`` where it is the id as written, else as it was."""
+    return match.group(1) + tagged if match.group(2) == written else match.group(0)
 
 
 def tag_json(body: bytes, tag: str) -> bytes:
