@@ -39,7 +39,15 @@ class CallView(Protocol):
     """What an observer may read of a call."""
 
     @property
-    def request_id(self) -> str: ...
+    def request_id(self) -> str:
+        """The caller's correlation id: its ``x-request-id``, else a random one."""
+        ...
+
+    @property
+    def leg_request_id(self) -> str:
+        """The ``x-request-id`` the call's legs carry: random, never the caller's."""
+        ...
+
     @property
     def route(self) -> str:
         """``chat``, ``completions`` or ``passthrough``."""

@@ -132,7 +132,9 @@ class PDOptions:
     breaker: BreakerSettings = field(default_factory=BreakerSettings)
     retries: RetrySettings = field(default_factory=RetrySettings)
     reuse_secret: str | None = field(default=None, repr=False)
-    """Signs every leg for servers whose server patch guards ``kv_transfer_params``."""
+    """Signs every leg for servers whose server patch guards ``kv_transfer_params``, and keys
+    the decode endpoint's tag in Responses ids (``dialects._stored_state``): give every
+    replica the same one."""
     on_trace: Callable[[PDTrace], None] | None = None
     """Called with each chat or completions call's ``PDTrace`` once the call is over."""
     observers: Sequence[PDObserver] = ()

@@ -62,12 +62,16 @@ class Migration(BaseModel):
         return redact_url(value)  # as PDTrace's: a record is shown
 
 
+_NOT_IN_HEADERS = {"decode_first_byte_ms", "migrations", "leg_request_id"}
+
+
 class PDTrace(BaseModel):
     """What one chat or completions call did. Times are milliseconds measured on the client."""
 
     model_config = ConfigDict(frozen=True)
 
     request_id: str
+    """The caller's correlation id: its ``x-request-id``, else a random one made for the call."""
     route: str
     """The API of a P/D call (``chat``, ``completions``, ``responses``, ``messages``: its
     dialect, ``pdclient.dialects``) or ``passthrough``."""
@@ -134,6 +138,10 @@ class PDTrace(BaseModel):
     migrations: tuple[Migration, ...] = ()
     """Each time the decode stream broke and the answer continued on another decode endpoint
     (``max_decode_migrations``), in order. Not in the response headers: known only later."""
+    leg_request_id: str | None = None
+    """The ``x-request-id`` both legs carried (the servers' logs name the call by it; a moved
+    stream's continuation adds ``-m<n>``): random per call, never the caller's. Not in the
+    response headers: vLLM's push mode pairs the legs by it, so it is the operator's to see."""
 
     # A base URL may carry credentials (http://user:password@host): a trace is shown (headers,
     # logs, observers), so they never reach it, neither as a URL nor inside a message.
@@ -145,7 +153,7 @@ class PDTrace(BaseModel):
     def to_headers(self) -> dict[str, str]:
         """The fields known when the decode response starts, as ``x-pd-*`` headers (ASCII)."""
         headers: dict[str, str] = {}
-        for name, value in self.model_dump(exclude={"decode_first_byte_ms", "migrations"}, mode="json").items():
+        for name, value in self.model_dump(exclude=_NOT_IN_HEADERS, mode="json").items():
             if value is not None:
                 headers[HEADER_PREFIX + name.replace("_", "-")] = header_value(value)
         return headers

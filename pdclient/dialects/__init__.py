@@ -7,6 +7,7 @@ A stored response's decode endpoint travels as a tag in its id (``_stored_state`
 from ._dialect import Dialect
 from ._registry import DIALECTS, dialect_for, dialect_of
 from ._stored_state import (
+    MAX_ID_LENGTH,
     IdTags,
     endpoint_for,
     endpoint_tag,
@@ -20,6 +21,7 @@ from ._stored_state import (
 
 __all__ = [
     "DIALECTS",
+    "MAX_ID_LENGTH",
     "Dialect",
     "IdTags",
     "dialect_for",

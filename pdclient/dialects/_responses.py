@@ -32,6 +32,8 @@ from ._dialect import Dialect, merge_for
 _ROLES = frozenset({"system", "developer", "user", "assistant"})
 _INPUT_SIDE = ("input_tokens", "input_tokens_details")
 _STORED_STATE = ("previous_response_id", "conversation")
+_ECHOED_IDS = ("request_id", "previous_response_id")
+"""Ids of the caller's that vLLM echoes in its answer (``request_id`` as the response's id)."""
 """State the decode server stored (``VLLM_ENABLE_RESPONSES_API_STORE=1``) that a call builds on."""
 
 
@@ -104,6 +106,13 @@ class Responses(Dialect):
     def plan(self, content: bytes, tenant: str | None) -> wire.Plan:
         plan = rendered.plan_with_conversation(self.kind, content, tenant, conversation)
         self.stored_state(plan)  # read now: one pdclient cannot read is a 400 before any leg
+        for name in _ECHOED_IDS:
+            given = rendered.value(plan.fields, name)
+            if isinstance(given, str) and len(own := stored.untag_id(given)[0]) > stored.MAX_ID_LENGTH:
+                raise wire.Refusal(
+                    f"{name} is {len(own)} characters, longer than {stored.MAX_ID_LENGTH} (pdclient's bound on the "
+                    "ids vLLM echoes in its answer)"
+                )
         return plan
 
     def stored_state(self, plan: wire.Plan) -> str | None:

@@ -5,10 +5,14 @@ the server that answered it, so a later call naming it (``previous_response_id``
 ``GET /responses/{id}``, ``POST /responses/{id}/cancel``) must reach that server. Every
 Responses answer from a decode endpoint gets its ids tagged on the way out
 (``resp_<id>.pd<tag>``), and a tagged id coming in is stripped before it is forwarded
-(the server sees its own id) and names the endpoint to pin. The tag is a hash of the
-endpoint's URL as configured (credentials redacted), so every process and replica
-computes the same one with nothing shared; a tag no configured endpoint has any more
-(the pool changed) routes as an untagged id does, and that server answers (its 404).
+(the server sees its own id) and names the endpoint to pin. The tag is an HMAC of the
+endpoint's URL as configured (credentials redacted), keyed with the operator's secret
+(``reuse_secret``), so every process and replica given that secret computes the same one
+and nobody without it can tell from a tag which server it names. Without a secret the key
+is a fixed one: the tag still routes, but whoever can guess the candidate URLs (every port
+of a host) can hash them and find the server. A tag no configured endpoint has any more
+(the pool changed, or the secret did) routes as an untagged id does, and that server
+answers (its 404).
 
 The ids stay opaque strings to the openai and Agents SDKs: ASCII letters, digits, ``_``
 and ``.``, valid in a URL path segment as they are.
@@ -17,10 +21,11 @@ and ``.``, valid in a URL path segment as they are.
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
+import hmac
 import re
 from collections.abc import Iterable
-from functools import lru_cache
 from typing import Any
 
 import orjson
@@ -32,18 +37,33 @@ TAG_LENGTH = 10
 """Base32 characters of the tag: 50 bits, ample to tell a pool's endpoints apart."""
 _SEPARATOR = ".pd"
 _KEY = b"pdclient decode endpoint of a stored response\x00"
-"""Fixed, so that every process derives the same tag; it keeps the tag from being a bare hash of the URL."""
+"""Hashed with the URL without a secret (every process derives the same tag); with one,
+the secret's HMAC of it keys the tags: a key of their own (the secret itself signs the legs)."""
+MAX_ID_LENGTH = 256
+"""The longest ``request_id`` or (untagged) ``previous_response_id`` a Responses call may
+carry, in characters: vLLM's own ids are ~40 (``resp_`` and 32 hex digits), and vLLM
+echoes each in its answer, whose ids are tagged on the way out."""
 _TAGGED = re.compile(rf"\.pd([a-z2-7]{{{TAG_LENGTH}}})\Z")
 _RESPONSE_PATH = re.compile(r"/responses/([^/]+)(/cancel|/input_items)?/?\Z")
 """The pass-through routes that name a stored response (vLLM 0.32 serves GET and ``/cancel``)."""
 _RESPONSE_KEY = b'"response"'
-_ID_FIELDS = ("id", "previous_response_id")
+_ID_FIELDS = tuple(
+    (name, re.compile(rb'("%s"\s*:\s*)("[^"\\]*(?:\\.[^"\\]*)*")' % name.encode("ascii")))
+    for name in ("id", "previous_response_id")
+)
+"""Each id field and where it stands with its value (a JSON string) in the raw answer:
+compiled once, in linear time on any id (a pattern per id cost ~1 s per MB to compile)."""
 
 
-@lru_cache(maxsize=256)
-def endpoint_tag(url: str) -> str:
-    """The tag of a decode endpoint's URL: the same in every process that configures it alike."""
-    digest = hashlib.sha256(_KEY + call_options.redact_url(url).encode("utf-8")).digest()
+@functools.lru_cache(maxsize=256)
+def endpoint_tag(url: str, secret: str | None = None) -> str:
+    """The tag of a decode endpoint's URL: the same in every process that configures it
+    alike with the same ``secret`` (``PDOptions.reuse_secret``; None: the fixed key)."""
+    named = call_options.redact_url(url).encode("utf-8")
+    if secret is None:  # as before secrets keyed it: tags already handed out still route
+        digest = hashlib.sha256(_KEY + named).digest()
+    else:
+        digest = hmac.digest(hmac.digest(secret.encode("utf-8"), _KEY, hashlib.sha256), named, hashlib.sha256)
     return base64.b32encode(digest).decode("ascii")[:TAG_LENGTH].lower()
 
 
@@ -68,11 +88,11 @@ def tag_id(response_id: str, tag: str) -> str:
     return f"{response_id}{_SEPARATOR}{tag}"
 
 
-def endpoint_for(tag: str | None, urls: Iterable[str]) -> str | None:
-    """The URL among ``urls`` (the pool now) whose tag is ``tag``; None if none is."""
+def endpoint_for(tag: str | None, urls: Iterable[str], secret: str | None = None) -> str | None:
+    """The URL among ``urls`` (the pool now) whose tag under ``secret`` is ``tag``; None if none is."""
     if tag is None:
         return None
-    return next((url for url in urls if endpoint_tag(url) == tag), None)
+    return next((url for url in urls if endpoint_tag(url, secret) == tag), None)
 
 
 def untag_path(relative_path: str) -> tuple[str, str | None]:
@@ -101,12 +121,16 @@ def _tag_payload(raw: bytes, response: object, tag: str) -> bytes | None:
     if not isinstance(response, dict):
         return None
     out = raw
-    for name in _ID_FIELDS:
+    for name, field in _ID_FIELDS:
         own = response.get(name)
         if isinstance(own, str) and (new := tag_id(own, tag)) != own:
-            field = re.compile(rb'("%s"\s*:\s*)%s' % (name.encode("ascii"), re.escape(orjson.dumps(own))))
-            out = field.sub(lambda match: match.group(1) + orjson.dumps(new), out)
+            out = field.sub(functools.partial(_tagged_value, orjson.dumps(own), orjson.dumps(new)), out)
     return None if out == raw else out
+
+
+def _tagged_value(written: bytes, tagged: bytes, match: re.Match[bytes]) -> bytes:
+    """A field's value replaced by ``tagged`` where it is the id as written, else as it was."""
+    return match.group(1) + tagged if match.group(2) == written else match.group(0)
 
 
 def tag_json(body: bytes, tag: str) -> bytes:

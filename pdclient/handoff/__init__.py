@@ -5,8 +5,17 @@ KV release."""
 
 from . import _dispatch as dispatch
 from ._call import Call, CallContext, Phase
+from ._failure import PREFILL_FAILURES, PrefillRedirected
 from ._leg import Leg
-from ._leg_requests import LegRequests, asks_usage, decode_body, leg_url, new_request_id, request_with_content
+from ._leg_requests import (
+    LegRequests,
+    asks_usage,
+    decode_body,
+    leg_url,
+    new_correlation_id,
+    new_leg_id,
+    request_with_content,
+)
 from ._move import STREAM_ERRORS, Move, OpenDecode, ReadRefusal, Release, SendPrefill, Step, move
 from ._release import RELEASE_TIMEOUT, release_leg, release_request
 from ._remote_prefill import (
@@ -21,6 +30,8 @@ from ._report import CALL_RECORD, STORED_STATE
 from ._to_caller import CallerBody, id_tags_for, usage_merge_for
 
 __all__ = [
+    "PREFILL_FAILURES",
+    "PrefillRedirected",
     "CALL_RECORD",
     "RELEASE_TIMEOUT",
     "STORED_STATE",
@@ -48,7 +59,8 @@ __all__ = [
     "id_tags_for",
     "leg_url",
     "move",
-    "new_request_id",
+    "new_correlation_id",
+    "new_leg_id",
     "release_leg",
     "release_request",
     "remote_prefill_decision",

@@ -58,6 +58,7 @@ from ..wire import _bodies as wire
 from ..wire import _usage as usage
 from . import _dispatch
 from ._failure import (
+    PrefillRedirected,
     error_response,
     fallback_for,
     leg_error_response,
@@ -72,7 +73,8 @@ from ._leg_requests import (
     call_options_refusal,
     caller_target,
     decode_body,
-    new_request_id,
+    new_correlation_id,
+    new_leg_id,
     pass_through_body,
     streams_upload,
 )
@@ -110,7 +112,10 @@ class Call:
         self.context = context
         self.observers = context.observers
         self.request = request
-        self.request_id = request.headers.get("x-request-id") or new_request_id()
+        self.request_id = request.headers.get("x-request-id") or new_correlation_id()
+        """The caller's correlation id: its ``x-request-id``, else a random one (logs, traces)."""
+        self.leg_request_id = new_leg_id()
+        """The id both legs carry (``new_leg_id``): never the caller's, never told to it."""
         tenant = request.extensions.get(TENANT_EXTENSION)
         self.tenant: str | None = None if tenant is None else str(tenant)
         """Who is calling, as the server passing its callers' requests on named them (``TENANT_EXTENSION``)."""
@@ -121,7 +126,7 @@ class Call:
         self.relative_path, self.dialect, self.stored_tag = caller_target(request, fleet.decode)
         """The path below the decode base; the API a P/D call speaks (None: a pass-through)
         (``pdclient.dialects``); the decode endpoint's tag its stored response carries."""
-        self.requests = LegRequests(request, self.request_id, self.relative_path, context.options.reuse_secret)
+        self.requests = LegRequests(request, self.leg_request_id, self.relative_path, context.options.reuse_secret)
         self.kind = self.dialect.kind if self.dialect is not None else None
         self.route = self.kind.value if self.kind else "passthrough"
         self.plan: wire.Plan | None = None
@@ -247,10 +252,15 @@ class Call:
         return self.prefill.start(request)
 
     def check_prefill(self, response: httpx.Response) -> httpx.Response | None:
-        """Judge one prefill attempt, body read: raise to retry, return a response to end the call, or None."""
+        """Judge one prefill attempt, body read: raise to retry (``PrefillRedirected``: to fail
+        the leg at once), return a response to end the call, or None."""
         assert self.dialect is not None
         if response.status_code < 300:
             self.prefill.answered()  # one token
+        elif response.status_code < 400:
+            redirected = PrefillRedirected(response.status_code)
+            self.prefill.end(response.status_code, redirected)
+            raise redirected
         self.prefill.end(response.status_code, None)
         if retry.is_transient_status(response.status_code):
             raise retry.RetryableStatus(response)
@@ -290,7 +300,10 @@ class Call:
             base = self.decode.use(self.fallback_url)
         else:
             pool = self.context.fleet.decode
-            stored_at = endpoint_for(self.stored_tag, (e.url for e in pool.endpoints)) if self.stored_tag else None
+            urls = (e.url for e in pool.endpoints)
+            stored_at = (
+                endpoint_for(self.stored_tag, urls, self.context.options.reuse_secret) if self.stored_tag else None
+            )
             try:
                 pinned = self.remote.pin_decode(self.decode, stored_at, self.context.options.conversations)
             except HandoffInstead:
@@ -384,7 +397,12 @@ class Call:
         tags = self.dialect.tags_answer_ids if self.dialect is not None else names_a_response(self.relative_path)
         endpoint = self.decode.endpoint.url if self.decode.endpoint is not None else None
         strip = usage.UsageStrip() if asked else None
-        body.begin(content_type, merge, id_tags_for(tags, endpoint, status, content_type), strip)
+        body.begin(
+            content_type,
+            merge,
+            id_tags_for(tags, endpoint, status, content_type, self.context.options.reuse_secret),
+            strip,
+        )
         return caller_response(response, stream, body, self.trace().to_headers() if self.kind is not None else None)
 
     def decode_unavailable(self, error: AllEndpointsOpen) -> httpx.Response:
@@ -449,7 +467,7 @@ class Call:
             self.remote.remember(self.outcome, self.decode.endpoint.url, self.prefill_result)
         trace = self.trace()
         if self.kind is not None:
-            log_end(self.request_id, trace)
+            log_end(trace)
         self.observers.call_end(self, trace)
 
     def _fail(

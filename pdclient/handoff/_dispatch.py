@@ -164,7 +164,7 @@ class Coordinates:
         ``NixlConnectorMetadata.add_new_req_to_recv``); the prefill server's own id for the
         request is not known yet, and the decode uses this one only to name the request in
         its lease heartbeats, which the prefill server ignores for an id it does not hold:
-        the call's request id, which both legs carry, is the honest value.
+        the call's leg id, which both legs carry, is the honest value.
         """
         params = {
             "do_remote_prefill": True,
@@ -280,7 +280,7 @@ def concurrent_decode(call: Call) -> ConcurrentDecode | None:
         base = call.decode.pick(call.route_for("decode"))
     except AllEndpointsOpen:
         return None  # the sequential path answers a decode outage
-    pushed = wire.PrefillResult(ids=None, count=0, kv_transfer_params=coordinates.decode_kv_params(call.request_id))
+    pushed = wire.PrefillResult(ids=None, count=0, kv_transfer_params=coordinates.decode_kv_params(call.leg_request_id))
     body = call.armed_decode_body(pushed, checks_prompt=checks_prompt)
     request = call.decode.start(call.requests.signed(base, body))
     call.dispatch = CONCURRENT

@@ -25,6 +25,19 @@ _SHOWN_BODY = 200
 """How much of a failed prefill's body its reason quotes."""
 
 
+class PrefillRedirected(Exception):
+    """A prefill leg answered a redirect: its server ran no prefill. Not retried elsewhere
+    (the same request would be redirected again), the failure policy decides; the
+    answer's ``Location``, which may name a server, goes nowhere."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(f"the prefill server answered a redirect (HTTP {status}), not a prefill")
+
+
+PREFILL_FAILURES = (*retry.PREFILL_RETRYABLE, AllEndpointsOpen, PrefillRedirected)
+"""What ends a prefill leg for good, for the failure policy (``Call.prefill_failed``)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Fallback:
     """Where a call whose prefill is lost goes on: its own decode pool (``url`` None, the

@@ -1,9 +1,10 @@
 """The requests of a call's legs: the caller's request on another base, filtered and signed.
 
 A leg's request is the caller's method, path, query and headers on the leg's endpoint,
-with the hop-by-hop headers left out and the call's request id set (both legs carry the
-same one). A body pdclient built is signed for servers whose server patch guards
-``kv_transfer_params`` (``wire.signature``), so a forged or replayed id array is refused.
+with the hop-by-hop headers left out and the call's leg id set (both legs carry the same
+one, ``new_leg_id``; the caller's own ``x-request-id`` never reaches a server). A body
+pdclient built is signed for servers whose server patch guards ``kv_transfer_params``
+(``wire.signature``), so a forged or replayed id array is refused.
 The bodies come from the call's dialect; this module only chooses which one a leg sends
 (``decode_body``: armed for migration, asking for the usage the memory learns from).
 """
@@ -11,8 +12,7 @@ The bodies come from the call's dialect; this module only chooses which one a le
 from __future__ import annotations
 
 import functools
-import itertools
-import os
+import secrets
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -29,7 +29,7 @@ from ..wire import _bodies as wire
 from ..wire import _usage as usage
 
 # Hop-by-hop or derived headers that must not be copied onto a leg's new request (the
-# request id is set anew, as the call's).
+# request id is set anew, as the call's leg id).
 _DROPPED_REQUEST_HEADERS = HOP_BY_HOP | {b"host", b"content-length", b"x-request-id"}
 # How the caller framed its body: kept when its body stream goes on unread (a leg without
 # them would declare no body, and h11 refuses to send one).
@@ -37,24 +37,18 @@ _BODY_FRAMING = frozenset({b"content-length", b"transfer-encoding"})
 _METHODS_WITH_BODY = frozenset({"POST", "PUT", "PATCH"})  # httpx declares even an empty one
 
 
-class _RequestIds:
-    """Request ids no other call of any process has: a random 64-bit prefix per process
-    (anew in a forked child) and a counter. ``uuid4`` asks the kernel for randomness per
-    id, ~0.1 ms each on these machines, a few per cent of the proxy's CPU per call."""
+def new_leg_id() -> str:
+    """The id a call's legs carry: 128 random bits, anew per call.
 
-    def __init__(self) -> None:
-        self.reset()
-        os.register_at_fork(after_in_child=self.reset)
-
-    def reset(self) -> None:
-        self._prefix = f"pd-{os.urandom(8).hex()}-"
-        self._counter = itertools.count()
-
-    def next(self) -> str:
-        return f"{self._prefix}{next(self._counter):x}"
+    vLLM's push mode pairs a decode's registration with the prefill's blocks by it, so no
+    caller may choose or predict it: never a caller's ``x-request-id`` (that stays a
+    correlation id), nor a counter after a prefix a caller can read off its answers."""
+    return f"pd-{secrets.token_hex(16)}"
 
 
-new_request_id = _RequestIds().next
+def new_correlation_id() -> str:
+    """A correlation id for a caller that gave none: random too, and never the legs' id."""
+    return f"req-{secrets.token_hex(16)}"
 
 
 def caller_target(request: httpx.Request, decode: EndpointPool) -> tuple[str, Dialect | None, str | None]:
@@ -135,11 +129,11 @@ def call_options_refusal(given: CallOptions, options: PDOptions) -> str | None:
 class LegRequests:
     """The requests of one call's legs, on whichever base each attempt goes to."""
 
-    __slots__ = ("_path", "_request", "_request_id", "_secret")
+    __slots__ = ("_leg_id", "_path", "_request", "_secret")
 
-    def __init__(self, request: httpx.Request, request_id: str, relative_path: str, secret: str | None) -> None:
+    def __init__(self, request: httpx.Request, leg_id: str, relative_path: str, secret: str | None) -> None:
         self._request = request
-        self._request_id = request_id
+        self._leg_id = leg_id
         self._path = relative_path
         self._secret = secret
 
@@ -169,8 +163,7 @@ class LegRequests:
         # One pass over the caller's raw headers: httpx's Headers.pop scans them per name.
         raw = caller.headers.raw
         headers = [(k, v) for k, v in raw if k.lower() not in _DROPPED_REQUEST_HEADERS]
-        # The caller's own id goes on as the bytes it came as (decoded with the headers' encoding).
-        headers += [(b"x-request-id", self._request_id.encode(caller.headers.encoding)), (b"host", url.netloc)]
+        headers += [(b"x-request-id", self._leg_id.encode("ascii")), (b"host", url.netloc)]
         if signed_with is not None:
             headers.append((SIGNATURE_HEADER.encode("ascii"), signed_with.encode("ascii")))
         extensions = _timeout_within(caller.extensions, deadline)
@@ -184,7 +177,7 @@ class LegRequests:
         """A decode-only call's prompt as a plain one-token call to a prefill endpoint
         (``fleet._warm``): unsigned (no ``kv_transfer_params``), under an id of its own."""
         request = self.build(endpoint.url, content)
-        request.headers["x-request-id"] = f"{self._request_id}-warm-up"
+        request.headers["x-request-id"] = f"{self._leg_id}-warm-up"
         headers = tuple((k, v) for k, v in request.headers.multi_items() if k != "host")
         return Fetch(str(request.url), WARM_UP_TIMEOUT, endpoint.host_name, request.content, headers)
 

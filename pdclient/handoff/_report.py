@@ -37,6 +37,7 @@ def trace_of(call: Call) -> PDTrace:
     estimate = decision.estimate if decision is not None else None
     return PDTrace(
         request_id=call.request_id,
+        leg_request_id=call.leg_request_id,
         route=call.route,
         outcome=call.outcome,
         prefill_url=call.prefill.url or None,
@@ -75,8 +76,10 @@ def forwarded_tokens(call: Call) -> int:
     return result.count
 
 
-def log_end(request_id: str, trace: PDTrace) -> None:
-    """One record per P/D call that did not go as planned; a debug one for the others."""
+def log_end(trace: PDTrace) -> None:
+    """One record per P/D call that did not go as planned; a debug one for the others, each
+    naming the caller's correlation id and the legs' id (what the servers' logs show)."""
+    request_id = f"{trace.request_id} (legs {trace.leg_request_id})"
     if trace.outcome in (Outcome.FAILED, Outcome.REFUSED):
         # The caller gets this as an error already; a warning would say it twice.
         logger.info("P/D call %s %s: %s", request_id, trace.outcome.value, trace.error, extra={CALL_RECORD: True})

@@ -39,14 +39,17 @@ def usage_merge_for(
     return dialect.usage_merge(prefill, content_type)
 
 
-def id_tags_for(tags_answer_ids: bool, endpoint_url: str | None, status: int, content_type: str) -> IdTags | None:
-    """How a Responses answer from a pool's decode endpoint gets that endpoint's tag in its ids."""
+def id_tags_for(
+    tags_answer_ids: bool, endpoint_url: str | None, status: int, content_type: str, secret: str | None
+) -> IdTags | None:
+    """How a Responses answer from a pool's decode endpoint gets that endpoint's tag (keyed
+    with ``secret``, ``PDOptions.reuse_secret``) in its ids."""
     if not tags_answer_ids or endpoint_url is None or status != 200:
         return None
     if content_type.startswith("text/event-stream"):
-        return IdTags(endpoint_tag(endpoint_url), stream=True)
+        return IdTags(endpoint_tag(endpoint_url, secret), stream=True)
     if content_type.startswith("application/json"):
-        return IdTags(endpoint_tag(endpoint_url), stream=False)
+        return IdTags(endpoint_tag(endpoint_url, secret), stream=False)
     return None
 
 

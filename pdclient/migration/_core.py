@@ -371,7 +371,7 @@ class CallMigration:
             after_tokens=len(kept),
             from_url=call.decode.url,
             cause=cause,
-            request_id=f"{call.request_id}-m{len(self.moves) + 1}",
+            request_id=f"{call.leg_request_id}-m{len(self.moves) + 1}",
         )
         self.moves.append(continuation)
         self._finish_record()

@@ -28,10 +28,10 @@ import os
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from types import FrameType
 from typing import Any
-from urllib.parse import quote_from_bytes, unquote_to_bytes
+from urllib.parse import quote_from_bytes, unquote_to_bytes, urlsplit
 
 import anyio
 import httpx
@@ -48,7 +48,12 @@ from starlette.types import Receive, Scope, Send
 
 from .. import AsyncPDTransport, CallView, LegView, PDObserver, __version__
 from ..fleet import DiscoverySettings, Fleet, HealthProber
-from ..handoff import leg_url, new_request_id, request_with_content  # the per-call costs, cut once (see each)
+from ..handoff import (  # the per-call costs, cut once (see each)
+    PrefillRedirected,
+    leg_url,
+    new_correlation_id,
+    request_with_content,
+)
 from ..metrics import BuildInfo, PrometheusObserver, WithoutCreated
 from ..pools import AllEndpointsOpen, Endpoint
 from ..routing import TENANT_EXTENSION
@@ -120,6 +125,32 @@ def upstream_path(raw_path: bytes) -> str | None:
     return quote_from_bytes(path, safe=_PATH_SAFE)
 
 
+def base_paths(urls: Iterable[str]) -> tuple[bytes, ...]:
+    """The paths the servers' base URLs lie at (``/v1`` for vLLM's), longest first."""
+    paths = {urlsplit(url).path.rstrip("/").encode("utf-8") for url in urls}
+    return tuple(sorted(paths, key=len, reverse=True))
+
+
+def own_location(location: bytes, bases: tuple[bytes, ...]) -> bytes | None:
+    """A server's ``Location`` as the proxy's own path, or None to drop it.
+
+    A server builds it from the Host it was sent (vLLM's redirect of a trailing slash:
+    ``http://<decode host:port>/v1/models``), so passed on it would name the server. A path
+    under a server's base (``bases``) becomes the same path under the proxy's ``/v1``,
+    relative (no scheme, no host); a reference relative to the request's own path names
+    nothing and passes as it is; any other (another host's path, one outside the bases)
+    is dropped.
+    """
+    split = urlsplit(location)
+    if not split.scheme and not split.netloc and not location.startswith(b"/"):
+        return location
+    for base in bases:
+        if split.path == base or split.path.startswith(base + b"/"):
+            own = API_PREFIX.encode("ascii") + split.path[len(base) :]
+            return own + b"?" + split.query if split.query else own
+    return None
+
+
 def _is_own_error(response: httpx.Response) -> bool:
     """Whether ``response`` is pdclient's error for a failed leg, not a server's answer: its
     message holds the failure's text, which may name the server."""
@@ -172,6 +203,8 @@ def failure_kind(error: BaseException | None) -> str:
         return "the server closed the connection or broke the protocol"
     if isinstance(error, httpx.TransportError):
         return "network error"
+    if isinstance(error, PrefillRedirected):
+        return "the server answered a redirect, not a prefill"
     return "error" if error is None else type(error).__name__
 
 
@@ -212,6 +245,7 @@ class Proxy:
         self.transport = AsyncPDTransport(options=options, leg_transport=legs)
         self.metrics.watch(self.transport, registry=self.scrape_registry)
         self.api_base = options.decode_urls[0]
+        self._base_paths = base_paths((*options.decode_urls, *options.prefill_urls))
         self._keys = [key.encode() for key in config.api_keys]
         t = config.timeout
         self._timeouts = {"connect": config.connect_timeout, "read": t, "write": t, "pool": t}
@@ -277,8 +311,10 @@ class Proxy:
             return
         except _CallerLeft:
             return
+        # The caller's id, or a random one, is a correlation id (logs, the answer's header): the
+        # legs carry one of the transport's own (``handoff.new_leg_id``) no caller can choose.
         given_id = _header(headers, b"x-request-id")
-        request_id = given_id.decode("latin-1") if given_id else new_request_id()
+        request_id = given_id.decode("latin-1") if given_id else new_correlation_id()
         extensions: dict[str, Any] = {"timeout": self._timeouts, LEG_ERRORS: {}}
         if tenant is not None:
             extensions[TENANT_EXTENSION] = tenant
@@ -349,6 +385,11 @@ class Proxy:
             name = raw_name.lower()
             if name in _DROPPED_RESPONSE_HEADERS or name == b"x-request-id":
                 continue
+            if name == b"location":  # it names the server that sent it
+                own = own_location(value, self._base_paths)
+                if own is None:
+                    continue
+                value = own
             if (
                 name.startswith(RAW_TRACE_HEADER_PREFIX)
                 and name != _FAILED_LEG_HEADER

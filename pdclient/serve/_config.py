@@ -205,7 +205,7 @@ _CLIENT_HELP: Mapping[str, str] = {
     "backoff_initial": "first retry backoff, seconds",
     "backoff_max": "largest retry backoff, seconds",
     "prefill_timeout": "bound on the whole prefill phase, retries included, seconds ('none': only --timeout)",
-    "reuse_secret": "HMAC secret signing kv_transfer_params (servers with the guard)",
+    "reuse_secret": "HMAC secret signing kv_transfer_params (servers with the guard) and keying Responses id tags",
     "max_decode_migrations": "times one streamed call may move to another decode endpoint after its stream broke "
     "(0: never)",
     "migrate_non_streamed": "non-streamed calls may move too (their decode leg streams; ~1.4x the decode API's CPU)",

@@ -75,6 +75,7 @@ class CallLog(PDObserver):
         now = time.perf_counter()
         fields: dict[str, Any] = {
             "request_id": call.request_id,
+            "leg_request_id": call.leg_request_id,
             "method": call.request.method,
             "path": call.request.url.path,
             "route": call.route,

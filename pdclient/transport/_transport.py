@@ -23,7 +23,7 @@ from .._errors import PDConfigError
 from .._observe import Observers, TraceCallback
 from .._options import PDOptions
 from ..fleet import Fleet, running_library
-from ..handoff import Call, CallContext, HandoffInstead, Leg, dispatch, release_request
+from ..handoff import PREFILL_FAILURES, Call, CallContext, HandoffInstead, Leg, dispatch, release_request
 from ..pools import AllEndpointsOpen, URLArg
 from ..pools import _retry as retry
 from ..wire import Refusal
@@ -144,7 +144,7 @@ class PDTransport(_TransportBase, httpx.BaseTransport):
             return call.decode_outage()
         try:
             return retry.run(call.prefill_retrying(), self._prefill_attempt, call)
-        except (*retry.PREFILL_RETRYABLE, AllEndpointsOpen) as exc:
+        except PREFILL_FAILURES as exc:
             return call.prefill_failed(exc)
 
     def _concurrent(self, call: Call, sent: dispatch.ConcurrentDecode) -> httpx.Response:
@@ -313,7 +313,7 @@ class AsyncPDTransport(_TransportBase, httpx.AsyncBaseTransport):
             return call.decode_outage()
         try:
             return await retry.run_async(call.prefill_retrying(), self._prefill_attempt, call)
-        except (*retry.PREFILL_RETRYABLE, AllEndpointsOpen) as exc:
+        except PREFILL_FAILURES as exc:
             return call.prefill_failed(exc)
 
     async def _concurrent(self, call: Call, sent: dispatch.ConcurrentDecode) -> httpx.Response:

@@ -73,7 +73,7 @@ async def test_first_call_learns_the_coordinates_then_both_legs_go_at_once(mode:
         NIXL_PARAMS["remote_port"],
         NIXL_PARAMS["tp_size"],
     )
-    assert kv["remote_request_id"] == traces[1].request_id  # vLLM's decode engine needs the key
+    assert kv["remote_request_id"] == traces[1].leg_request_id  # vLLM's decode engine needs the key
     # Both legs of the concurrent call carry one request id: push mode matches them by it.
     prefill_ids = [c.request.headers["x-request-id"] for c in fake.router.routes["prefill"].calls]
     decode_ids = [c.request.headers["x-request-id"] for c in fake.router.routes["decode"].calls]

@@ -376,3 +376,23 @@ def test_interrupt_between_legs_releases_prefill_kv_sync(pd_routes: respx.MockRo
     while len(calls) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert calls[1]["max_tokens"] == 1 and calls[1]["kv_transfer_params"]["remote_block_ids"] == [3, 4]
+
+
+async def test_a_prefill_that_answers_a_redirect_failed(mode: str, pd_routes: respx.MockRouter) -> None:
+    """A 3xx is no prefill: the leg failed (no retry, the failure policy decides), and its
+    Location, which names a server, never reaches the caller."""
+    redirect = httpx.Response(307, headers={"location": "http://prefill.internal:8100/v1/chat/completions"})
+    pd_routes["prefill"].mock(return_value=redirect)
+    twin, traces = twin_with_traces(mode)
+    answer = await twin.chat(messages=MESSAGES)
+    assert answer.choices[0].message.content == ANSWER and pd_routes["prefill"].call_count == 1
+    trace = traces[0]
+    assert trace.outcome is Outcome.PREFILL_FAILED and trace.forwarded_tokens == 0
+    assert trace.fallback is not None and "redirect (HTTP 307)" in trace.fallback
+    assert "kv_transfer_params" not in json.loads(pd_routes["decode"].calls[0].request.content)
+    with pytest.raises(openai.APIStatusError) as excinfo:
+        await twin.chat(messages=MESSAGES, extra_body={"pdclient": {"on_prefill_failure": "fail"}})
+    error = status_error(excinfo)
+    assert error.status_code == 502 and error.response.headers["x-pd-failed-leg"] == "prefill"
+    assert "location" not in error.response.headers and "redirect (HTTP 307)" in str(error)
+    assert traces[1].outcome is Outcome.FAILED and traces[1].failed_leg == "prefill"

@@ -152,6 +152,25 @@ async def test_a_follow_up_lands_on_the_endpoint_that_stored_its_previous_respon
     await t.close()
 
 
+async def test_a_secret_keys_the_tag_and_every_replica_sharing_it_routes_it(mode: str, servers: StoringDecodes) -> None:
+    """An unkeyed tag is a hash of the endpoint's URL: hashing the candidate URLs (every
+    loopback port) names the decode server. Keyed with the operator's secret, a tag routes
+    in every replica given that secret and tells nothing without it."""
+    secret = "s" * 32
+    one = Twin(mode, decode_base_url=[DECODE, DECODE2], reuse_secret=secret)
+    other = Twin(mode, decode_base_url=[DECODE, DECODE2], reuse_secret=secret)
+    for n in range(6):
+        first = await one.call(one.client.responses.create, model="m", input=f"hi {n}")
+        stored_at = servers.bodies[-1][0]
+        tag = first.id.rpartition(".pd")[2]
+        assert tag not in (endpoint_tag(DECODE), endpoint_tag(DECODE2)), "the unkeyed hash names the server"
+        assert tag == endpoint_tag(stored_at, secret) != endpoint_tag(stored_at, "t" * 32)
+        await other.call(other.client.responses.create, model="m", input="and?", previous_response_id=first.id)
+        assert servers.bodies[-1][0] == stored_at
+    await one.close()
+    await other.close()
+
+
 async def test_a_streams_response_events_carry_the_tagged_id(mode: str, servers: StoringDecodes) -> None:
     t = Twin(mode, decode_base_url=[DECODE, DECODE2])
     for n in range(4):

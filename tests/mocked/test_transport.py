@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 from typing import Any
 
@@ -74,11 +75,28 @@ async def test_each_leg_gets_the_exact_body_and_headers(mode: str, pd_routes: re
     await twin.close()
 
 
-async def test_callers_request_id_is_used_on_both_legs(mode: str, pd_routes: respx.MockRouter) -> None:
-    twin = Twin(mode)
-    await twin.chat(messages=MESSAGES, extra_headers={"X-Request-Id": "mine-1"})
-    assert pd_routes["prefill"].calls[0].request.headers["x-request-id"] == "mine-1"
-    assert pd_routes["decode"].calls[0].request.headers["x-request-id"] == "mine-1"
+async def test_a_callers_request_id_never_becomes_the_legs_id(mode: str, pd_routes: respx.MockRouter) -> None:
+    """vLLM's push mode pairs a decode with a prefill by the id both legs carry: a caller
+    that could choose or predict it could run its legs under another call's id. The
+    caller's id stays a correlation id (the trace's ``request_id``)."""
+    traces: list[PDTrace] = []
+    twin = Twin(mode, on_trace=traces.append)
+    for _ in range(3):
+        await twin.chat(messages=MESSAGES, extra_headers={"X-Request-Id": "mine-1"})
+    await twin.chat(messages=MESSAGES)
+    prefill_ids = [c.request.headers["x-request-id"] for c in pd_routes["prefill"].calls]
+    decode_ids = [c.request.headers["x-request-id"] for c in pd_routes["decode"].calls]
+    assert prefill_ids == decode_ids and len(set(prefill_ids)) == 4
+    for leg_id in prefill_ids:
+        assert re.fullmatch(r"pd-[0-9a-f]{32}", leg_id), f"{leg_id!r} is not 128 random bits"
+    # Not one per-process prefix and a counter: no two ids share their first half.
+    assert len({leg_id[:19] for leg_id in prefill_ids}) == 4
+    assert [t.request_id for t in traces[:3]] == ["mine-1"] * 3
+    assert traces[3].request_id not in prefill_ids, "a correlation id made here is not the legs' id either"
+    assert [t.leg_request_id for t in traces] == prefill_ids
+    raw = await twin.call(twin.client.chat.completions.with_raw_response.create, model="m", messages=MESSAGES)
+    header_trace = PDTrace.from_headers(raw.headers)
+    assert header_trace.leg_request_id is None, "the legs' id is not the caller's to see"
 
 
 async def test_streamed_chat_arrives_as_real_chunks(mode: str, pd_routes: respx.MockRouter) -> None:

@@ -26,6 +26,7 @@ async def test_one_info_line_per_call(proxy: RunningProxy, stub: StubServer, cap
     assert [r.levelno for r in lines] == [logging.INFO, logging.INFO]
     chat, models = (getattr(r, CALL_FIELDS) for r in lines)
     assert chat["request_id"] == "req-1" and chat["route"] == "chat" and chat["outcome"] == "disaggregated"
+    assert chat["leg_request_id"] == stub.legs("decode")[0].headers["x-request-id"] != "req-1"
     assert chat["prefill_url"] == chat["decode_url"] == stub.url
     assert chat["forwarded_tokens"] == PROMPT_TOKENS and chat["decode_status"] == 200
     for name in ("prefill_ms", "decode_headers_ms", "decode_first_byte_ms", "ttft_ms", "total_ms"):

@@ -43,7 +43,7 @@ async def test_json_chat_and_completions(proxy: RunningProxy, stub: StubServer) 
     async with openai.AsyncOpenAI(base_url=proxy.base_url, api_key="-") as client:
         chat = await client.chat.completions.with_raw_response.create(model="m", messages=MESSAGES)
         assert chat.parse().choices[0].message.content == ANSWER
-        assert chat.headers["x-request-id"] == stub.legs("decode")[0].headers["x-request-id"]
+        assert chat.headers["x-request-id"] != stub.legs("decode")[0].headers["x-request-id"]
         assert not [h for h in chat.headers if h.startswith("x-pd-")], "trace headers name the servers: off by default"
         completion = await client.completions.create(model="m", prompt="Once upon a time", max_tokens=5)
     assert completion.choices[0].text == ANSWER
@@ -85,7 +85,8 @@ async def test_header_bytes_beyond_ascii_reach_both_legs_unchanged(proxy: Runnin
     for leg in (*stub.legs("prefill"), *stub.legs("decode")):
         # http.server decodes header bytes as latin-1: the UTF-8 bytes show as two characters each.
         assert leg.headers["x-user"] == "Zoë".encode().decode("latin-1")
-        assert leg.headers["x-request-id"] == "r-\xc3\xa9"
+        assert leg.headers["x-request-id"].startswith("pd-")  # the legs' own id, never the caller's
+    assert dict(response.headers.raw)[b"x-request-id"] == b"r-\xc3\xa9"  # echoed as the bytes it came as
 
 
 async def test_request_id_is_kept_and_query_passes_through(proxy: RunningProxy, stub: StubServer) -> None:
@@ -95,7 +96,26 @@ async def test_request_id_is_kept_and_query_passes_through(proxy: RunningProxy, 
     assert response.headers["x-request-id"] == "caller-7"
     (models,) = stub.received
     assert models.path == "/v1/models" and models.query == "limit=5"
-    assert models.headers["x-request-id"] == "caller-7"
+    assert models.headers["x-request-id"] != "caller-7"
+
+
+async def test_the_legs_id_is_neither_the_callers_nor_the_one_it_is_answered(
+    proxy: RunningProxy, stub: StubServer
+) -> None:
+    """vLLM's push mode pairs a decode with a prefill by the id both legs carry: a caller
+    must neither choose it (its ``x-request-id`` is a correlation id, echoed) nor learn the
+    next one from its answers."""
+    async with httpx.AsyncClient() as http:
+        chosen = await http.post(proxy.base_url + "/chat/completions", json=CHAT, headers={"x-request-id": "victim"})
+        answered = [
+            (await http.post(proxy.base_url + "/chat/completions", json=CHAT)).headers["x-request-id"] for _ in range(2)
+        ]
+    assert chosen.status_code == 200 and chosen.headers["x-request-id"] == "victim"
+    prefill, decode = stub.legs("prefill"), stub.legs("decode")
+    legs = [leg.headers["x-request-id"] for leg in prefill]
+    assert legs == [leg.headers["x-request-id"] for leg in decode] and len(set(legs)) == 3
+    assert "victim" not in legs and not set(answered) & set(legs)
+    assert len({leg_id[:19] for leg_id in legs + answered}) == 5, "no shared per-worker prefix"
 
 
 async def test_other_routes_pass_through_to_decode_unchanged(proxy: RunningProxy, stub: StubServer) -> None:

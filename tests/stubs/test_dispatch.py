@@ -103,7 +103,7 @@ async def test_concurrent_answer_is_the_sequential_one(mode: str, pair: tuple[St
     first, second = decode.legs("decode")
     assert first.forwarded_ids and second.forwarded_ids is None  # the concurrent decode renders the prompt itself
     assert second.body["return_token_ids"] is True
-    assert second.headers["x-request-id"] == traces[1].request_id
+    assert second.headers["x-request-id"] == traces[1].leg_request_id
     await twin.close()
 
 

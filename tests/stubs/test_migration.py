@@ -142,6 +142,20 @@ async def test_completions_move_with_an_id_prompt(mode: str, pool: tuple[StubSer
     assert continuation.body["max_tokens"] == 27
 
 
+async def test_a_continuation_never_carries_the_callers_request_id(mode: str, pool: tuple[StubServer, ...]) -> None:
+    """A moved stream's legs carry the call's leg id with ``-m<n>``, not the caller's id."""
+    prefill, d1, d2, _ = pool
+    for server in (d1, d2):
+        server.fault_hook = first_decodes(Fault(drop_after_events=3))
+    twin = Twin(mode, prefill_base_url=prefill.url, decode_base_url=[d1.url, d2.url], retries=FAST)
+    chunks = await stream_chunks(twin, extra_headers={"x-request-id": "victim"})
+    await twin.close()
+    assert text(chunks) == ANSWER
+    first, continuation = decodes(d1, d2)
+    assert continuation.headers["x-request-id"] == first.headers["x-request-id"] + "-m1"
+    assert not first.headers["x-request-id"].startswith("victim")
+
+
 async def test_the_callers_own_ids_are_whole_across_the_cut(mode: str, pool: tuple[StubServer, ...]) -> None:
     prefill, d1, d2, _ = pool
     for server in (d1, d2):

@@ -193,7 +193,7 @@ def test_chat_legs_one_token_prefill_then_the_decode_with_its_ids_and_kv() -> No
     body = sent(prefill)
     assert (body["stream"], body["max_tokens"], body["return_token_ids"]) == (False, 1, True)
     assert body["kv_transfer_params"]["do_remote_decode"] is True
-    assert prefill.headers["x-request-id"] == call.request_id and "connection" not in prefill.headers
+    assert prefill.headers["x-request-id"] == call.leg_request_id and "connection" not in prefill.headers
     decode = sent(prefilled_after(call, prefill))
     assert decode["stream"] is True and decode["max_tokens"] == 8
     assert decode["kv_transfer_params"]["remote_engine_id"] == NIXL_PARAMS["remote_engine_id"]
@@ -282,7 +282,7 @@ def test_dispatch_goes_concurrent_only_on_learnt_coordinates_its_mode_accepts(
     if sent_with is not None:
         kv = sent(sent_with.request)["kv_transfer_params"]
         assert kv["do_remote_prefill"] is True and kv["remote_block_ids"] == []
-        assert kv["remote_request_id"] == call.request_id and "prompt_token_ids" not in kv
+        assert kv["remote_request_id"] == call.leg_request_id and "prompt_token_ids" not in kv
         # The prefill's first attempt goes to the endpoint the decode registered with.
         assert call.prefill_request().url.host == "p"
 
@@ -349,13 +349,13 @@ def test_only_a_decode_only_chat_stream_asks_for_the_usage_the_caller_did_not() 
 
 
 def test_the_answers_ids_are_tagged_in_json_and_event_streams_only() -> None:
-    stream = id_tags_for(True, DECODES[0], 200, "text/event-stream; charset=utf-8")
-    body = id_tags_for(True, DECODES[0], 200, "application/json")
+    stream = id_tags_for(True, DECODES[0], 200, "text/event-stream; charset=utf-8", None)
+    body = id_tags_for(True, DECODES[0], 200, "application/json", None)
     assert stream is not None and stream.stream and body is not None and not body.stream
-    assert id_tags_for(True, DECODES[0], 200, "text/plain") is None
-    assert id_tags_for(True, DECODES[0], 404, "application/json") is None
-    assert id_tags_for(True, None, 200, "application/json") is None
-    assert id_tags_for(False, DECODES[0], 200, "application/json") is None
+    assert id_tags_for(True, DECODES[0], 200, "text/plain", None) is None
+    assert id_tags_for(True, DECODES[0], 404, "application/json", None) is None
+    assert id_tags_for(True, None, 200, "application/json", None) is None
+    assert id_tags_for(False, DECODES[0], 200, "application/json", None) is None
 
 
 def test_the_callers_stream_is_framed_once_and_each_event_parsed_once(monkeypatch: pytest.MonkeyPatch) -> None:

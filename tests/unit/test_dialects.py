@@ -41,6 +41,18 @@ def test_responses_input_is_read_as_a_chat_conversation() -> None:
     assert RESPONSES.plan(json.dumps({"input": [image]}).encode(), None).ids_skipped == "media"
 
 
+@pytest.mark.parametrize("field", ["request_id", "previous_response_id"])
+def test_a_responses_id_past_its_bound_is_refused_naming_it(field: str) -> None:
+    """vLLM echoes these ids in its answer, where each is tagged (``_stored_state``)."""
+    assert RESPONSES is not None
+    from pdclient.dialects import MAX_ID_LENGTH
+
+    fitting = {"model": "m", "input": "hi", field: "r" * MAX_ID_LENGTH}
+    RESPONSES.plan(json.dumps(fitting).encode(), None)
+    with pytest.raises(Refusal, match=rf"{field} .*longer than {MAX_ID_LENGTH}"):
+        RESPONSES.plan(json.dumps({**fitting, field: "r" * 2_000_000}).encode(), None)
+
+
 def test_messages_turns_are_read_as_a_chat_conversation() -> None:
     assert MESSAGES is not None
     body = {"system": "Be brief.", "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}

@@ -96,3 +96,23 @@ def test_a_stream_split_anywhere_comes_out_the_same() -> None:
         and whole.feed(b'"resp_1"}') == b""
         and whole.end() == want[:0] + (f'{{"id":"resp_1.pd{tag}"}}'.encode())
     )
+
+
+def test_tagging_a_huge_id_takes_linear_time_and_compiles_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM echoes a Responses body's ``request_id`` as the response id: an id of megabytes
+    must not cost a regex compiled for it (~1 s per MB, on the event loop)."""
+    import time
+
+    def no_compile(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a regex compiled per answer")
+
+    monkeypatch.setattr(re, "compile", no_compile)
+    tag = endpoint_tag(D1)
+    huge = "resp_" + "a" * 2_000_000
+    body = b'{"id": "%s", "previous_response_id": null, "text": "x"}' % huge.encode()
+    started = time.perf_counter()
+    tagged = tag_json(body, tag)
+    event = b'data: {"type":"response.created","response":{"id":"%s"}}\n\n' % huge.encode()
+    assert tag_event(event, tag) == event.replace(b'"}}', f'.pd{tag}"}}}}'.encode())
+    assert time.perf_counter() - started < 0.5
+    assert tagged == body.replace(b'a", "previous', f'a.pd{tag}", "previous'.encode())
