@@ -49,9 +49,10 @@ that differ from the prefill's are template drift: the decode is cancelled and s
 computing the prefill's ids itself (the prefill's KV went into the cancelled decode's
 blocks), and that prefill engine gets only sequential handoffs from then on (which forward
 the prefill's ids, so the decode's template never matters), until it restarts with a new
-engine id. Only chat and completions are checked this way: the Responses and Messages
-events carry no ids, so under ``"auto"`` those calls stay sequential, and only an explicit
-``"concurrent"`` (the operator vouching for the templates) sends them at once, unchecked.
+engine id. Only chat and completions are checked this way, and only they go concurrent:
+the Responses and Messages events carry no ids to check, and vLLM's Responses route runs
+its engine request under the body's ``request_id``, which no leg id can pair with, so
+those calls stay sequential in every mode.
 
 The transports (``transport._transport``) run the two legs; this module decides and builds.
 """
@@ -273,15 +274,17 @@ def concurrent_decode(call: Call) -> ConcurrentDecode | None:
     if book.is_sequential_only(coordinates):
         return None  # a decode's prompt for this prefill server differed, or could not be checked
     assert call.dialect is not None
-    checks_prompt = call.dialect.migration_refusal is None  # its events carry the prompt's ids
-    if not checks_prompt and mode_of(call) == "auto":
+    if call.dialect.migration_refusal is not None:
+        # Its events carry no prompt ids to check the decode's rendering against, and vLLM's
+        # Responses route runs its engine request under the body's ``request_id`` (the
+        # caller's, or one of vLLM's), not the legs' id the decode's registration names.
         return None
     try:
         base = call.decode.pick(call.route_for("decode"))
     except AllEndpointsOpen:
         return None  # the sequential path answers a decode outage
     pushed = wire.PrefillResult(ids=None, count=0, kv_transfer_params=coordinates.decode_kv_params(call.leg_request_id))
-    body = call.armed_decode_body(pushed, checks_prompt=checks_prompt)
+    body = call.armed_decode_body(pushed, checks_prompt=True)
     request = call.decode.start(call.requests.signed(base, body))
     call.dispatch = CONCURRENT
     return ConcurrentDecode(coordinates, request)
