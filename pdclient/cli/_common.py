@@ -10,6 +10,8 @@ import os
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+from .. import PDConfigError
+from .._durations import check_seconds
 from ..pools import DECODE_ENV, PREFILL_ENV
 
 if TYPE_CHECKING:
@@ -21,6 +23,23 @@ EXIT_ERROR = 1
 
 class CLIError(Exception):
     """A failure to report as one line."""
+
+
+def seconds(flag: str) -> Any:
+    """An argparse type for a duration flag, checked as every duration setting is."""
+
+    def convert(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag}: expected a number of seconds, got {text!r}") from None
+        try:
+            check_seconds(flag, value)
+        except PDConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return value
+
+    return convert
 
 
 def add_pair_arguments(parser: argparse.ArgumentParser) -> None:

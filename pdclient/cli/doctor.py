@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 
 from ..wire import PREFILL_KV_TRANSFER_PARAMS
-from ._common import add_pair_arguments, open_pair
+from ._common import add_pair_arguments, open_pair, seconds
 
 _EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
 _ANSWER_TOKENS = 12
@@ -273,7 +273,9 @@ def register(commands: Any) -> None:
         "Exit code 0 only when the pair can do a token-reusing P/D handoff.",
     )
     add_pair_arguments(doctor)
-    doctor.add_argument("--timeout", type=float, default=120.0, help="seconds per HTTP request (default: 120)")
+    doctor.add_argument(
+        "--timeout", type=seconds("--timeout"), default=120.0, help="seconds per HTTP request (default: 120)"
+    )
     doctor.set_defaults(func=run)
 
 

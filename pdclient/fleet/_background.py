@@ -51,12 +51,11 @@ from .._errors import PDConfigError
 logger = logging.getLogger("pdclient")
 
 
-def check_number(owner: str, name: str, value: object, *, low: float = 0.0, integer: bool = False) -> None:
-    """A settings field must be a number (an int if ``integer``) above ``low``: else a ``PDConfigError`` naming it."""
-    kind = int if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kind) or not value > low:
-        what = "an int" if integer else "a number"
-        raise PDConfigError(f"{owner}.{name} must be {what} > {low:g}, got {value!r}")
+def check_count(owner: str, name: str, value: object) -> None:
+    """A settings field must be an int >= 1: else a ``PDConfigError`` naming it (durations:
+    ``pdclient._durations.check_seconds``)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PDConfigError(f"{owner}.{name} must be an int > 0, got {value!r}")
 
 
 @dataclass(frozen=True)

@@ -33,9 +33,10 @@ from typing import Any
 
 import httpx
 
+from .._durations import check_seconds
 from .._errors import PDConfigError
 from ..pools import Endpoint, EndpointPool
-from ._background import Job, JobResult, LookedUp, Lookup, Resolver, check_number, host_header
+from ._background import Job, JobResult, LookedUp, Lookup, Resolver, host_header
 
 logger = logging.getLogger("pdclient")
 
@@ -54,7 +55,7 @@ class DiscoverySettings:
     (tests pass several 127.0.0.x; a deployment may ask its own service registry)."""
 
     def __post_init__(self) -> None:
-        check_number("DiscoverySettings", "interval", self.interval)
+        check_seconds("DiscoverySettings.interval", self.interval)
         if self.resolver is not None and not callable(self.resolver):
             raise PDConfigError(f"DiscoverySettings.resolver must be callable, got {type(self.resolver).__name__}")
 

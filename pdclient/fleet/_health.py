@@ -39,9 +39,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from .._durations import check_seconds
 from .._errors import PDConfigError
 from ..pools import Endpoint
-from ._background import Fetched, Job, JobResult, check_number
+from ._background import Fetched, Job, JobResult, check_count
 from ._load import EndpointPoller
 
 logger = logging.getLogger("pdclient")
@@ -65,10 +66,10 @@ class HealthSettings:
     """From the server root (vLLM serves it beside /v1, not under it)."""
 
     def __post_init__(self) -> None:
-        check_number("HealthSettings", "interval", self.interval)
-        check_number("HealthSettings", "timeout", self.timeout)
-        check_number("HealthSettings", "failures", self.failures, integer=True)
-        check_number("HealthSettings", "successes", self.successes, integer=True)
+        check_seconds("HealthSettings.interval", self.interval)
+        check_seconds("HealthSettings.timeout", self.timeout)
+        check_count("HealthSettings", "failures", self.failures)
+        check_count("HealthSettings", "successes", self.successes)
         if not (isinstance(self.path, str) and self.path.startswith("/")):
             raise PDConfigError(f"HealthSettings.path must start with '/', got {self.path!r}")
 

@@ -37,9 +37,10 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from .._durations import check_seconds
 from .._errors import PDConfigError
 from ..pools import Endpoint
-from ._background import EveryMember, Fetch, Fetched, Job, JobResult, check_number
+from ._background import EveryMember, Fetch, Fetched, Job, JobResult
 
 logger = logging.getLogger("pdclient")
 
@@ -154,7 +155,7 @@ class ScrapeSettings:
 
     def __post_init__(self) -> None:
         for name in ("interval", "staleness", "timeout"):
-            check_number("ScrapeSettings", name, getattr(self, name))
+            check_seconds(f"ScrapeSettings.{name}", getattr(self, name))
         if not self.staleness > self.interval:
             raise PDConfigError(f"ScrapeSettings.staleness must be > interval ({self.interval}), got {self.staleness}")
         if self.model is not None and not isinstance(self.model, str):

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from .._durations import check_seconds
 from .._errors import PDConfigError, PDError
 from ..routing import LeastOutstanding, RouteDecision, RouteRequest, policy_decision
 from ..wire import normalise_url, redact_url
@@ -63,8 +64,7 @@ class BreakerSettings:
     def __post_init__(self) -> None:
         if not (isinstance(self.failures, int) and self.failures >= 1):
             raise PDConfigError(f"breaker.failures must be an int >= 1, got {self.failures!r}")
-        if not (isinstance(self.cooldown, int | float) and self.cooldown >= 0):
-            raise PDConfigError(f"breaker.cooldown must be a number of seconds >= 0, got {self.cooldown!r}")
+        check_seconds("breaker.cooldown", self.cooldown, zero=True)
 
 
 class Endpoint:

@@ -28,6 +28,7 @@ import anyio
 import httpx
 import tenacity
 
+from .._durations import check_seconds
 from .._errors import PDConfigError
 
 T = TypeVar("T")
@@ -53,12 +54,8 @@ class RetrySettings:
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
                 raise PDConfigError(f"retries.{name} must be an int >= 1, got {value!r}")
         for name in ("backoff_initial", "backoff_max"):
-            value = getattr(self, name)
-            if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
-                raise PDConfigError(f"retries.{name} must be a number of seconds >= 0, got {value!r}")
-        timeout = self.prefill_timeout
-        if timeout is not None and not (isinstance(timeout, int | float) and timeout > 0):
-            raise PDConfigError(f"retries.prefill_timeout must be seconds > 0 or None, got {timeout!r}")
+            check_seconds(f"retries.{name}", getattr(self, name), zero=True)
+        check_seconds("retries.prefill_timeout", self.prefill_timeout, none=True)
 
 
 class RetryableStatus(Exception):

@@ -265,12 +265,15 @@ class Proxy:
 
     async def ready(self, request: Request) -> Response:
         """200 when this proxy can answer a chat call now (see ``readiness``), else 503; 503
-        too from the shutdown signal on."""
-        if self.config.status_requires_api_key and not self._authorized(request.scope["headers"]):
-            return _unauthorized()
+        too from the shutdown signal on. With ``status_requires_api_key``, a request without
+        a key gets the verdict alone, not the endpoints: a kubelet's probe or a load
+        balancer's health check sends no key and needs only the status code, while the
+        endpoint list tells anyone who asks where the servers are."""
         body = readiness(self.transport, self.config.ready_requires_prefill)
         if self.draining:
             body.update(ready=False, draining=True)
+        if self.config.status_requires_api_key and not self._authorized(request.scope["headers"]):
+            body = {name: value for name, value in body.items() if name in _READY_VERDICT}
         return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
     async def metrics_endpoint(self, request: Request) -> Response:
@@ -399,6 +402,10 @@ class Proxy:
             headers.append((name, value))
         headers.append((b"x-request-id", request_id.encode("latin-1")))
         return headers
+
+
+_READY_VERDICT = ("ready", "degraded", "draining")
+"""What ``/ready`` tells a request without a key when the status routes require one."""
 
 
 def _unauthorized() -> JSONResponse:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import PDConfigError, PDOptions
+from .._durations import check_seconds
 from ..pools import DECODE_ENV, PREFILL_ENV
 from ..routing import POLICIES, PREFILL_ONLY
 
@@ -97,6 +98,30 @@ def _optional_str(value: object, source: str) -> str | None:
     return None if value is None else _str(value, source) or None
 
 
+def _keys(value: object, source: str) -> tuple[str, ...]:
+    """Keys, comma-separated or a list: given, the setting must hold at least one and no empty
+    one (an empty Secret must not start a proxy whose /v1 is open)."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, list | tuple) or not all(isinstance(i, str) for i in items):
+        raise PDConfigError(f"{source}: expected keys (a list, or a comma-separated string), got {value!r}")
+    keys = tuple(i.strip() for i in items)
+    if not keys or not all(keys):
+        raise PDConfigError(
+            f"{source}: an empty key in {value!r}: give at least one key and no empty one, "
+            "or leave the setting out for no keys"
+        )
+    return keys
+
+
+def _key(value: object, source: str) -> str | None:
+    """A key or secret: given, it must not be empty (None: not set, as a worker's copy says)."""
+    if value is None:
+        return None
+    if not _str(value, source).strip():
+        raise PDConfigError(f"{source}: empty: give the key, or leave the setting out for none")
+    return value  # type: ignore[return-value]
+
+
 def _on_off_default(value: object, source: str) -> bool | None:
     """A background feature: on (its default settings), off, or ``auto`` (None: PDOptions decides)."""
     if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "auto")):
@@ -135,6 +160,9 @@ class Setting:
     group: str = "proxy"
     multiple: bool = False
     """Given as several values (``--decode A B``, ``--api-key K`` repeated, or a list in a file)."""
+    secret: bool = False
+    """A key or secret: its variable counts as given when set at all, so an empty one (a
+    Secret with no value) is an error, never the same as no key."""
 
     @property
     def option(self) -> str:
@@ -180,7 +208,7 @@ _SPECIAL: Mapping[str, dict[str, Any]] = {
     "health_checks": {"parse": _on_off_default, "metavar": "on|off"},
     "discovery": {"parse": _on_off_default, "metavar": "on|off"},
     "on_prefill_failure": {"metavar": "POLICY"},
-    "reuse_secret": {"env": SECRET_ENV, "metavar": "SECRET"},
+    "reuse_secret": {"parse": _key, "env": SECRET_ENV, "metavar": "SECRET", "secret": True},
     "remote_prefill": {"parse": _str, "choices": REMOTE_PREFILL_MODES},
     "dispatch": {"parse": _str, "choices": DISPATCH_MODES},
     "conversation_max_uncached_ratio": {"metavar": "RATIO"},
@@ -281,11 +309,12 @@ def _opt(
     metavar: str | None = None,
     group: str = "proxy",
     multiple: bool = False,
+    secret: bool = False,
 ) -> Any:
     """A ServeConfig field with what its setting needs to know."""
     metavar = metavar or (None if choices else _METAVARS.get(parse))
     meta = {"help": help, "parse": parse, "env": env, "choices": choices, "flag": flag, "metavar": metavar}
-    return field(default=default, metadata={**meta, "group": group, "multiple": multiple})
+    return field(default=default, metadata={**meta, "group": group, "multiple": multiple, "secret": secret})
 
 
 @dataclass(frozen=True)
@@ -325,16 +354,23 @@ class ServeConfig:
     max_body_size: int = _opt(32 * 1024 * 1024, "largest request body accepted (413 above)", _int, metavar="BYTES")
     api_keys: tuple[str, ...] = _opt(
         (),
-        "a key callers must send as 'Authorization: Bearer KEY' on /v1 (repeatable; the variable: comma-separated)",
-        _strings,
+        "a key callers must send as 'Authorization: Bearer KEY' on /v1 (repeatable; the variable: comma-separated; "
+        "an empty one is an error)",
+        _keys,
         env=API_KEYS_ENV,
         flag="--api-key",
         metavar="KEY",
         multiple=True,
+        secret=True,
     )
     forward_api_key: bool = _opt(False, "forward the caller's Authorization header to the servers", _bool)
     upstream_api_key: str | None = _opt(
-        None, "send 'Authorization: Bearer KEY' to the servers", _optional_str, env=UPSTREAM_API_KEY_ENV, metavar="KEY"
+        None,
+        "send 'Authorization: Bearer KEY' to the servers (vLLM's --api-key)",
+        _key,
+        env=UPSTREAM_API_KEY_ENV,
+        metavar="KEY",
+        secret=True,
     )
     trace_headers: bool = _opt(
         False,
@@ -344,7 +380,8 @@ class ServeConfig:
     )
     status_requires_api_key: bool = _opt(
         False,
-        "/ready and /metrics answer only requests with an --api-key (they name the servers); /health never asks",
+        "/metrics, and /ready's list of the servers, answer only requests with an --api-key; without one /ready "
+        "says only ready/degraded/draining (its status code is the probe's answer); /health never asks",
         _bool,
     )
     tenant_header: str | None = _opt(
@@ -401,15 +438,19 @@ class ServeConfig:
             raise PDConfigError(f"port must be 0-65535, got {self.port}")
         if self.workers < 1:
             raise PDConfigError(f"workers must be at least 1, got {self.workers}")
-        if self.grace_period < 0 or self.max_body_size < 1 or self.max_connections < 1:
-            raise PDConfigError("grace_period must be >= 0, max_body_size and max_connections >= 1")
+        check_seconds("grace_period", self.grace_period, zero=True)
         for name in ("timeout", "connect_timeout", "header_timeout", "body_timeout", "keep_alive_timeout"):
-            if not getattr(self, name) > 0:  # NaN too
-                raise PDConfigError(f"{name} must be a positive number of seconds, got {getattr(self, name)!r}")
+            check_seconds(name, getattr(self, name))
+        if self.max_body_size < 1 or self.max_connections < 1:
+            raise PDConfigError("max_body_size and max_connections must be >= 1")
         if self.max_header_size < 1024:
             raise PDConfigError(f"max_header_size must be at least 1024 bytes, got {self.max_header_size}")
         if self.max_client_connections < 0:
             raise PDConfigError(f"max_client_connections must be >= 0 (0: no limit), got {self.max_client_connections}")
+        if not all(isinstance(key, str) and key.strip() for key in self.api_keys):
+            raise PDConfigError(f"api_keys: an empty key in {self.api_keys!r}")
+        if self.upstream_api_key is not None and not self.upstream_api_key.strip():
+            raise PDConfigError("upstream_api_key: empty: give the key, or None for none")
         if self.forward_api_key and self.upstream_api_key:
             raise PDConfigError("give either forward_api_key or upstream_api_key, not both")
         if self.status_requires_api_key and not self.api_keys:
@@ -426,15 +467,18 @@ class ServeConfig:
     # -- flat settings -------------------------------------------------------------------
 
     @classmethod
-    def from_mapping(cls, values: Mapping[str, Any], source: str = "config") -> ServeConfig:
-        """A config from flat setting names (``-`` or ``_``) to values, each parsed as its setting says."""
+    def from_mapping(
+        cls, values: Mapping[str, Any], source: str = "config", *, origins: Mapping[str, str] | None = None
+    ) -> ServeConfig:
+        """A config from flat setting names (``-`` or ``_``) to values, each parsed as its setting
+        says; an error names ``origins[key]`` (where the value came from), else ``source: key``."""
         known = {s.name: s for s in SETTINGS}
         parsed: dict[str, Any] = {}
         for key, value in values.items():
             name = key.replace("-", "_")
             if name not in known:
                 raise PDConfigError(f"{source}: unknown setting {key!r} (known: {', '.join(sorted(known))})")
-            parsed[name] = known[name].parse(value, f"{source}: {key}")
+            parsed[name] = known[name].parse(value, (origins or {}).get(key) or f"{source}: {key}")
         for leg, env in (("prefill", PREFILL_ENV), ("decode", DECODE_ENV)):
             if not parsed.get(leg):
                 raise PDConfigError(f"{leg}: give at least one URL (--{leg}, or ${env})")
@@ -470,6 +514,8 @@ class ServeConfig:
             value: Any = self
             for name in setting.path:
                 value = getattr(value, name)
+            if setting.secret and not value:
+                continue  # no key: left out, as an operator leaves it out (given empty, it is an error)
             values[setting.name] = _spelled(setting, value)
         return values
 
@@ -482,14 +528,22 @@ class ServeConfig:
     ) -> ServeConfig:
         """Defaults, then the config file, then the environment, then ``given`` (flags) on top."""
         values: dict[str, Any] = {}
+        origins: dict[str, str] = {}  # where each value came from, for its error
         if config_file is not None:
-            values.update({k.replace("-", "_"): v for k, v in read_config_file(config_file).items()})
+            for key, value in read_config_file(config_file).items():
+                values[key.replace("-", "_")] = value
+                origins[key.replace("-", "_")] = f"config file {config_file}: {key}"
         environ = os.environ if environ is None else environ
         for setting in SETTINGS:
-            if setting.env and environ.get(setting.env):
+            # An empty variable is no setting, but for a key: an empty Secret must not mean "no key".
+            if setting.env and (environ.get(setting.env) or (setting.secret and setting.env in environ)):
                 values[setting.name] = environ[setting.env]
-        values.update(given)
-        return cls.from_mapping(values)
+                origins[setting.name] = f"${setting.env}"
+        flags = {s.name: s.option for s in SETTINGS}
+        for name, value in given.items():
+            values[name] = value
+            origins[name] = flags.get(name, name)
+        return cls.from_mapping(values, origins=origins)
 
     def to_json(self) -> str:
         return json.dumps(self.to_mapping())
@@ -529,6 +583,7 @@ def _own_settings() -> list[Setting]:
             metavar=f.metadata["metavar"],
             group=f.metadata["group"],
             multiple=f.metadata["multiple"],
+            secret=f.metadata["secret"],
         )
         for f in fields(ServeConfig)
         if "settings" not in f.metadata

@@ -138,3 +138,11 @@ def test_bootstrap_interval_brackets_the_median() -> None:
     diffs = [10.0 + (i % 7) for i in range(40)]
     low, high = bench.bootstrap_ci(diffs)
     assert low <= sorted(diffs)[20] <= high
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1", "0"])
+def test_doctor_refuses_a_timeout_that_is_no_duration(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["doctor", "--prefill", "http://127.0.0.1:9/v1", "--decode", "http://127.0.0.2:9/v1", "--timeout", value])
+    assert exited.value.code == 2
+    assert "--timeout must be a finite number of seconds > 0" in capsys.readouterr().err

@@ -135,3 +135,48 @@ def test_every_pd_option_is_a_typed_keyword_argument(method: object) -> None:
     assert {"options", *PDOptions.names()} == {
         name for name, p in parameters.items() if p.kind is p.KEYWORD_ONLY and name not in ("base_url", "http_client")
     }
+
+
+# Every duration field of the options' settings objects, and whether 0 s makes sense there.
+DURATION_FIELDS = [
+    (pdclient.BreakerSettings, "cooldown", "breaker.cooldown", True),
+    (pdclient.RetrySettings, "backoff_initial", "retries.backoff_initial", True),
+    (pdclient.RetrySettings, "backoff_max", "retries.backoff_max", True),
+    (pdclient.RetrySettings, "prefill_timeout", "retries.prefill_timeout", False),
+    (pdclient.HealthSettings, "interval", "HealthSettings.interval", False),
+    (pdclient.HealthSettings, "timeout", "HealthSettings.timeout", False),
+    (pdclient.DiscoverySettings, "interval", "DiscoverySettings.interval", False),
+    (pdclient.ScrapeSettings, "interval", "ScrapeSettings.interval", False),
+    (pdclient.ScrapeSettings, "staleness", "ScrapeSettings.staleness", False),
+    (pdclient.ScrapeSettings, "timeout", "ScrapeSettings.timeout", False),
+]
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf"), -1, True])
+@pytest.mark.parametrize(("kind", "name", "shown", "zero"), DURATION_FIELDS, ids=lambda v: getattr(v, "__name__", v))
+def test_every_duration_refuses_nan_infinity_and_negatives(
+    kind: type, name: str, shown: str, zero: bool, value: object
+) -> None:
+    """A NaN compares false with everything, so a bound written as ``value < 0`` let it through."""
+    with pytest.raises(PDConfigError, match=f"{shown} must be a finite number of seconds {'>=' if zero else '>'} 0"):
+        kind(**{name: value})
+
+
+@pytest.mark.parametrize(("kind", "name", "shown", "zero"), DURATION_FIELDS, ids=lambda v: getattr(v, "__name__", v))
+def test_zero_seconds_only_where_it_means_something(kind: type, name: str, shown: str, zero: bool) -> None:
+    if zero:
+        assert getattr(kind(**{name: 0}), name) == 0
+    else:
+        with pytest.raises(PDConfigError, match=shown):
+            kind(**{name: 0})
+
+
+def test_every_duration_field_is_listed() -> None:
+    """A new duration field gets the same check: list it above."""
+    import dataclasses
+
+    listed = {(kind, name) for kind, name, _, _ in DURATION_FIELDS}
+    for kind in {kind for kind, *_ in DURATION_FIELDS}:
+        for f in dataclasses.fields(kind):
+            if "float" in str(f.type):
+                assert (kind, f.name) in listed, f"{kind.__name__}.{f.name}"

@@ -112,7 +112,7 @@ def test_every_setting_is_also_an_environment_variable(monkeypatch: pytest.Monke
     assert config.options.routing == "round_robin" and config.options.conversations.warm_prefill is False
     assert parse("--port", "9200", "--no-conversation-warm-prefill").port == 9200  # flags win
     monkeypatch.setenv("PDCLIENT_SERVE_WORKERS", "zero")
-    with pytest.raises(PDConfigError, match="workers"):
+    with pytest.raises(PDConfigError, match=r"^\$PDCLIENT_SERVE_WORKERS: expected an integer"):  # as it was given
         parse()
 
 
@@ -246,3 +246,91 @@ def test_fleet_flags_reach_the_options_and_the_workers() -> None:
     tuned = ServeConfig(options=config.options.replace(health_checks=HealthSettings(interval=1.0)))
     with pytest.raises(PDConfigError, match=r"health_checks=.*worker processes"):
         tuned.to_json()
+
+
+# -- a key setting must hold a key ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("env", "argv", "named"),
+    [
+        ({"PDCLIENT_SERVE_API_KEYS": " , "}, (), "PDCLIENT_SERVE_API_KEYS"),
+        ({"PDCLIENT_SERVE_API_KEYS": ""}, (), "PDCLIENT_SERVE_API_KEYS"),  # a Secret whose value is empty
+        ({}, ("--api-key", ""), "--api-key"),
+        ({}, ("--api-key", "k1", "--api-key", " "), "--api-key"),
+        ({"PDCLIENT_SERVE_UPSTREAM_API_KEY": ""}, (), "PDCLIENT_SERVE_UPSTREAM_API_KEY"),
+        ({}, ("--upstream-api-key", " "), "--upstream-api-key"),
+        ({"PDCLIENT_REUSE_SECRET": ""}, (), "PDCLIENT_REUSE_SECRET"),
+        ({}, ("--reuse-secret", ""), "--reuse-secret"),
+    ],
+)
+def test_a_key_setting_without_a_key_is_an_error_at_start(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], env: dict[str, str], argv: tuple, named: str
+) -> None:
+    """Not a proxy that starts with /v1 open, nor legs sent unsigned."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises((PDConfigError, SystemExit)) as excinfo:  # SystemExit: argparse refused the flag's value
+        parse("--prefill", P, "--decode", D1, *argv)
+    message = str(excinfo.value) if isinstance(excinfo.value, PDConfigError) else capsys.readouterr().err
+    assert named in message and "empty" in message, message
+
+
+@pytest.mark.parametrize("keys", [[], [""], ["k1", " "], " , "])
+def test_a_config_file_key_setting_without_a_key_is_an_error(tmp_path: Path, keys: object) -> None:
+    file = tmp_path / "serve.json"
+    file.write_text(json.dumps({"prefill": [P], "decode": [D1], "api_keys": keys}))
+    with pytest.raises(PDConfigError, match=f"config file {file}: api_keys"):
+        ServeConfig.load(file, NO_ENV)
+
+
+def test_no_key_setting_at_all_still_means_no_keys_and_workers_get_the_same() -> None:
+    config = ServeConfig.load(None, {"PDCLIENT_PREFILL_BASE_URL": P, "PDCLIENT_DECODE_BASE_URL": D1})
+    assert config.api_keys == () and config.upstream_api_key is None
+    assert ServeConfig.from_json(config.to_json()) == config
+
+
+@pytest.mark.parametrize("field", [{"api_keys": ("k1", "")}, {"upstream_api_key": ""}])
+def test_a_config_built_in_code_refuses_an_empty_key(field: dict[str, object]) -> None:
+    with pytest.raises(PDConfigError, match=next(iter(field))):
+        ServeConfig(options=PDOptions(prefill_base_url=P, decode_base_url=D1), **field)  # type: ignore[arg-type]
+
+
+# -- durations: finite, not negative -------------------------------------------------------
+
+DURATIONS = [s for s in SETTINGS if s.metavar == "SECONDS"]
+
+
+def test_the_duration_settings_are_known() -> None:
+    names = {s.name for s in DURATIONS}
+    assert names == {
+        "breaker_cooldown",
+        "backoff_initial",
+        "backoff_max",
+        "prefill_timeout",
+        "timeout",
+        "connect_timeout",
+        "grace_period",
+        "header_timeout",
+        "body_timeout",
+        "keep_alive_timeout",
+    }
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "-1", "NaN"])
+@pytest.mark.parametrize("setting", DURATIONS, ids=lambda s: s.name)
+def test_every_duration_setting_refuses_nan_infinity_and_negatives(setting: object, value: str) -> None:
+    name = setting.name  # type: ignore[attr-defined]
+    with pytest.raises(PDConfigError, match=f"{setting.path[-1]} must be a finite number of seconds"):  # type: ignore[attr-defined]
+        ServeConfig.from_mapping({"prefill": [P], "decode": [D1], name: value})
+
+
+def test_a_nan_grace_period_stops_the_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """It used to start, and on SIGTERM exit at once, cutting the streams it should drain."""
+    message = "grace_period must be a finite number of seconds >= 0, got nan"
+    with pytest.raises(PDConfigError, match=message):
+        parse("--prefill", P, "--decode", D1, "--grace-period", "nan")
+    monkeypatch.setenv("PDCLIENT_SERVE_GRACE_PERIOD", "nan")
+    with pytest.raises(PDConfigError, match=message):
+        parse("--prefill", P, "--decode", D1)
+    assert parse("--prefill", P, "--decode", D1, "--grace-period", "0").grace_period == 0.0  # no drain: allowed

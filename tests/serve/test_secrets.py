@@ -192,12 +192,17 @@ async def test_trace_headers_give_the_details(stub: StubServer) -> None:
 async def test_status_routes_may_require_the_api_key(stub: StubServer) -> None:
     with running_proxy(config_for(stub.url, api_keys=("k1",), status_requires_api_key=True)) as proxy:
         async with httpx.AsyncClient(base_url=proxy.url) as http:
-            for path in ("/ready", "/metrics"):
-                refused = await http.get(path)
-                assert refused.status_code == 401 and stub.url not in refused.text
-                wrong = await http.get(path, headers={"authorization": "Bearer k2"})
-                assert wrong.status_code == 401
-                assert (await http.get(path, headers={"authorization": "Bearer k1"})).status_code == 200
+            refused = await http.get("/metrics")
+            assert refused.status_code == 401 and stub.url not in refused.text
+            assert (await http.get("/metrics", headers={"authorization": "Bearer k2"})).status_code == 401
+            assert (await http.get("/metrics", headers={"authorization": "Bearer k1"})).status_code == 200
+            # /ready without the key: the verdict a probe needs, not where the servers are.
+            for headers in ({}, {"authorization": "Bearer k2"}):
+                bare = await http.get("/ready", headers=headers)
+                assert bare.status_code == 200 and bare.json() == {"ready": True, "degraded": False}
+                assert stub.url.split("//")[1].split("/")[0] not in bare.text
+            full = await http.get("/ready", headers={"authorization": "Bearer k1"})
+            assert full.status_code == 200 and full.json()["decode"][0]["url"] == stub.url
             assert (await http.get("/health")).status_code == 200  # liveness names nothing: never asks
     with running_proxy(config_for(stub.url, api_keys=("k1",))) as proxy:  # by default, as before
         async with httpx.AsyncClient(base_url=proxy.url) as http:

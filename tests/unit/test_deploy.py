@@ -108,13 +108,23 @@ def test_vllm_deployments_run_the_nixl_connector(leg: str) -> None:
     assert f"--port={ports['http']}" in args
 
 
-def test_service_monitor_scrapes_the_proxy_and_the_pools() -> None:
-    monitor = _by_name("ServiceMonitor", "pdclient")
-    selector = monitor["spec"]["selector"]["matchLabels"]
-    for name in ("pdclient-serve", "vllm-prefill", "vllm-decode"):
-        labels = _by_name("Service", name)["metadata"]["labels"]
-        assert selector.items() <= labels.items(), name
-    assert monitor["spec"]["endpoints"][0]["path"] == "/metrics"
+def test_service_monitors_scrape_the_proxy_with_a_key_and_the_pools() -> None:
+    def selected(monitor: dict[str, Any]) -> set[str]:
+        services = [doc for _, doc in _documents() if doc["kind"] == "Service"]
+        return {
+            s["metadata"]["name"] for s in services if _selects(monitor["spec"]["selector"], s["metadata"]["labels"])
+        }
+
+    proxy, pools = _by_name("ServiceMonitor", "pdclient-serve"), _by_name("ServiceMonitor", "vllm")
+    assert selected(proxy) == {"pdclient-serve"} and selected(pools) == {"vllm-prefill", "vllm-decode"}
+    assert proxy["spec"]["endpoints"][0]["path"] == pools["spec"]["endpoints"][0]["path"] == "/metrics"
+    # The proxy's /metrics needs one of its keys (status_requires_api_key); the vLLM servers' does not.
+    (endpoint,) = proxy["spec"]["endpoints"]
+    assert endpoint["authorization"] == {
+        "type": "Bearer",
+        "credentials": {"name": "pdclient-serve", "key": "metrics-key"},
+    }
+    assert "authorization" not in pools["spec"]["endpoints"][0]
 
 
 def test_dockerfile_runs_the_proxy_as_non_root_with_known_settings() -> None:
@@ -133,3 +143,126 @@ def test_dockerfile_runs_the_proxy_as_non_root_with_known_settings() -> None:
     copied = {w for line in re.findall(r"^COPY (?!--)(.+)$", text, re.M) for w in shlex.split(line)[:-1]}
     assert copied and not copied & ignored
     assert all((REPO / name).exists() for name in copied)
+
+
+# -- who reaches the vLLM servers ------------------------------------------------------------
+
+POOLS = ("prefill", "decode")
+
+
+def _pod_labels(name: str) -> dict[str, str]:
+    labels: dict[str, str] = _by_name("Deployment", name)["spec"]["template"]["metadata"]["labels"]
+    return labels
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A Kubernetes label selector (matchLabels, matchExpressions In / Exists) on ``labels``."""
+    assert selector and set(selector) <= {"matchLabels", "matchExpressions"}, selector
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for expression in selector.get("matchExpressions", []):
+        key, operator = expression["key"], expression["operator"]
+        assert operator in ("In", "Exists"), expression
+        if key not in labels or (operator == "In" and labels[key] not in expression["values"]):
+            return False
+    return True
+
+
+def _policies_for(labels: dict[str, str]) -> list[tuple[str, dict[str, Any]]]:
+    return [
+        (file, doc)
+        for file, doc in _documents()
+        if doc["kind"] == "NetworkPolicy" and _selects(doc["spec"]["podSelector"], labels)
+    ]
+
+
+def _container_port(deployment: str, name: str) -> int:
+    port: int = next(
+        p["containerPort"] for p in _container(_by_name("Deployment", deployment))["ports"] if p["name"] == name
+    )
+    return port
+
+
+@pytest.mark.parametrize("leg", POOLS)
+def test_only_the_proxy_and_the_other_pools_nixl_reach_a_vllm_pod(leg: str) -> None:
+    """Anyone who reaches a vLLM server calls it with kv_transfer_params of its own: its
+    /v1 needs the key, but vLLM's other routes (/invocations, /tokenize...) need none."""
+    other = POOLS[1 - POOLS.index(leg)]
+    pod = _pod_labels(f"vllm-{leg}")
+    policies = _policies_for(pod)
+    assert policies, f"no NetworkPolicy selects the vllm-{leg} pods"
+    env = _env(_container(_by_name("Deployment", f"vllm-{leg}")))
+    ucx_first, ucx_last = (int(n) for n in env["UCX_TCP_PORT_RANGE"].split("-"))
+    admitted: dict[str, set[Any]] = {}
+    for file, policy in policies:
+        assert "Ingress" in policy["spec"]["policyTypes"]
+        for rule in policy["spec"].get("ingress", []):
+            assert rule.get("from") and rule.get("ports"), f"{file}: a rule without from or ports admits anyone"
+            for peer in rule["from"]:
+                assert "ipBlock" not in peer, f"{file}: an address block admits whoever holds it"
+                assert "podSelector" in peer, f"{file}: a peer without a podSelector admits a whole namespace"
+                names = [
+                    n
+                    for n in ("pdclient-serve", "vllm-prefill", "vllm-decode")
+                    if _selects(peer["podSelector"], _pod_labels(n))
+                ]
+                if file == "monitoring.yaml" and not names:  # Prometheus, in the namespace it runs in
+                    assert peer["namespaceSelector"], "a Prometheus in any namespace is anyone's pod labelled so"
+                    names = ["prometheus"]
+                else:
+                    assert "namespaceSelector" not in peer, f"{file}: only this namespace's pods"
+                (name,) = names
+                ports = {(p["port"], p.get("endPort")) for p in rule["ports"]}
+                admitted.setdefault(name, set()).update(ports)
+    assert admitted.pop("pdclient-serve") == {("http", None)}
+    assert admitted.pop(f"vllm-{other}") == {("nixl", None), (ucx_first, ucx_last)}
+    assert admitted.pop("prometheus", {("http", None)}) == {("http", None)}
+    assert not admitted, f"admitted besides the proxy and the other pool: {admitted}"
+    # The ports admitted are the ones NIXL uses.
+    assert _container_port(f"vllm-{leg}", "nixl") == int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"])
+    assert ucx_first > _container_port(f"vllm-{leg}", "nixl") and ucx_last >= ucx_first
+
+
+def _secret_ref(env: dict[str, Any], name: str) -> dict[str, Any]:
+    ref: dict[str, Any] = env[name]["secretKeyRef"]
+    return ref
+
+
+@pytest.mark.parametrize("leg", POOLS)
+def test_vllm_takes_the_key_the_proxy_sends_from_one_secret(leg: str) -> None:
+    proxy = _env(_container(_by_name("Deployment", "pdclient-serve")))
+    vllm = _container(_by_name("Deployment", f"vllm-{leg}"))
+    env = _env(vllm)
+    # vLLM reads VLLM_API_KEY as --api-key: in a variable, not the command line (ps shows it).
+    assert not any(a.startswith("--api-key") for a in vllm["args"])
+    key = _secret_ref(env, "VLLM_API_KEY")
+    assert key == _secret_ref(proxy, "PDCLIENT_SERVE_UPSTREAM_API_KEY") and not key.get("optional")
+    # The legs are signed with the secret the servers' guard checks (an image with the server patch).
+    assert _secret_ref(env, "PDCLIENT_REUSE_SECRET") == _secret_ref(proxy, "PDCLIENT_REUSE_SECRET")
+    assert _secret_ref(proxy, "PDCLIENT_REUSE_SECRET")["name"] == key["name"]
+
+
+def test_the_proxy_shows_the_servers_only_to_a_key() -> None:
+    container = _container(_by_name("Deployment", "pdclient-serve"))
+    plain = {k: v for k, v in _env(container).items() if isinstance(v, str)}
+    config = ServeConfig.load(environ={**plain, "PDCLIENT_SERVE_API_KEYS": "a-key"})
+    # /metrics needs a key; /ready without one gives the probe its code and no endpoint.
+    assert config.status_requires_api_key
+    (port,) = _by_name("Service", "pdclient-serve")["spec"]["ports"]
+    assert [p["name"] for p in container["ports"]] == [port["targetPort"]]
+
+
+@pytest.mark.parametrize("leg", POOLS)
+def test_vllm_pods_run_unprivileged(leg: str) -> None:
+    deployment = _by_name("Deployment", f"vllm-{leg}")
+    pod = deployment["spec"]["template"]["spec"]
+    container = _container(deployment)
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    context = container["securityContext"]
+    assert context["allowPrivilegeEscalation"] is False and not context.get("privileged")
+    assert context["capabilities"]["drop"] == ["ALL"] and not context["capabilities"].get("add")
+    # Not root, so vLLM's caches ($HOME/.cache: the model, torch.compile, Triton) need a writable HOME.
+    home = _env(container)["HOME"]
+    volumes = {v["name"] for v in pod["volumes"] if "emptyDir" in v}
+    assert any(m["mountPath"] == home and m["name"] in volumes for m in container["volumeMounts"])

@@ -194,13 +194,16 @@ def test_bad_feature_values_name_their_field(kwargs: dict[str, object], message:
 @pytest.mark.parametrize(
     ("make", "message"),
     [
-        (lambda: ScrapeSettings(interval="1"), r"^ScrapeSettings.interval must be a number > 0, got '1'"),
-        (lambda: ScrapeSettings(timeout=0), r"^ScrapeSettings.timeout must be a number > 0"),
+        (
+            lambda: ScrapeSettings(interval="1"),
+            r"^ScrapeSettings.interval must be a finite number of seconds > 0, got '1'",
+        ),
+        (lambda: ScrapeSettings(timeout=0), r"^ScrapeSettings.timeout must be a finite number of seconds > 0"),
         (lambda: ScrapeSettings(interval=3.0), r"^ScrapeSettings.staleness must be > interval"),
         (lambda: ScrapeSettings(path="metrics"), r"^ScrapeSettings.path must start with '/'"),
         (lambda: HealthSettings(failures=1.5), r"^HealthSettings.failures must be an int > 0"),
         (lambda: HealthSettings(successes=True), r"^HealthSettings.successes must be an int > 0"),
-        (lambda: DiscoverySettings(interval=-1), r"^DiscoverySettings.interval must be a number > 0"),
+        (lambda: DiscoverySettings(interval=-1), r"^DiscoverySettings.interval must be a finite number of seconds > 0"),
         (lambda: DiscoverySettings(resolver="8.8.8.8"), r"^DiscoverySettings.resolver must be callable"),
     ],
 )
