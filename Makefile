@@ -13,11 +13,11 @@ VENV = $(shell tools/venv.sh requirements-frameworks.txt)
 VENV_OPENAI2 = $(shell tools/venv.sh requirements-openai2.txt)
 PYTEST = -m pytest -ra -p no:cacheprovider
 
-.PHONY: test install system-packages install-openai2 lint typecheck test-client test-openai2 test-server-patch test-fast demo \
+.PHONY: test install system-packages install-openai2 lint typecheck test-client test-pair-avx2 test-openai2 test-server-patch test-fast demo \
         bench-client-overhead bench-decode-ttft bench-proxies bench-dispatch bench-serve-cpu bench-migration bench-conversations
 
 # Every tier, in the order a failure is cheapest to find (docs/ARCHITECTURE.md, "Tests").
-test: lint typecheck test-client test-openai2 test-server-patch
+test: lint typecheck test-client test-pair-avx2 test-openai2 test-server-patch
 
 # pdclient installed into the venvs from this checkout (editable): tests, examples and
 # benchmarks import it as a user does. Seconds; redone each run because CI clones afresh.
@@ -44,6 +44,13 @@ typecheck: install
 # examples, notebook, the proxy), which starts once for the session.
 test-client: install system-packages
 	$(VENV)/bin/python $(PYTEST) tests/unit tests/mocked tests/stubs tests/serve tests/pair
+
+# The real-pair tests whose answers come from the model, again on a pair that computes as an
+# AVX2-only CPU would (vLLM's AVX2 kernels, oneDNN and ATen capped; pdclient/local/_cpu_isa.py):
+# the same model answers differently there, and these tests must hold on any CPU.
+test-pair-avx2: install
+	PDCLIENT_SERVER_CPU_ISA=avx2 $(VENV)/bin/python $(PYTEST) tests/pair/test_parity.py tests/pair/test_dialects.py \
+	    tests/pair/test_frameworks.py tests/pair/test_non_streamed.py tests/pair/test_local_pd.py::test_the_servers_compute_with_the_instruction_sets_asked_for
 
 test-openai2: install-openai2
 	$(VENV_OPENAI2)/bin/python $(PYTEST) tests/unit tests/mocked

@@ -20,6 +20,7 @@ import httpx
 from .._errors import PDConfigError, PDSetupError
 from ..wire import PREFILL_KV_TRANSFER_PARAMS
 from . import _prepare
+from ._cpu_isa import cpu_isa_env, cpu_isa_from_env
 from ._ports import PortClaim, claim_ports
 from ._server import (
     NIXL_CONNECTORS,
@@ -177,6 +178,10 @@ class LocalPD:
             entry per server, prefills first, e.g. ``(0, 1)`` for a pair; an entry of
             None leaves that server to vLLM's default binding, and ``cpus=None`` all of
             them. Default: ``assign_cpus`` over the cores this process may use.
+        cpu_isa: compute as a CPU with only these instruction sets would (``"avx2"``,
+            ``"avx512"``: without AVX-512 bf16 and AMX), whatever this one has: the same
+            model answers differently on such CPUs (``local._cpu_isa``). Default
+            ``$PDCLIENT_SERVER_CPU_ISA``, else this CPU's own.
         warmup: run a KV handoff from every prefill to every decode server before
             returning, so the NIXL handshake (1-35 s measured here, once per pair of
             servers) is not paid by the first real calls.
@@ -198,6 +203,7 @@ class LocalPD:
         warmup: bool = True,
         cpus: Sequence[int | None] | None = AUTO,
         responses_store: bool = False,
+        cpu_isa: str | None = AUTO,
     ) -> None:
         if prefill_servers < 1 or decode_servers < 1:
             raise PDConfigError(
@@ -221,6 +227,9 @@ class LocalPD:
         self._server_env = dict(server_env or {})
         if responses_store:
             self._server_env.setdefault("VLLM_ENABLE_RESPONSES_API_STORE", "1")
+        self.cpu_isa: str | None = cpu_isa_from_env() if cpu_isa is AUTO else cpu_isa
+        """The instruction sets the servers compute with, when fewer than this CPU's."""
+        self._server_env.update(cpu_isa_env(self.cpu_isa))
         self._extra_args = tuple(extra_server_args)
         self._startup_timeout = startup_timeout
         self._warmup = warmup

@@ -236,3 +236,17 @@ def test_one_prefill_two_decodes_hand_off_to_each_decode() -> None:
             }
             assert not strays, f"{srv.name} server threads off core {cpu}: {strays}"
     assert not any(_alive(srv.pid) for srv in pd.servers if srv.pid is not None)
+
+
+def test_the_servers_compute_with_the_instruction_sets_asked_for(pd: PDServers) -> None:
+    """vLLM picks its kernel library from the CPU's features; ``cpu_isa`` (the session pair:
+    ``$PDCLIENT_SERVER_CPU_ISA``) makes it pick as a CPU with fewer would."""
+    if pd.local is None:
+        pytest.skip("an attached pair (PDCLIENT_E2E_PAIR): its servers are not this process's")
+    flags = set(re.findall(r"^flags\s*:(.*)$", Path("/proc/cpuinfo").read_text(), re.M)[0].split())
+    own = "_C" if "avx512_bf16" in flags else "_C_AVX512" if "avx512f" in flags else "_C_AVX2"
+    expected = {None: own, "avx512": "_C_AVX512", "avx2": "_C_AVX2"}[pd.local.cpu_isa]
+    for server in (*pd.local.prefills, *pd.local.decodes):
+        maps = Path(f"/proc/{server.pid}/maps").read_text()
+        loaded = set(re.findall(r"/vllm/(_C\w*)\.abi3\.so", maps))
+        assert loaded == {expected}, (server.name, loaded, pd.local.cpu_isa)
