@@ -186,8 +186,14 @@ def test_the_sweep_runs_in_the_engine_step(vllm_config: Any, patched: None, monk
     abort(sched)
     later = time.monotonic() + LEASE_S + GRACE_S + 1
     monkeypatch.setattr(_push_reclaim.time, "monotonic", lambda: later)
-    step(sched)
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    outputs = sched.update_from_output(sched.schedule(), ModelRunnerOutput(req_ids=[], req_id_to_index={}))
     assert sched.kv_cache_manager.usage == 0 and not sched.requests
+    # That step's stats (what /metrics shows) already count the blocks free: the engine,
+    # left with no request, steps no more.
+    assert outputs[0].scheduler_stats.kv_cache_usage == 0
+    assert not sched.has_requests()
 
 
 def test_other_requests_are_left_alone(vllm_config: Any, patched: None) -> None:
