@@ -86,9 +86,7 @@ def install(grace_s: float) -> str:
     waiting = RequestStatus.WAITING_FOR_REMOTE_KVS
     Scheduler.finish_requests = wrap_finish_requests(Scheduler.finish_requests, waiting, grace_s)
     Scheduler.update_from_output = wrap_update_from_output(Scheduler.update_from_output)
-    Scheduler._update_from_kv_xfer_finished = wrap_update_from_kv_xfer_finished(
-        Scheduler._update_from_kv_xfer_finished
-    )
+    Scheduler._update_from_kv_xfer_finished = wrap_update_from_kv_xfer_finished(Scheduler._update_from_kv_xfer_finished)
     NixlPushConnectorScheduler.build_connector_meta = wrap_build_connector_meta(
         NixlPushConnectorScheduler.build_connector_meta
     )

@@ -232,7 +232,8 @@ def test_the_decode_worker_forgets_a_reclaimed_receive() -> None:
             self.started: list[Any] = []
 
     class Meta:
-        pdclient_reclaimed = {"d1"}
+        def __init__(self) -> None:
+            self.pdclient_reclaimed = {"d1"}
 
     start = _push_reclaim.wrap_start_load_kv(lambda self, meta: self.started.append(meta))
     worker, meta = Worker(), Meta()

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from pdclient.local import LocalPD
-from pdclient.pools._retry import RetrySettings
 from pdclient.local._server import ServerStartError, VLLMServer, free_port, wait_all_ready
+from pdclient.pools._retry import RetrySettings
 
 LISTENER_DIED = (
     "Exception in thread nixl_handshake_listener:\n"
