@@ -24,6 +24,9 @@ name. Independent parts, each described where it lives:
 - push reclaim (``_push_reclaim.py``): with ``PDCLIENT_PUSH_RECLAIM_GRACE_S`` > 0, on vLLM 0.32,
   a push-mode decode aborted while waiting for its KV frees its blocks once the prefill
   server's lease plus that grace has passed with no WRITE, instead of never.
+- stale write (``_stale_write.py``): with ``PDCLIENT_PUSH_REFUSE_STALE_WRITE=1``, on vLLM 0.32, a
+  push-mode prefill server posts no WRITE for a request whose lease ended or whose push
+  completed (its blocks may belong to another request by then).
 
 With none of these variables set on vLLM 0.27+, the plugin changes nothing for a request
 that does not ask for its prompt ids.
@@ -53,6 +56,7 @@ NIXL_DELAY_ENV = "PDCLIENT_NIXL_PROGRESS_DELAY_US"
 NIXL_KV_CPUS_ENV = "PDCLIENT_NIXL_KV_CPUS"
 IDLE_WAIT_ENV = "PDCLIENT_IDLE_WAIT_MS"
 PUSH_RECLAIM_ENV = "PDCLIENT_PUSH_RECLAIM_GRACE_S"
+STALE_WRITE_ENV = "PDCLIENT_PUSH_REFUSE_STALE_WRITE"
 
 # The oldest vLLM whose chat seams this plugin knows (renderers/base.py with
 # BaseRenderer.render_chat_async, and a chat renderer class with preprocess_chat).
@@ -204,6 +208,15 @@ def _register() -> None:
 
         applied["push reclaim"] = _push_reclaim.install(grace_s)
 
+    if not _flag(STALE_WRITE_ENV):
+        applied["stale write"] = f"off ({STALE_WRITE_ENV} unset or 0)"
+    elif _version_tuple(version) not in PUSH_FIXES_VLLM:
+        applied["stale write"] = f"skipped (checked on vLLM {_versions(PUSH_FIXES_VLLM)} only)"
+    else:
+        from . import _stale_write
+
+        applied["stale write"] = _stale_write.install()
+
 
 def _find_chat_seam() -> tuple[Any, type, bool] | None:
     """(module, chat renderer class, has native reuse) for this vLLM, or None."""
@@ -285,6 +298,10 @@ def _push_reclaim_grace_s() -> float:
     return _setting(PUSH_RECLAIM_ENV, _grace_seconds, 0.0)
 
 
+def _flag(name: str) -> bool:
+    return _setting(name, _bool, False)
+
+
 def _nixl_kv_cpus() -> set[int]:
     return _setting(NIXL_KV_CPUS_ENV, _cpu_list, set())
 
@@ -322,6 +339,12 @@ def _seconds(raw: str) -> float:
     if not 0 < seconds < 86400 * 366:
         raise ValueError("not a positive number of seconds under a year")
     return seconds
+
+
+def _bool(raw: str) -> bool:
+    if raw not in ("0", "1"):
+        raise ValueError("not 0 or 1")
+    return raw == "1"
 
 
 def _grace_seconds(raw: str) -> float:
