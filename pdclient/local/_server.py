@@ -160,8 +160,21 @@ class VLLMServer:
         # millisecond for the whole prefill, on any core, the prefill's included: server_patch
         # makes such an idle engine wait up to 10 ms between steps. A pull-mode decode waits
         # for its KV only milliseconds, so its engine loop is left as vLLM ships it.
-        idle_wait = {"PDCLIENT_IDLE_WAIT_MS": "10"} if push else {}
-        self.env = self._build_env(cpu, nixl_side_channel_port, workdir, {**idle_wait, **(env or {})})
+        # vLLM 0.32 keeps the blocks of a push-mode decode aborted while it waits for a
+        # WRITE (a prefill that failed for good) until the engine stops: server_patch frees
+        # them once the prefill's lease (120 s) and 10 s more have passed, which is past
+        # the client's prefill_timeout (60 s), after which no prefill of a cut decode runs.
+        # And a prefill server posts no WRITE of blocks it has already let go.
+        push_env = (
+            {
+                "PDCLIENT_IDLE_WAIT_MS": "10",
+                "PDCLIENT_PUSH_RECLAIM_GRACE_S": "10",
+                "PDCLIENT_PUSH_REFUSE_STALE_WRITE": "1",
+            }
+            if push
+            else {}
+        )
+        self.env = self._build_env(cpu, nixl_side_channel_port, workdir, {**push_env, **(env or {})})
 
     @staticmethod
     def _build_env(

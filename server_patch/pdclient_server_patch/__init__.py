@@ -21,6 +21,12 @@ name. Independent parts, each described where it lives:
 - idle wait (``_idle_wait.py``): with ``PDCLIENT_IDLE_WAIT_MS`` > 0, an engine whose only work
   is waiting for remote KV (a push-mode decode registered before its prefill ran) waits on
   its input queue between steps, up to that long, instead of stepping every millisecond.
+- push reclaim (``_push_reclaim.py``): with ``PDCLIENT_PUSH_RECLAIM_GRACE_S`` > 0, on vLLM 0.32,
+  a push-mode decode aborted while waiting for its KV frees its blocks once the prefill
+  server's lease plus that grace has passed with no WRITE, instead of never.
+- stale write (``_stale_write.py``): with ``PDCLIENT_PUSH_REFUSE_STALE_WRITE=1``, on vLLM 0.32, a
+  push-mode prefill server posts no WRITE for a request whose lease ended or whose push
+  completed (its blocks may belong to another request by then).
 
 With none of these variables set on vLLM 0.27+, the plugin changes nothing for a request
 that does not ask for its prompt ids.
@@ -49,12 +55,18 @@ MAX_AGE_ENV = "PDCLIENT_REUSE_MAX_AGE"
 NIXL_DELAY_ENV = "PDCLIENT_NIXL_PROGRESS_DELAY_US"
 NIXL_KV_CPUS_ENV = "PDCLIENT_NIXL_KV_CPUS"
 IDLE_WAIT_ENV = "PDCLIENT_IDLE_WAIT_MS"
+PUSH_RECLAIM_ENV = "PDCLIENT_PUSH_RECLAIM_GRACE_S"
+STALE_WRITE_ENV = "PDCLIENT_PUSH_REFUSE_STALE_WRITE"
 
 # The oldest vLLM whose chat seams this plugin knows (renderers/base.py with
 # BaseRenderer.render_chat_async, and a chat renderer class with preprocess_chat).
 MIN_VLLM = (0, 20)
 # The first vLLM with native reuse (vllm-project/vllm#48145).
 NATIVE_VLLM = (0, 27)
+
+# The vLLM releases whose push-mode connector and scheduler the push fixes were read
+# against and tested on: the seams they wrap are private and change between releases.
+PUSH_FIXES_VLLM = ((0, 32),)
 
 # Where the chat renderer class lives, newest first: ``OnlineRenderer`` from 0.26 on,
 # ``OpenAIServingRender`` in 0.20. Both have ``preprocess_chat`` (the text path) and
@@ -186,6 +198,25 @@ def _register() -> None:
         _idle_wait.wait_when_idle(idle_wait_ms / 1000) if idle_wait_ms > 0 else f"off ({IDLE_WAIT_ENV} unset or 0)"
     )
 
+    grace_s = _push_reclaim_grace_s()
+    if grace_s <= 0:
+        applied["push reclaim"] = f"off ({PUSH_RECLAIM_ENV} unset or 0)"
+    elif _version_tuple(version) not in PUSH_FIXES_VLLM:
+        applied["push reclaim"] = f"skipped (checked on vLLM {_versions(PUSH_FIXES_VLLM)} only)"
+    else:
+        from . import _push_reclaim
+
+        applied["push reclaim"] = _push_reclaim.install(grace_s)
+
+    if not _flag(STALE_WRITE_ENV):
+        applied["stale write"] = f"off ({STALE_WRITE_ENV} unset or 0)"
+    elif _version_tuple(version) not in PUSH_FIXES_VLLM:
+        applied["stale write"] = f"skipped (checked on vLLM {_versions(PUSH_FIXES_VLLM)} only)"
+    else:
+        from . import _stale_write
+
+        applied["stale write"] = _stale_write.install()
+
 
 def _find_chat_seam() -> tuple[Any, type, bool] | None:
     """(module, chat renderer class, has native reuse) for this vLLM, or None."""
@@ -263,6 +294,14 @@ def _idle_wait_ms() -> float:
     return _setting(IDLE_WAIT_ENV, _milliseconds, 0.0)
 
 
+def _push_reclaim_grace_s() -> float:
+    return _setting(PUSH_RECLAIM_ENV, _grace_seconds, 0.0)
+
+
+def _flag(name: str) -> bool:
+    return _setting(name, _bool, False)
+
+
 def _nixl_kv_cpus() -> set[int]:
     return _setting(NIXL_KV_CPUS_ENV, _cpu_list, set())
 
@@ -302,6 +341,22 @@ def _seconds(raw: str) -> float:
     return seconds
 
 
+def _bool(raw: str) -> bool:
+    if raw not in ("0", "1"):
+        raise ValueError("not 0 or 1")
+    return raw == "1"
+
+
+def _grace_seconds(raw: str) -> float:
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise ValueError("not a number of seconds") from None
+    if not 0 <= seconds <= 3600:
+        raise ValueError("not in 0..3600 s")
+    return seconds
+
+
 def _microseconds(raw: str) -> int:
     if not raw.isdigit():
         raise ValueError("not a whole number of microseconds")
@@ -325,6 +380,10 @@ def _cpu_list(raw: str) -> set[int]:
         return parse_cpu_list(raw)
     except ValueError:
         raise ValueError("not a CPU list like 0 or 0-3,8") from None
+
+
+def _versions(versions: tuple[tuple[int, ...], ...]) -> str:
+    return ", ".join(".".join(map(str, v)) for v in versions)
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:

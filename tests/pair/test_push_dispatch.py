@@ -3,14 +3,19 @@
 One push-mode pair of its own, started once for this module (the tier's shared pair runs
 pull mode). The answers are compared with the sequential handoff's on the same pair, the
 KV transfer is read from the decode's ``/metrics``, and after normal, failed and
-abandoned calls both servers' KV cache usage must come back to idle. The failed prefill
-runs last: vLLM 0.32 keeps its cut decode's blocks (``decode_kv_released``).
+abandoned calls both servers' KV cache usage must come back to idle. The failed prefills
+run last: vLLM 0.32 keeps a cut decode's blocks until a WRITE comes, and after a prefill
+that failed for good only server_patch's reclaim (``PDCLIENT_PUSH_RECLAIM_GRACE_S``, set by
+LocalPD) frees them, the lease plus the grace after the cut; this pair runs a 30 s lease
+(LocalPD's is 120 s) so that wait fits a test. The prefill server is killed last.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -21,6 +26,7 @@ import pytest
 
 from pdclient import AsyncPDChatClient, PDChatClient, PDOptions, PDTrace, PDTransport
 from pdclient.local import LocalPD
+from pdclient.local._server import NIXL_PUSH_KV_TRANSFER_CONFIG
 
 from .helpers import metric
 
@@ -50,27 +56,38 @@ def wait_idle(url: str, seconds: float = 30.0) -> float:
     return usage
 
 
-def decode_kv_released(pd: LocalPD) -> None:
-    """The decode server freed the blocks of the decode pdclient cancelled (closed its connection).
+LEASE_S = 30
+"""This pair's ``kv_lease_duration``: how long a prefill server keeps a finished prefill's
+blocks for the decode's registration."""
+GRACE_S = 10.0
+"""LocalPD's ``PDCLIENT_PUSH_RECLAIM_GRACE_S``: the reclaim comes this long after the lease."""
 
-    Seen on vLLM 0.32 (CPU pair): it does not, for a decode whose registration went out.
-    The abort of a request in ``WAITING_FOR_REMOTE_KVS`` holds its blocks until the worker
-    reports ``finished_recving`` (``Scheduler.finish_requests``: a WRITE still landing must
-    not corrupt the blocks' next owner); in push mode only the prefill server's WRITE
-    completion produces that, the receiving side has no lease, and ``request_finished``
-    drops the registration's watchdog. A prefill that never WRITEs (it failed, or was
-    cancelled with the call) leaves the blocks held until the server restarts: vLLM issue
-    #46283, open. Recorded as an expected failure of vLLM's, not of the client.
-    """
-    if wait_idle(pd.decode_url, 30) > 0:
-        pytest.xfail("vLLM 0.32 push mode keeps an aborted, registered decode's KV blocks (vLLM #46283)")
+
+def reclaimed(url: str, since: float) -> float:
+    """Seconds from ``since`` (the decode's cut) until the server is idle again: no request
+    running or waiting, KV usage back to 0. Fails if that takes more than the lease plus
+    the grace (and a margin for a loaded host), or comes before the lease has passed (a
+    reclaim then could free blocks a WRITE still lands in)."""
+    limit = since + LEASE_S + GRACE_S + 15
+    while time.monotonic() < limit:
+        busy = metric(url, KV_USAGE), metric(url, "vllm:num_requests_running"), metric(url, "vllm:num_requests_waiting")
+        if busy == (0, 0, 0):
+            took = time.monotonic() - since
+            print(f"\n{url}: idle {took:.1f} s after the decode's cut (lease {LEASE_S} s + grace {GRACE_S:g} s)")
+            assert took >= LEASE_S - 1, took
+            return took
+        time.sleep(0.5)
+    pytest.fail(f"{url} still busy (KV usage, running, waiting: {busy}) {LEASE_S + GRACE_S + 15:g} s after the cut")
 
 
 @pytest.fixture(scope="module")
 def push() -> Iterator[LocalPD]:
     if os.environ.get("PDCLIENT_E2E_PAIR"):
         pytest.skip("PDCLIENT_E2E_PAIR attaches to a pull-mode pair; this test starts a push-mode one")
-    with LocalPD(kv_connector="nixl-push") as pd:
+    transfer = dict(NIXL_PUSH_KV_TRANSFER_CONFIG)
+    transfer["kv_connector_extra_config"] = {**transfer["kv_connector_extra_config"], "kv_lease_duration": LEASE_S}
+    # vLLM takes the last --kv-transfer-config: LocalPD's, with a shorter lease.
+    with LocalPD(kv_connector="nixl-push", extra_server_args=["--kv-transfer-config", json.dumps(transfer)]) as pd:
         yield pd
 
 
@@ -217,8 +234,56 @@ def test_failed_prefill_aborts_the_registered_decode(push: LocalPD) -> None:
     started = time.monotonic()
     with pytest.raises(openai.APIStatusError):
         client.chat.completions.create(model=push.model, messages=messages("c"), max_tokens=12, temperature=0)
-    assert time.monotonic() - started < 20
+    cut = time.monotonic()
+    assert cut - started < 20
     assert traces[-1].dispatch == "concurrent" and traces[-1].failed_leg == "prefill"
     assert wait_idle(push.prefill_url, 15) == 0  # no prefill ran
     client.close()
-    decode_kv_released(push)
+    # No WRITE comes for the cut decode: its blocks come back by server_patch's reclaim.
+    reclaimed(push.decode_url, cut)
+
+
+def test_a_decode_whose_prefill_server_died_is_reclaimed(push: LocalPD) -> None:
+    """The prefill server is SIGKILLed after the decode registered with it: the prefill fails
+    for good, pdclient cuts the decode, and the decode server is idle again within the
+    lease plus the grace. Last: the pair has no prefill server after it."""
+    assert push.prefill is not None and push.prefill.pid is not None
+    pid = push.prefill.pid
+
+    class KillThePrefillServer(httpx.BaseTransport):
+        def __init__(self) -> None:
+            self.inner = httpx.HTTPTransport()
+            self.armed = False
+
+        def handle_request(self, request: httpx.Request) -> httpx.Response:
+            if self.armed and str(request.url).startswith(push.prefill_url):
+                time.sleep(1.0)  # the decode, sent at once, registers with the prefill server meanwhile
+                os.killpg(pid, signal.SIGKILL)  # the API server and its engine processes
+            return self.inner.handle_request(request)
+
+    traces: list[PDTrace] = []
+    legs = KillThePrefillServer()
+    options = PDOptions(
+        push.prefill_urls,
+        push.decode_urls,
+        dispatch="auto",
+        remote_prefill="always",
+        on_prefill_failure="fail",
+        on_trace=traces.append,
+    )
+    http = httpx.Client(transport=PDTransport(options=options, leg_transport=legs))
+    client = openai.OpenAI(base_url=push.decode_url, api_key="EMPTY", max_retries=0, http_client=http)
+    client.chat.completions.create(model=push.model, messages=messages("learn4"), max_tokens=1, temperature=0)
+    assert wait_idle(push.decode_url) == 0
+    idle_usage = metric(push.decode_url, KV_USAGE)
+    legs.armed = True
+    with pytest.raises((openai.APIStatusError, openai.APIConnectionError)):
+        client.chat.completions.create(model=push.model, messages=messages("k"), max_tokens=12, temperature=0)
+    cut = time.monotonic()
+    assert traces[-1].dispatch == "concurrent" and traces[-1].failed_leg == "prefill", traces[-1]
+    held = metric(push.decode_url, KV_USAGE)
+    print(f"\ndecode KV usage: idle {idle_usage:.4f}, after the cut {held:.4f}")
+    assert held > idle_usage  # the decode had registered: its blocks wait for a WRITE
+    client.close()
+    reclaimed(push.decode_url, cut)
+    assert metric(push.decode_url, KV_USAGE) == idle_usage

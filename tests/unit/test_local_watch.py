@@ -18,6 +18,7 @@ import pytest
 
 from pdclient.local import LocalPD
 from pdclient.local._server import ServerStartError, VLLMServer, free_port, wait_all_ready
+from pdclient.pools._retry import RetrySettings
 
 LISTENER_DIED = (
     "Exception in thread nixl_handshake_listener:\n"
@@ -136,6 +137,15 @@ def test_each_kv_connector_name_gives_its_vllm_config(tmp_path: Path, name: str,
     assert config["kv_buffer_device"] == "cpu"
     # Only a push-mode engine idles for a whole prefill: it alone waits instead of stepping.
     assert srv.env.get("PDCLIENT_IDLE_WAIT_MS") == ("10" if connector == "NixlPushConnector" else None)
+    # Only a push-mode decode holds blocks for a WRITE that may never come; the reclaim
+    # deadline (lease + grace) stays above the client's prefill_timeout.
+    push = connector == "NixlPushConnector"
+    assert srv.env.get("PDCLIENT_PUSH_RECLAIM_GRACE_S") == ("10" if push else None)
+    assert srv.env.get("PDCLIENT_PUSH_REFUSE_STALE_WRITE") == ("1" if push else None)
+    if push:
+        lease = config["kv_connector_extra_config"]["kv_lease_duration"]
+        prefill_timeout = RetrySettings().prefill_timeout
+        assert prefill_timeout is not None and lease + 10 > prefill_timeout
 
 
 def test_an_unknown_kv_connector_names_the_known_ones(tmp_path: Path) -> None:
