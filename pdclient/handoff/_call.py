@@ -291,8 +291,10 @@ class Call:
 
     # -- decode ------------------------------------------------------------------------
 
-    def decode_request(self) -> httpx.Request:
-        """The next decode attempt; raises ``AllEndpointsOpen`` when no endpoint is admitted."""
+    def decode_request(self) -> httpx.Request | None:
+        """The next decode attempt; raises ``AllEndpointsOpen`` when no endpoint is admitted.
+        None: a decode-only call's conversation endpoint is out of reach, and the call becomes
+        a P/D handoff after all (its prefill goes first, then the decode is opened anew)."""
         self.phase = Phase.DECODE
         if self.migration is not None and self.migration.pending is not None:
             return self.decode.start(self.migration.continuation_request(self))  # a migrated decode
@@ -309,7 +311,7 @@ class Call:
             except HandoffInstead:
                 self.outcome = Outcome.DISAGGREGATED
                 self.migration = self._decode_body = None
-                raise
+                return None
             base = pinned or self.decode.pick(self.route_for("decode"))
         if self.plan is None:
             return self.decode.start(self.requests.build(base, self.pass_through_body))

@@ -64,7 +64,7 @@ import functools
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import orjson
@@ -248,6 +248,8 @@ class ConcurrentDecode:
 
     coordinates: Coordinates
     request: httpx.Request
+    in_flight: Any = None
+    """The driver's handle on the decode while it runs (a thread's or a task's)."""
 
 
 def concurrent_decode(call: Call) -> ConcurrentDecode | None:
@@ -362,6 +364,35 @@ class PromptPeek:
             self.ids = ids
 
 
+def failure(call: Call, response: httpx.Response | None, error: BaseException | None) -> str | None:
+    """Why a concurrent decode's outcome cannot be the caller's answer (it is then sent again,
+    sequentially), or None: it can."""
+    if error is not None:
+        call.decode_attempt_failed(error)
+        return f"the decode failed: {type(error).__name__}: {error}".rstrip(": ")
+    if response is None:
+        return "the decode gave no answer"
+    if response.status_code >= 400:
+        return f"the decode answered HTTP {response.status_code}"
+    return None
+
+
+class DecodeCancelled(Exception):
+    """How a cancelled concurrent decode's leg ends: by the client's choice, saying nothing of its server."""
+
+
+def discarded(call: Call, status: int | None, error: BaseException | None) -> None:
+    """The cut decode's leg ends: with the status of the response it had, else its error or the cut."""
+    if status is not None:
+        call.decode.end(status, None)
+    else:
+        call.decode.end(None, error or DecodeCancelled("cancelled: its prefill failed or ran elsewhere"))
+
+
+def broke_early(error: BaseException) -> str:
+    return f"the decode's stream broke before its first event: {type(error).__name__}: {error}".rstrip(": ")
+
+
 def prompt_peek(call: Call) -> PromptPeek:
     assert call.plan is not None
     return PromptPeek(chat=call.plan.kind is wire.Kind.CHAT)
@@ -419,11 +450,15 @@ __all__ = [
     "PROMPT_UNCHECKED",
     "SEQUENTIAL",
     "ConcurrentDecode",
+    "DecodeCancelled",
     "CoordinateBook",
     "Coordinates",
     "PromptPeek",
     "book_of",
+    "broke_early",
     "concurrent_decode",
+    "discarded",
+    "failure",
     "fall_back",
     "learn",
     "moved_on",

@@ -3,9 +3,9 @@
 ``MigratingDecodeStream`` replaces ``transport._streams.DecodeStream`` for a call that may move. It
 passes the caller whole SSE events (``migration._core.Tracker``); when the decode stream breaks
 (a reset, a server gone, a read timeout between chunks) it runs the move's steps
-(``handoff.move``, a generator: whether it may move, a continuation on another decode
-endpoint, through a prefill endpoint first for a long prompt) with the transport's leg
-I/O (``LegIO``), and splices the continuation's events into the same body. A stream that
+(``handoff.move``, a flow of steps: whether it may move, a continuation on another decode
+endpoint, through a prefill endpoint first for a long prompt) with its transport's driver
+(``_drivers``), and splices the continuation's events into the same body. A stream that
 may not move raises the openai error of ``transport._streams`` with the reason.
 A stream cut once its answer had ended does not move: it is ended as vLLM ends one.
 
@@ -19,38 +19,19 @@ as another prefill attempt); the sync and async twins differ only by ``await``.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Iterator
+from typing import TYPE_CHECKING
 
 import httpx
 
-from ..handoff import STREAM_ERRORS, Call, Leg, OpenDecode, Release, SendPrefill, Step, move
+from ..handoff import STREAM_ERRORS, Call, Move, move
 from ..migration import Assembler, CallMigration, CannotAssemble
 from ..wire import EventTooLarge
 from ._streams import AsyncDecodeStream, DecodeStream, _until_error, _until_error_async
 
-_Pending = tuple[Leg, httpx.Request] | None
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class LegIO:
-    """The transport's leg I/O a moving stream runs its steps with: read a leg's whole
-    response, open a decode leg (with its retries), send a KV release."""
-
-    read: Callable[[httpx.Request], httpx.Response]
-    open_decode: Callable[[Call], httpx.Response]
-    send_release: Callable[[_Pending], None]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class AsyncLegIO:
-    """Async twin of ``LegIO``."""
-
-    read: Callable[[httpx.Request], Awaitable[httpx.Response]]
-    open_decode: Callable[[Call], Awaitable[httpx.Response]]
-    send_release: Callable[[_Pending], Awaitable[None]]
+if TYPE_CHECKING:
+    from ._drivers import AsyncDriver, SyncDriver
 
 
 def _movable(response: httpx.Response, call: Call) -> CallMigration | None:
@@ -68,21 +49,21 @@ def _answers_json(response: httpx.Response, migration: CallMigration) -> None:
         response.headers["content-type"] = "application/json"
 
 
-def decode_stream(response: httpx.Response, call: Call, legs: LegIO) -> httpx.SyncByteStream:
+def decode_stream(response: httpx.Response, call: Call, driver: SyncDriver) -> httpx.SyncByteStream:
     """The caller's body: a ``MigratingDecodeStream`` if the call may move, else a plain ``DecodeStream``."""
     migration = _movable(response, call)
     if migration is None:
         return DecodeStream(response, call)
     _answers_json(response, migration)
-    return MigratingDecodeStream(response, call, migration, legs)
+    return MigratingDecodeStream(response, call, migration, driver)
 
 
-def async_decode_stream(response: httpx.Response, call: Call, legs: AsyncLegIO) -> httpx.AsyncByteStream:
+def async_decode_stream(response: httpx.Response, call: Call, driver: AsyncDriver) -> httpx.AsyncByteStream:
     migration = _movable(response, call)
     if migration is None:
         return AsyncDecodeStream(response, call)
     _answers_json(response, migration)
-    return AsyncMigratingDecodeStream(response, call, migration, legs)
+    return AsyncMigratingDecodeStream(response, call, migration, driver)
 
 
 class _Body:
@@ -102,7 +83,7 @@ class _Body:
         self._closed = False
         self._drained = False
 
-    def _moving(self, error: httpx.TransportError | httpx.DecodingError) -> Any:
+    def _moving(self, error: httpx.TransportError | httpx.DecodingError) -> Move:
         """The move's steps (``handoff._move.move``), once the broken response is closed."""
         self._broke(error)
         return move(self._call, self._migration, error, self._received)
@@ -157,9 +138,9 @@ class _Body:
 
 
 class MigratingDecodeStream(_Body, DecodeStream):
-    def __init__(self, response: httpx.Response, call: Call, migration: CallMigration, legs: LegIO) -> None:
+    def __init__(self, response: httpx.Response, call: Call, migration: CallMigration, driver: SyncDriver) -> None:
         _Body.__init__(self, response, call, migration)
-        self._legs = legs
+        self._driver = driver
 
     def __iter__(self) -> Iterator[bytes]:
         if self._drained:
@@ -204,38 +185,14 @@ class MigratingDecodeStream(_Body, DecodeStream):
         the openai error saying why it cannot move."""
         with contextlib.suppress(Exception):
             self._response.close()
-        steps = self._moving(error)
-        result: Any = None
-        failure: BaseException | None = None
-        while True:
-            try:
-                step = steps.send(result) if failure is None else steps.throw(failure)
-            except StopIteration as moved:
-                response: httpx.Response | None = moved.value
-                return response
-            result, failure = None, None
-            try:
-                result = self._run(step)
-            except BaseException as exc:
-                failure = exc
-
-    def _run(self, step: Step) -> Any:
-        if isinstance(step, SendPrefill):
-            return self._legs.read(step.request)
-        if isinstance(step, OpenDecode):
-            return self._legs.open_decode(self._call)
-        if isinstance(step, Release):
-            return self._legs.send_release((step.leg, step.request))
-        try:
-            return step.response.read()
-        finally:
-            step.response.close()
+        response: httpx.Response | None = self._driver.drive(self._moving(error))
+        return response
 
 
 class AsyncMigratingDecodeStream(_Body, AsyncDecodeStream):
-    def __init__(self, response: httpx.Response, call: Call, migration: CallMigration, legs: AsyncLegIO) -> None:
+    def __init__(self, response: httpx.Response, call: Call, migration: CallMigration, driver: AsyncDriver) -> None:
         _Body.__init__(self, response, call, migration)
-        self._legs = legs
+        self._driver = driver
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         if self._drained:
@@ -277,29 +234,5 @@ class AsyncMigratingDecodeStream(_Body, AsyncDecodeStream):
     async def _move(self, error: httpx.TransportError | httpx.DecodingError) -> httpx.Response | None:
         with contextlib.suppress(Exception):
             await self._response.aclose()
-        steps = self._moving(error)
-        result: Any = None
-        failure: BaseException | None = None
-        while True:
-            try:
-                step = steps.send(result) if failure is None else steps.throw(failure)
-            except StopIteration as moved:
-                response: httpx.Response | None = moved.value
-                return response
-            result, failure = None, None
-            try:
-                result = await self._run(step)
-            except BaseException as exc:
-                failure = exc
-
-    async def _run(self, step: Step) -> Any:
-        if isinstance(step, SendPrefill):
-            return await self._legs.read(step.request)
-        if isinstance(step, OpenDecode):
-            return await self._legs.open_decode(self._call)
-        if isinstance(step, Release):
-            return await self._legs.send_release((step.leg, step.request))
-        try:
-            return await step.response.aread()
-        finally:
-            await step.response.aclose()
+        response: httpx.Response | None = await self._driver.drive(self._moving(error))
+        return response
