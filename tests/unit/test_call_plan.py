@@ -254,7 +254,7 @@ def test_a_secret_signs_every_leg_body_pdclient_built_and_only_those() -> None:
 
 
 def learnt(call: Call, params: dict[str, Any]) -> None:
-    dispatch.book_of(call.context.fleet).learn(PREFILL, json.dumps(params).encode())
+    call.context.fleet.coordinates.learn(PREFILL, json.dumps(params).encode())
 
 
 @pytest.mark.parametrize(
