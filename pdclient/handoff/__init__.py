@@ -5,6 +5,7 @@ move, a flow of the same steps (``move``); ``dispatch``: both legs at once; the 
 
 from . import _dispatch as dispatch
 from ._call import Call, CallContext, Phase
+from ._decode_body import Body, MovingBody, PlainBody, body_for
 from ._failure import PREFILL_FAILURES, PrefillRedirected
 from ._flow import call_flow, open_decode
 from ._leg import Leg
@@ -28,8 +29,10 @@ from ._remote_prefill import (
 )
 from ._report import CALL_RECORD, STORED_STATE
 from ._steps import (
+    NEXT,
     STREAM_ERRORS,
     Await,
+    Chunks,
     Close,
     Concurrently,
     Cut,
@@ -49,6 +52,12 @@ from ._steps import (
 from ._to_caller import CallerBody, id_tags_for, usage_merge_for
 
 __all__ = [
+    "NEXT",
+    "Body",
+    "Chunks",
+    "MovingBody",
+    "PlainBody",
+    "body_for",
     "Await",
     "Close",
     "Concurrently",

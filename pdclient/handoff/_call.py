@@ -1,10 +1,10 @@
 """One call's state: its plan, its phase, its two legs, and how it ended.
 
-A ``Call`` is made per request by a transport and holds every decision about it; the
-transports only move bytes (send a leg, read a body, retry, sleep) and differ by
-``await``. What it decides with lives beside it: whether it gets a remote prefill and
-what its conversation teaches (``_remote_prefill``), its legs' requests and bodies
-(``_leg_requests``), what goes back to the caller (``_to_caller``), how it fails
+A ``Call`` is made per request by a transport, and its flow (``_flow.call_flow``) takes it
+from the caller's request to the response: the flow yields the I/O it needs to the
+transport's driver and applies the decisions made here and beside it: whether it gets a
+remote prefill and what its conversation teaches (``_remote_prefill``), its legs' requests
+and bodies (``_leg_requests``), what goes back to the caller (``_to_caller``), how it fails
 (``_failure``), concurrent dispatch (``_dispatch``), a broken stream's move (``_move``),
 the KV release (``_release``) and its trace (``_report``). Observers see the call and
 its legs as ``CallView`` / ``LegView``.

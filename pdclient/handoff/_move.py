@@ -3,8 +3,8 @@
 ``move`` is a flow of steps (``_steps``), as the call's own (``_flow``) is: it yields each
 step that needs the network (send the continuation's prefill, open its decode, send a KV
 release, read a refusal's body) and receives the step's result, or has the step's
-exception thrown in. The migrating streams (``transport._migrating_stream``) run it with
-their transport's driver, which does only the I/O. It lives with ``Call`` and ``Leg``
+exception thrown in. A moving decode body (``_decode_body.MovingBody``) runs it among its
+own steps, with its transport's driver, which does only the I/O. It lives with ``Call`` and ``Leg``
 because it takes legs; the bytes and the decisions it runs are ``migration``'s.
 """
 

@@ -129,6 +129,22 @@ class PeekFirstEvent:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Chunks:
+    """Start reading ``response``'s body: the ``NEXT`` steps that follow read its chunks."""
+
+    response: httpx.Response
+
+
+class NextChunk:
+    """The next chunk of the body being read (``Chunks``); the result is None at its end."""
+
+    __slots__ = ()
+
+
+NEXT = NextChunk()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Stream:
     """The caller's body for the call's decode response: the driver's stream (moved by this
     driver if it breaks); the result is the body."""
@@ -152,11 +168,16 @@ Step = (
     | PeekFirstEvent
     | Stream
     | Sleep
+    | Chunks
+    | NextChunk
 )
 Flow = Generator[Step, Any, Any]
 
 __all__ = [
+    "NEXT",
     "STREAM_ERRORS",
+    "Chunks",
+    "NextChunk",
     "Await",
     "Close",
     "Concurrently",

@@ -1,7 +1,7 @@
 """Token-exact decode migration: a decode stream cut mid-answer continues elsewhere.
 
 The decisions and the bytes, no I/O (the streams that send the continuation are in
-``transport._migrating_stream``). One ``CallMigration`` per P/D call, made when its decode body is built:
+``handoff._decode_body.MovingBody``). One ``CallMigration`` per P/D call, made when its decode body is built:
 
 - **arming** (``arm``): a call can move only if its prompt ids are known, the pool has
   another decode endpoint, ``max_decode_migrations`` > 0, and nothing in the request makes

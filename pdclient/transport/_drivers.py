@@ -34,11 +34,12 @@ from ..handoff import (
     SendPrefill,
     Sleep,
     Stream,
+    body_for,
     open_decode,
 )
 from ._concurrent import AsyncDecodeInFlight, AsyncReplayed, DecodeInFlight, Replayed
 from ._leg_client import AsyncLegClient, LegClient
-from ._migrating_stream import async_decode_stream, decode_stream
+from ._streams import AsyncDecodeStream, DecodeStream
 
 T = TypeVar("T")
 
@@ -62,6 +63,10 @@ class SyncDriver:
                 result = _SYNC[type(step)](self, step)
             except BaseException as exc:
                 failure = exc
+
+    def run(self, step: Any) -> Any:
+        """One step's result (a decode body's steps other than its reads)."""
+        return _SYNC[type(step)](self, step)
 
     def read(self, request: httpx.Request) -> httpx.Response:
         """A leg's response, its body read and its connection back in the pool."""
@@ -111,7 +116,7 @@ _SYNC: dict[type, Callable[[SyncDriver, Any], Any]] = {
     SendPrefill: lambda driver, step: driver.read(step.request),
     Open: SyncDriver._open,
     OpenDecode: lambda driver, step: driver.drive(open_decode(step.call)),
-    Stream: lambda driver, step: decode_stream(step.response, step.call, driver),
+    Stream: lambda driver, step: DecodeStream(body_for(step.response, step.call), driver),
     Close: lambda driver, step: step.response.close(),
     Release: SyncDriver._release,
     Sleep: lambda driver, step: time.sleep(step.seconds),
@@ -147,6 +152,9 @@ class AsyncDriver:
                 result = await _ASYNC[type(step)](self, step)
             except BaseException as exc:
                 failure = exc
+
+    async def run(self, step: Any) -> Any:
+        return await _ASYNC[type(step)](self, step)
 
     async def read(self, request: httpx.Request) -> httpx.Response:
         response = await self.legs.send(request)
@@ -242,7 +250,7 @@ _ASYNC: dict[type, Callable[[AsyncDriver, Any], Coroutine[Any, Any, Any]]] = {
     SendPrefill: AsyncDriver._send_prefill,
     Open: AsyncDriver._open,
     OpenDecode: lambda driver, step: driver.drive(open_decode(step.call)),
-    Stream: lambda driver, step: _now(async_decode_stream(step.response, step.call, driver)),
+    Stream: lambda driver, step: _now(AsyncDecodeStream(body_for(step.response, step.call), driver)),
     Close: lambda driver, step: step.response.aclose(),
     Release: AsyncDriver._release,
     Sleep: lambda driver, step: anyio.sleep(step.seconds),
