@@ -59,7 +59,6 @@ The transports (``transport._transport``) run the two legs; this module decides 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -86,8 +85,7 @@ PROMPT_UNCHECKED = "prompt_unchecked"
 
 
 def mode_of(call: Call) -> str:
-    assert call.plan is not None
-    return call.plan.options.dispatch or call.context.options.dispatch
+    return call.effective.dispatch
 
 
 def usable(mode: str, coordinates: Coordinates | None) -> bool:
@@ -115,7 +113,7 @@ def concurrent_decode(call: Call) -> ConcurrentDecode | None:
     Decided once a call gets a prefill leg. The prefill endpoint is picked here (the
     decode must name it); the prefill's first attempt goes to it (``Leg.pick_ahead``).
     """
-    call.dispatch = SEQUENTIAL
+    call.record.dispatch = SEQUENTIAL
     plan = call.plan
     if plan is None or call.fallback_url is not None or mode_of(call) == SEQUENTIAL:
         return None
@@ -145,38 +143,64 @@ def concurrent_decode(call: Call) -> ConcurrentDecode | None:
     pushed = wire.PrefillResult(ids=None, count=0, kv_transfer_params=coordinates.decode_kv_params(call.leg_request_id))
     body = call.armed_decode_body(pushed, checks_prompt=True)
     request = call.decode.start(call.requests.signed(base, body))
-    call.dispatch = CONCURRENT
+    call.record.dispatch = CONCURRENT
     return ConcurrentDecode(coordinates, request)
 
 
-def learn(call: Call) -> Coordinates | None:
-    """Record the coordinates the prefill answer gave for its endpoint (every call, either mode)."""
-    result = call.prefill_result
-    if result is None or not call.prefill.url:
-        return None
-    return call.context.fleet.coordinates.learn(call.prefill.url, result.kv_transfer_params)
+@dataclass(frozen=True, slots=True)
+class FallBack:
+    """Why a concurrent decode cannot be the call's answer: ``why`` for people, ``reason`` for
+    programs (``PDTrace.dispatch_fallback``). The flow then sends the decode again, sequentially."""
+
+    why: str
+    reason: str = DECODE_FAILED
 
 
-def moved_on(call: Call, sent: ConcurrentDecode) -> str | None:
-    """Why the decode sent with the prefill will never receive its KV, or None: it will.
+def moved_on(prefill: wire.PrefillResult | None, answered: Coordinates | None, sent: Coordinates) -> FallBack | None:
+    """Whether the decode sent with the prefill will never receive its KV (None: it will).
 
-    Called once the prefill phase is over (its answer's coordinates learnt by
-    ``Call.check_prefill``): the prefill failed, or it ran on a server other than the one
-    the decode registered with.
+    Asked once the prefill phase is over, with its answer (None: it failed) and the
+    coordinates that answer gave its endpoint (``Call.check_prefill`` learnt them): the
+    prefill failed, or it ran on a server other than the one the decode registered with.
     """
-    if call.prefill_result is None:
-        return "the prefill failed"
-    answered = call.context.fleet.coordinates.get(call.prefill.url)
-    if answered is None or not answered.same_server(sent.coordinates):
-        call.dispatch_fallback = PREFILL_MOVED
+    if prefill is None:
+        return FallBack("the prefill failed")
     if answered is None:
-        return "the prefill's answer gave no push coordinates"
-    if not answered.same_server(sent.coordinates):
-        return (
-            f"the prefill server's coordinates changed (engine {sent.coordinates.engine_id} -> "
-            f"{answered.engine_id}, a restart or another endpoint)"
+        return FallBack("the prefill's answer gave no push coordinates", PREFILL_MOVED)
+    if not answered.same_server(sent):
+        return FallBack(
+            f"the prefill server's coordinates changed (engine {sent.engine_id} -> "
+            f"{answered.engine_id}, a restart or another endpoint)",
+            PREFILL_MOVED,
         )
     return None
+
+
+def failure(response: httpx.Response | None, error: BaseException | None) -> FallBack | None:
+    """Whether a concurrent decode's outcome cannot be the caller's answer (None: it can)."""
+    if error is not None:
+        return FallBack(f"the decode failed: {type(error).__name__}: {error}".rstrip(": "))
+    if response is None:
+        return FallBack("the decode gave no answer")
+    if response.status_code >= 400:
+        return FallBack(f"the decode answered HTTP {response.status_code}")
+    return None
+
+
+def broke_early(error: BaseException) -> FallBack:
+    why = f"the decode's stream broke before its first event: {type(error).__name__}: {error}"
+    return FallBack(why.rstrip(": "))
+
+
+class DecodeCancelled(Exception):
+    """How a cancelled concurrent decode's leg ends: by the client's choice, saying nothing of its server."""
+
+
+def discarded(status: int | None, error: BaseException | None) -> tuple[int | None, BaseException | None]:
+    """What the cut decode's leg ends with: the status of the response it had, else its error or the cut."""
+    if status is not None:
+        return status, None
+    return None, error or DecodeCancelled("cancelled: its prefill failed or ran elsewhere")
 
 
 class PromptPeek:
@@ -221,82 +245,38 @@ class PromptPeek:
             self.ids = ids
 
 
-def failure(call: Call, response: httpx.Response | None, error: BaseException | None) -> str | None:
-    """Why a concurrent decode's outcome cannot be the caller's answer (it is then sent again,
-    sequentially), or None: it can."""
-    if error is not None:
-        call.decode_attempt_failed(error)
-        return f"the decode failed: {type(error).__name__}: {error}".rstrip(": ")
-    if response is None:
-        return "the decode gave no answer"
-    if response.status_code >= 400:
-        return f"the decode answered HTTP {response.status_code}"
-    return None
-
-
-class DecodeCancelled(Exception):
-    """How a cancelled concurrent decode's leg ends: by the client's choice, saying nothing of its server."""
-
-
-def discarded(call: Call, status: int | None, error: BaseException | None) -> None:
-    """The cut decode's leg ends: with the status of the response it had, else its error or the cut."""
-    if status is not None:
-        call.decode.end(status, None)
-    else:
-        call.decode.end(None, error or DecodeCancelled("cancelled: its prefill failed or ran elsewhere"))
-
-
-def broke_early(error: BaseException) -> str:
-    return f"the decode's stream broke before its first event: {type(error).__name__}: {error}".rstrip(": ")
-
-
 def prompt_peek(call: Call) -> PromptPeek:
     assert call.plan is not None
     return PromptPeek(chat=call.plan.kind is wire.Kind.CHAT)
 
 
-def prompt_drift(call: Call, sent: ConcurrentDecode, decode_prompt: list[int] | None) -> str | None:
-    """Why the concurrent decode's answer is not the handoff's (the prompt it rendered differs
-    from the prefill's ids, or it gave none to check: a decode server, or something on the
-    way, that does not pass ``return_token_ids`` on), or None: it is. Either way that prefill
-    server gets sequential handoffs from then on. A prefill that sent no ids leaves nothing
-    to check, as in a sequential handoff without them."""
-    result = call.prefill_result
-    if result is None or result.ids is None or call.migration is None or not call.migration.armed:
+def prompt_drift(
+    book: CoordinateBook, sent: Coordinates, prefill_ids: bytes | None, decode_prompt: list[int] | None
+) -> FallBack | None:
+    """Whether the concurrent decode's answer is not the handoff's: the prompt it rendered
+    differs from the prefill's ids, or it gave none to check (a decode server, or something
+    on the way, that does not pass ``return_token_ids`` on). Either way that prefill server
+    gets sequential handoffs from then on (``book``). No prefill ids to check against
+    (``prefill_ids`` None: none sent, or the call's stream is not tracked) leaves nothing to
+    check, as in a sequential handoff without them."""
+    if prefill_ids is None:
         return None
-    book = call.context.fleet.coordinates
     if decode_prompt is None:
-        book.sequential_only(sent.coordinates)
-        call.dispatch_fallback = PROMPT_UNCHECKED
-        return "the decode's first event carried no prompt ids to check it against the prefill's"
-    prefill_prompt = orjson.loads(result.ids)
+        book.sequential_only(sent)
+        return FallBack(
+            "the decode's first event carried no prompt ids to check it against the prefill's", PROMPT_UNCHECKED
+        )
+    prefill_prompt = orjson.loads(prefill_ids)
     if decode_prompt == prefill_prompt:
         return None
     at = next((i for i, (a, b) in enumerate(zip(decode_prompt, prefill_prompt, strict=False)) if a != b), None)
     where = f", first at token {at}" if at is not None else ""
-    why = (
+    book.sequential_only(sent)
+    return FallBack(
         f"the decode rendered another prompt than the prefill ({len(decode_prompt)} tokens against "
-        f"{len(prefill_prompt)}{where}): do both servers run the same model and chat template?"
+        f"{len(prefill_prompt)}{where}): do both servers run the same model and chat template?",
+        PROMPT_DRIFT,
     )
-    book.sequential_only(sent.coordinates)
-    call.dispatch_fallback = PROMPT_DRIFT
-    return why
-
-
-def fall_back(call: Call, why: str, *, kv_spent: bool = False) -> None:
-    """The concurrent decode was cancelled or failed: the call's decode goes out anew, sequentially.
-
-    ``kv_spent``: the decode had answered, so the prefill server has WRITTEN its KV into
-    that decode's blocks and freed its own; the new decode computes the prefill's ids itself.
-    """
-    call.dispatch = SEQUENTIAL  # what answers is a sequential decode
-    call.dispatch_fallback = call.dispatch_fallback or DECODE_FAILED
-    call.migration = None
-    call.reset_decode_body()
-    if kv_spent and call.prefill_result is not None:
-        call.prefill_result = dataclasses.replace(call.prefill_result, kv_transfer_params=None)
-    note = f"concurrent dispatch fell back to sequential: {why}"
-    call.fallback = f"{call.fallback}; {note}" if call.fallback else note
 
 
 __all__ = [
@@ -308,6 +288,7 @@ __all__ = [
     "SEQUENTIAL",
     "ConcurrentDecode",
     "DecodeCancelled",
+    "FallBack",
     "CoordinateBook",
     "Coordinates",
     "PromptPeek",
@@ -315,8 +296,6 @@ __all__ = [
     "concurrent_decode",
     "discarded",
     "failure",
-    "fall_back",
-    "learn",
     "moved_on",
     "prompt_drift",
     "prompt_peek",

@@ -19,6 +19,7 @@ move (``_move.move``) is a flow of the same steps, run by the same drivers.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Generator
 from typing import Any
 
@@ -105,19 +106,24 @@ def _concurrent(call: Call, sent: dispatch.ConcurrentDecode) -> Steps:
     running, it would generate its answer for nobody."""
     answered = False
     try:
-        ended, why = yield Concurrently(sent, call.decode_event, lambda: _prefill_beside(call, sent))
-        if why is None:
+        ended, not_it = yield Concurrently(sent, call.decode_event, lambda: _prefill_beside(call, sent))
+        if not_it is None:
             response, error = yield Await(sent)
-            why = dispatch.failure(call, response, error)
-            if why is None:
+            if error is not None:
+                call.decode_attempt_failed(error)
+            not_it = dispatch.failure(response, error)
+            if not_it is None:
                 assert response is not None
                 answered = True
                 try:
                     yield PeekFirstEvent(response, peek := dispatch.prompt_peek(call))
-                    why = dispatch.prompt_drift(call, sent, peek.ids)
+                    result, migration = call.prefill_result, call.migration
+                    tracked = migration is not None and migration.armed  # else no prefill ids to check
+                    ids = result.ids if result is not None and tracked else None
+                    not_it = dispatch.prompt_drift(call.context.fleet.coordinates, sent.coordinates, ids, peek.ids)
                 except STREAM_ERRORS as exc:
-                    why = dispatch.broke_early(exc)
-                if why is None:
+                    not_it = dispatch.broke_early(exc)
+                if not_it is None:
                     return (yield from _answer(call, response))
     except BaseException:
         yield from _cut(call, sent)
@@ -125,30 +131,50 @@ def _concurrent(call: Call, sent: dispatch.ConcurrentDecode) -> Steps:
     yield from _cut(call, sent)
     if ended is not None:
         return ended  # type: ignore[no-any-return]
-    dispatch.fall_back(call, why or "the decode gave no answer", kv_spent=answered)
+    sequential_again(call, not_it or dispatch.FallBack("the decode gave no answer"), kv_spent=answered)
     return (yield from _decode(call))
 
 
 def _cut(call: Call, sent: dispatch.ConcurrentDecode) -> Generator[Step, Any, None]:
     yield Cut(sent)
     status, error = yield Discard(sent)
-    dispatch.discarded(call, status, error)
+    call.decode.end(*dispatch.discarded(status, error))
 
 
 def _prefill_beside(
     call: Call, sent: dispatch.ConcurrentDecode
-) -> Generator[Step, Any, tuple[httpx.Response | None, str | None]]:
+) -> Generator[Step, Any, tuple[httpx.Response | None, dispatch.FallBack | None]]:
     """The prefill phase while the decode is in flight; the decode is cut as soon as it is
     known not to be the handoff's answer. Returns the prefill's end, and why the decode is not."""
     try:
         ended = yield from _prefill(call, outlive=True)
-        why = dispatch.moved_on(call, sent) if ended is None else "the prefill failed"
+        if ended is not None:
+            not_it: dispatch.FallBack | None = dispatch.FallBack("the prefill failed")
+        else:
+            answered = call.context.fleet.coordinates.get(call.prefill.url)
+            not_it = dispatch.moved_on(call.prefill_result, answered, sent.coordinates)
     except BaseException:
         yield Cut(sent)
         raise
-    if why is not None:
+    if not_it is not None:
         yield Cut(sent)
-    return ended, why
+    return ended, not_it
+
+
+def sequential_again(call: Call, fallback: dispatch.FallBack, *, kv_spent: bool = False) -> None:
+    """The concurrent decode was cut or failed: the call's decode goes out anew, sequentially.
+
+    ``kv_spent``: the decode had answered, so the prefill server has WRITTEN its KV into
+    that decode's blocks and freed its own; the new decode computes the prefill's ids itself.
+    """
+    record = call.record
+    record.dispatch, record.dispatch_fallback = dispatch.SEQUENTIAL, fallback.reason  # a sequential decode answers
+    call.migration = None
+    call.reset_decode_body()
+    if kv_spent and call.prefill_result is not None:
+        call.prefill_result = dataclasses.replace(call.prefill_result, kv_transfer_params=None)
+    note = f"concurrent dispatch fell back to sequential: {fallback.why}"
+    record.fallback = f"{record.fallback}; {note}" if record.fallback else note
 
 
 def _decode(call: Call) -> Steps:
@@ -206,4 +232,4 @@ def _release(call: Call) -> Generator[Step, Any, None]:
         yield Release(*pending)
 
 
-__all__ = ["call_flow", "open_decode"]
+__all__ = ["call_flow", "open_decode", "sequential_again"]

@@ -155,9 +155,7 @@ def arm(call: Call, *, tracked: bool = False) -> CallMigration:
     ``tracked``: its stream is tracked even if it may not (its prompt ids are wanted)."""
     assert call.plan is not None
     plan, options = call.plan, call.context.options
-    limit = plan.options.max_decode_migrations
-    if limit is None:
-        limit = options.max_decode_migrations
+    limit = call.effective.max_decode_migrations
     prompt_ids: bytes | None = None
     prompt_count = 0
     result = call.prefill_result

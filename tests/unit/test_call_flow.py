@@ -15,6 +15,7 @@ import pytest
 
 from pdclient import AsyncPDTransport, PDOptions, PDTransport
 from pdclient._observe import Observers
+from pdclient._trace import Outcome
 from pdclient.fleet import Fleet
 from pdclient.handoff import (
     Call,
@@ -27,8 +28,12 @@ from pdclient.handoff import (
     Step,
     Stream,
     call_flow,
+    dispatch,
 )
+from pdclient.handoff._effective import EffectiveOptions
+from pdclient.handoff._record import CallRecord
 from pdclient.pools import RetrySettings
+from pdclient.wire import _bodies as wire
 from tests.fake_vllm import prefill_json
 
 PREFILL = "http://p:8100/v1"
@@ -73,7 +78,7 @@ def test_a_sequential_handoff_is_its_prefill_then_its_decode() -> None:
         },
     )
     assert [type(s) for s in steps] == [ReadRequest, SendPrefill, Open, Stream]
-    assert response.status_code == 200 and call.dispatch == "sequential"
+    assert response.status_code == 200 and call.record.dispatch == "sequential"
     prefill, decode = steps[1], steps[2]
     assert isinstance(prefill, SendPrefill) and isinstance(decode, Open)
     assert prefill.request.url.host == "p" and decode.request.url.host == "d" and not prefill.outlive
@@ -114,3 +119,30 @@ def test_a_copy_with_other_options_shares_its_transports_driver(transport: type[
     copy = original.with_options(original.options.replace(on_prefill_failure="decode"))
     assert copy._driver is original._driver and copy.options.on_prefill_failure == "decode"
     assert vars(copy).keys() == vars(original).keys()
+
+
+def test_a_call_keeps_its_record_apart_and_its_options_resolved_once() -> None:
+    call = new_call(on_prefill_failure="decode", dispatch="auto")
+    call.request = httpx.Request(
+        "POST", f"{DECODE}/chat/completions", json={**BODY, "pdclient": {"max_decode_migrations": 0}}
+    )
+    call.request.read()
+    assert call.plan_or_refuse() is None
+    assert call.effective == EffectiveOptions(
+        on_prefill_failure="decode", dispatch="auto", remote_prefill="auto", max_decode_migrations=0
+    )
+    assert call.record == CallRecord(Outcome.DISAGGREGATED)  # what the report reads, nothing else
+
+
+def test_the_dispatch_decisions_take_values_and_return_decisions() -> None:
+    here = dispatch.Coordinates("e1", "p", 5600, 1, 1, "push")
+    elsewhere = dispatch.Coordinates("e2", "p", 5600, 1, 1, "push")
+    assert dispatch.moved_on(None, here, here) == dispatch.FallBack("the prefill failed")
+    result = wire.PrefillResult(ids=b"[1,2]", count=2, kv_transfer_params=None)
+    assert dispatch.moved_on(result, here, here) is None
+    moved = dispatch.moved_on(result, elsewhere, here)
+    assert moved is not None and moved.reason == dispatch.PREFILL_MOVED
+    book = dispatch.CoordinateBook()
+    assert dispatch.prompt_drift(book, here, b"[1,2]", [1, 2]) is None
+    drift = dispatch.prompt_drift(book, here, b"[1,2]", [1, 3])
+    assert drift is not None and drift.reason == dispatch.PROMPT_DRIFT and book.is_sequential_only(here)
