@@ -32,7 +32,7 @@ is sent again sequentially once the prefill answered (that decode takes the KV a
 the prefill's blocks, or gets the error a sequential call would). vLLM 0.32's decode
 server keeps the blocks of an aborted decode whose registration went out until a WRITE
 reaches them (its receiving side has no lease: vLLM issue #46283), so a caller that leaves
-cuts the decode at once but not the prefill: the async transport reads it to its end in a
+cuts the decode at once but not the prefill: the async driver reads it to its end in a
 task of its own, and its WRITE frees the cut decode's blocks. A sync caller leaves only
 by an exception in its own thread (Ctrl-C), which cuts the prefill's read with the decode:
 the blocks then wait as after a failed prefill. After a prefill that fails for good no
