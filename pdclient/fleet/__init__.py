@@ -19,6 +19,7 @@ from ._background import (
     running_library,
     system_resolver,
 )
+from ._coordinates import CoordinateBook, Coordinates
 from ._discovery import DiscoverySettings, DnsDiscovery, is_address, members_of, request_overrides
 from ._fleet import Fleet
 from ._health import HealthProber, HealthSettings, ProbeState, step, verdict
@@ -29,6 +30,8 @@ __all__ = [
     "Background",
     "BackgroundTask",
     "BackgroundThread",
+    "CoordinateBook",
+    "Coordinates",
     "Core",
     "DiscoverySettings",
     "DnsDiscovery",

@@ -23,6 +23,7 @@ from ..conversations import ConversationMemory
 from ..pools import EndpointPool
 from ..routing import RoutingPolicy, make_policy
 from ._background import Background, Core, Fetch, system_resolver
+from ._coordinates import CoordinateBook
 from ._discovery import DiscoverySettings, DnsDiscovery, is_address
 from ._health import HealthProber, HealthSettings
 from ._load import LoadScraper
@@ -51,6 +52,8 @@ class Fleet:
         # Each pool gets its own policy object: policies may keep state (round robin's turn).
         self.prefill = EndpointPool("prefill", options.prefill_urls, _policy(options, "prefill"), options.breaker)
         self.decode = EndpointPool("decode", options.decode_urls, _policy(options, "decode"), options.breaker)
+        self.coordinates = CoordinateBook()
+        """Each prefill endpoint's NIXL coordinates, from its last answer (concurrent dispatch)."""
         self.memory = ConversationMemory(options.conversations)
         """The conversations this fleet's decode endpoints answered (``remote_prefill="auto"``)."""
         self.background = _background(options, self.pools, asynchronous)

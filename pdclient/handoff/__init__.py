@@ -1,11 +1,13 @@
-"""One call: ``Call`` (plan, phase, legs, outcome, trace) and ``Leg``; what the call decides
-with (the remote prefill and its conversation, the legs' requests, what goes back to the
-caller); a broken stream's move as steps (``move``); ``dispatch``: both legs at once; the
-KV release."""
+"""One call: its flow of steps (``call_flow``, run by a transport's driver), ``Call`` (plan,
+phase, legs, outcome, trace) and ``Leg``; what the call decides with (the remote prefill
+and its conversation, the legs' requests, what goes back to the caller); a broken stream's
+move, a flow of the same steps (``move``); ``dispatch``: both legs at once; the KV release."""
 
 from . import _dispatch as dispatch
 from ._call import Call, CallContext, Phase
+from ._decode_body import Body, MovingBody, PlainBody, body_for
 from ._failure import PREFILL_FAILURES, PrefillRedirected
+from ._flow import call_flow, open_decode
 from ._leg import Leg
 from ._leg_requests import (
     LegRequests,
@@ -16,20 +18,59 @@ from ._leg_requests import (
     new_leg_id,
     request_with_content,
 )
-from ._move import STREAM_ERRORS, Move, OpenDecode, ReadRefusal, Release, SendPrefill, Step, move
+from ._move import Move, move
 from ._release import RELEASE_TIMEOUT, release_leg, release_request
 from ._remote_prefill import (
     ConversationTurn,
-    HandoffInstead,
     RemotePrefill,
     conversation_home,
     handoff_after_all,
     remote_prefill_decision,
 )
 from ._report import CALL_RECORD, STORED_STATE
+from ._steps import (
+    NEXT,
+    STREAM_ERRORS,
+    Await,
+    Chunks,
+    Close,
+    Concurrently,
+    Cut,
+    Discard,
+    Flow,
+    Open,
+    OpenDecode,
+    PeekFirstEvent,
+    ReadRefusal,
+    ReadRequest,
+    Release,
+    SendPrefill,
+    Sleep,
+    Step,
+    Stream,
+)
 from ._to_caller import CallerBody, id_tags_for, usage_merge_for
 
 __all__ = [
+    "NEXT",
+    "Body",
+    "Chunks",
+    "MovingBody",
+    "PlainBody",
+    "body_for",
+    "Await",
+    "Close",
+    "Concurrently",
+    "Cut",
+    "Discard",
+    "Flow",
+    "Open",
+    "PeekFirstEvent",
+    "ReadRequest",
+    "Sleep",
+    "Stream",
+    "call_flow",
+    "open_decode",
     "PREFILL_FAILURES",
     "PrefillRedirected",
     "CALL_RECORD",
@@ -40,7 +81,6 @@ __all__ = [
     "CallContext",
     "CallerBody",
     "ConversationTurn",
-    "HandoffInstead",
     "Leg",
     "LegRequests",
     "Move",

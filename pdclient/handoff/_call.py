@@ -1,10 +1,10 @@
 """One call's state: its plan, its phase, its two legs, and how it ended.
 
-A ``Call`` is made per request by a transport and holds every decision about it; the
-transports only move bytes (send a leg, read a body, retry, sleep) and differ by
-``await``. What it decides with lives beside it: whether it gets a remote prefill and
-what its conversation teaches (``_remote_prefill``), its legs' requests and bodies
-(``_leg_requests``), what goes back to the caller (``_to_caller``), how it fails
+A ``Call`` is made per request by a transport, and its flow (``_flow.call_flow``) takes it
+from the caller's request to the response: the flow yields the I/O it needs to the
+transport's driver and applies the decisions made here and beside it: whether it gets a
+remote prefill and what its conversation teaches (``_remote_prefill``), its legs' requests
+and bodies (``_leg_requests``), what goes back to the caller (``_to_caller``), how it fails
 (``_failure``), concurrent dispatch (``_dispatch``), a broken stream's move (``_move``),
 the KV release (``_release``) and its trace (``_report``). Observers see the call and
 its legs as ``CallView`` / ``LegView``.
@@ -56,7 +56,7 @@ from ..routing import TENANT_EXTENSION, RouteRequest, plan_text
 from ..wire import EventTooLarge, error_event, redact_url
 from ..wire import _bodies as wire
 from ..wire import _usage as usage
-from . import _dispatch
+from ._effective import EffectiveOptions
 from ._failure import (
     PrefillRedirected,
     error_response,
@@ -78,6 +78,7 @@ from ._leg_requests import (
     pass_through_body,
     streams_upload,
 )
+from ._record import CallRecord
 from ._remote_prefill import HandoffInstead, RemotePrefill
 from ._report import log_end, trace_of
 from ._to_caller import CallerBody, caller_response, id_tags_for, usage_merge_for
@@ -130,19 +131,15 @@ class Call:
         self.kind = self.dialect.kind if self.dialect is not None else None
         self.route = self.kind.value if self.kind else "passthrough"
         self.plan: wire.Plan | None = None
+        self._effective: EffectiveOptions | None = None
         self.prefill = Leg(self, "prefill", fleet.prefill)
         self.decode = Leg(self, "decode", fleet.decode)
         self.prefill_result: wire.PrefillResult | None = None
-        self.outcome = Outcome.DISAGGREGATED if self.kind else Outcome.PASSTHROUGH
-        self.fallback: str | None = None
-        self.error: str | None = None
-        self.failed_leg: str | None = None
+        self.record = CallRecord(Outcome.DISAGGREGATED if self.kind else Outcome.PASSTHROUGH)
+        """How the call went, as its report reads it (``_record``)."""
         self.fallback_url: str | None = None
+        """The failure policy's fallback server, where the call's decode goes whole."""
         self.decode_may_have_reached = False
-        self.cpu_seconds = 0.0
-        self.prefill_ms: float | None = None
-        self.decode_headers_ms: float | None = None
-        self.decode_first_byte_ms: float | None = None
         self.pass_through_body: bytes | None = None
         """A pass-through JSON body without pdclient's per-call options; None forwards the caller's stream."""
         self._prefill_body: bytes | None = None
@@ -154,10 +151,6 @@ class Call:
         """Whether the call gets a remote prefill and why, its conversation (``_remote_prefill``)."""
         self.caller_body = CallerBody()
         """The decode body's steps on its way to the caller (the streams feed it every chunk)."""
-        self.dispatch: str | None = None
-        """How the legs went out, ``sequential`` or ``concurrent`` (``_dispatch``), once a prefill is planned."""
-        self.dispatch_fallback: str | None = None
-        """Why a concurrent decode went out again sequentially (``_dispatch.fall_back``)."""
         read_timeout = (request.extensions.get("timeout") or {}).get("read")
         self.deadline = retry.prefill_deadline(read_timeout, context.options.retries)
         self.observers.call_start(self)
@@ -175,7 +168,16 @@ class Call:
         except wire.Refusal as exc:
             return self.refuse(str(exc))
         refused = call_options_refusal(self.plan.options, self.context.options)
-        return self.refuse(refused) if refused is not None else None
+        if refused is not None:
+            return self.refuse(refused)
+        self._effective = EffectiveOptions.resolve(self.plan.options, self.context.options)
+        return None
+
+    @property
+    def effective(self) -> EffectiveOptions:
+        """The options this call runs under, resolved once it is planned (``_effective``)."""
+        assert self._effective is not None
+        return self._effective
 
     @property
     def streams_upload(self) -> bool:
@@ -201,11 +203,6 @@ class Call:
     def refuse(self, message: str) -> httpx.Response:
         return self._fail("client", message, 400, outcome=Outcome.REFUSED)
 
-    @property
-    def failure_policy(self) -> str:
-        assert self.plan is not None
-        return self.plan.options.on_prefill_failure or self.context.options.on_prefill_failure
-
     def route_for(self, leg: str) -> RouteRequest:
         """What the leg's routing policy may know of this call (the prompt's text once, if it reads it)."""
         plan = self.plan
@@ -223,12 +220,14 @@ class Call:
         """Whether this call gets a prefill leg (``remote_prefill``, ``_remote_prefill``), once after planning."""
         assert self.plan is not None and self.dialect is not None
         plan, options, fleet, remote = self.plan, self.context.options, self.context.fleet, self.remote
-        wanted = remote.decide(plan, self.dialect, options, fleet, lambda: self.route_for("decode"))
+        wanted = remote.decide(
+            plan, self.effective.remote_prefill, self.dialect, options, fleet, lambda: self.route_for("decode")
+        )
         if remote.conversation is not None:
             self.caller_body.collector = remote.conversation.collector
         if wanted:
             return True
-        self.outcome = Outcome.DECODE_ONLY
+        self.record.outcome = Outcome.DECODE_ONLY
         if remote.stored_state is not None:
             self.stored_tag = self.dialect.stored_at(plan)
         elif remote.warms:
@@ -264,35 +263,42 @@ class Call:
         self.prefill.end(response.status_code, None)
         if retry.is_transient_status(response.status_code):
             raise retry.RetryableStatus(response)
-        self.prefill_ms = self._elapsed_ms()
+        self.record.prefill_ms = self._elapsed_ms()
         if response.status_code >= 400:
             # The request itself is wrong (bad model, messages, ...): the decode leg would
             # refuse it too, so the caller gets the prefill's own error.
             return self._fail("prefill", f"prefill answered HTTP {response.status_code}", response)
         cpu_start = time.thread_time()
         self.prefill_result = self.dialect.read_prefill(response.content)
-        _dispatch.learn(self)
-        self.cpu_seconds += time.thread_time() - cpu_start
+        if self.prefill.url:  # every prefill answer, either dispatch mode: where its server's NIXL agent is
+            self.context.fleet.coordinates.learn(self.prefill.url, self.prefill_result.kv_transfer_params)
+        self.record.cpu_seconds += time.thread_time() - cpu_start
         if self.remote.conversation is not None and self.prefill_result.ids is not None:
             self.remote.conversation.learn(self.prefill_result.count)  # the servers' own count
         return None
 
     def prefill_failed(self, error: BaseException) -> httpx.Response | None:
         """The prefill leg failed for good: the failure policy fails the call, or it goes on without it."""
-        self.prefill_ms = self._elapsed_ms()
+        self.record.prefill_ms = self._elapsed_ms()
         self.prefill_result = None
         reason = prefill_failure(error, self.prefill.attempt)
-        fallback = fallback_for(self.failure_policy, "prefill failed", reason, decode_admitted=True)
+        fallback = fallback_for(self.effective.on_prefill_failure, "prefill failed", reason, decode_admitted=True)
         if fallback is not None:
-            self.outcome, self.fallback, self.fallback_url = Outcome.PREFILL_FAILED, fallback.note, fallback.url
+            self.record.outcome, self.record.fallback, self.fallback_url = (
+                Outcome.PREFILL_FAILED,
+                fallback.note,
+                fallback.url,
+            )
             return None
         answer = error.response if isinstance(error, retry.RetryableStatus) else prefill_failure_status(error)
         return self._fail("prefill", f"prefill failed: {reason}", answer, f"prefill leg failed: {reason}")
 
     # -- decode ------------------------------------------------------------------------
 
-    def decode_request(self) -> httpx.Request:
-        """The next decode attempt; raises ``AllEndpointsOpen`` when no endpoint is admitted."""
+    def decode_request(self) -> httpx.Request | None:
+        """The next decode attempt; raises ``AllEndpointsOpen`` when no endpoint is admitted.
+        None: a decode-only call's conversation endpoint is out of reach, and the call becomes
+        a P/D handoff after all (its prefill goes first, then the decode is opened anew)."""
         self.phase = Phase.DECODE
         if self.migration is not None and self.migration.pending is not None:
             return self.decode.start(self.migration.continuation_request(self))  # a migrated decode
@@ -307,9 +313,9 @@ class Call:
             try:
                 pinned = self.remote.pin_decode(self.decode, stored_at, self.context.options.conversations)
             except HandoffInstead:
-                self.outcome = Outcome.DISAGGREGATED
+                self.record.outcome = Outcome.DISAGGREGATED
                 self.migration = self._decode_body = None
-                raise
+                return None
             base = pinned or self.decode.pick(self.route_for("decode"))
         if self.plan is None:
             return self.decode.start(self.requests.build(base, self.pass_through_body))
@@ -319,7 +325,7 @@ class Call:
             self._decode_body = self.armed_decode_body(self.prefill_result, asks_usage=self._asks_usage())
         signed_with = self.requests.sign(base, self._decode_body)  # a fresh nonce per attempt
         if first:
-            self.cpu_seconds += time.thread_time() - cpu_start
+            self.record.cpu_seconds += time.thread_time() - cpu_start
         return self.decode.start(self.requests.build(base, self._decode_body, signed_with))
 
     def armed_decode_body(
@@ -340,7 +346,7 @@ class Call:
         self._decode_body = None
 
     def _asks_usage(self) -> bool:
-        collecting, decode_only = self.remote.conversation is not None, self.outcome is Outcome.DECODE_ONLY
+        collecting, decode_only = self.remote.conversation is not None, self.record.outcome is Outcome.DECODE_ONLY
         return self.plan is not None and asks_usage(self.plan, collecting=collecting, decode_only=decode_only)
 
     def decode_admitted(self) -> bool:
@@ -356,10 +362,16 @@ class Call:
             return None  # one was admitted again meanwhile: the call goes on as usual
         except AllEndpointsOpen as exc:
             outage = exc
-        fallback = fallback_for(self.failure_policy, "no decode endpoint admitted", str(outage), decode_admitted=False)
+        fallback = fallback_for(
+            self.effective.on_prefill_failure, "no decode endpoint admitted", str(outage), decode_admitted=False
+        )
         if fallback is None:
             return self.decode_unavailable(outage)
-        self.outcome, self.fallback, self.fallback_url = Outcome.PREFILL_FAILED, fallback.note, fallback.url
+        self.record.outcome, self.record.fallback, self.fallback_url = (
+            Outcome.PREFILL_FAILED,
+            fallback.note,
+            fallback.url,
+        )
         return None
 
     def decode_attempt_failed(self, error: BaseException) -> None:
@@ -385,14 +397,14 @@ class Call:
         self.decode_may_have_reached = True
         self.phase = Phase.STREAMING
         status = self.decode.status = response.status_code
-        self.decode_headers_ms = (time.perf_counter() - self.decode.sent_at) * 1000
+        self.record.decode_headers_ms = (time.perf_counter() - self.decode.sent_at) * 1000
         if status >= 400 and self.kind is not None:
-            self.outcome = Outcome.FAILED
-            self.error = f"decode answered HTTP {status}"
-            self.failed_leg = "decode"
+            self.record.outcome = Outcome.FAILED
+            self.record.error = f"decode answered HTTP {status}"
+            self.record.failed_leg = "decode"
         # Before the caller reads a byte; a continuation after a migration keeps them (same prompt side).
         content_type, body = response.headers.get("content-type", ""), self.caller_body
-        merge = usage_merge_for(self.dialect, self.outcome, self.prefill_result, status, content_type)
+        merge = usage_merge_for(self.dialect, self.record.outcome, self.prefill_result, status, content_type)
         asked = self._decode_body is not None and self._asks_usage() and status == 200
         tags = self.dialect.tags_answer_ids if self.dialect is not None else names_a_response(self.relative_path)
         endpoint = self.decode.endpoint.url if self.decode.endpoint is not None else None
@@ -409,7 +421,7 @@ class Call:
         return self._fail("decode", str(error), 503)
 
     def first_byte(self) -> None:
-        self.decode_first_byte_ms = (time.perf_counter() - self.decode.sent_at) * 1000
+        self.record.decode_first_byte_ms = (time.perf_counter() - self.decode.sent_at) * 1000
         self.observers.first_byte(self)
 
     def decode_streamed(self, reads: int) -> None:
@@ -422,22 +434,22 @@ class Call:
     ) -> openai.APIConnectionError:
         """A decode stream cut mid-way, as the openai error a caller already handles
         (``stream_error``); ``not_moved``: why it did not move (default: the call's reason)."""
-        self.outcome = Outcome.FAILED
-        self.error = f"decode stream broke after {received} bytes: {type(error).__name__}: {error}"
+        self.record.outcome = Outcome.FAILED
+        self.record.error = f"decode stream broke after {received} bytes: {type(error).__name__}: {error}"
         not_moved = not_moved or (self.migration.refused if self.migration is not None else None)
         if not_moved:
-            self.error += f"; not migrated: {not_moved}"
+            self.record.error += f"; not migrated: {not_moved}"
         self.decode.end(self.decode.status, error)
         return stream_error(
-            self.request, f"{self.error} (decode {redact_url(self.decode.url)}, request {self.request_id})"
+            self.request, f"{self.record.error} (decode {redact_url(self.decode.url)}, request {self.request_id})"
         )
 
     def event_too_large(self, error: EventTooLarge, received: int) -> bytes:
         """A decode stream with an event longer than pdclient handles whole: the call fails,
         and the caller's stream ends with an error event saying so (its 200 is sent; the
         openai and anthropic SDKs raise the event's message)."""
-        self.outcome = Outcome.FAILED
-        self.error = f"decode stream cut after {received} bytes: {error}"
+        self.record.outcome = Outcome.FAILED
+        self.record.error = f"decode stream cut after {received} bytes: {error}"
         self.decode.end(self.decode.status, error)
         return error_event(f"pdclient: {error} (decode {redact_url(self.decode.url)}, request {self.request_id})")
 
@@ -452,8 +464,8 @@ class Call:
         """The call ends with an exception before its response was handed back."""
         if self.phase is Phase.ENDED:
             return
-        self.outcome = Outcome.FAILED if self.kind else self.outcome
-        self.error = self.error or f"{type(error).__name__}: {error}".rstrip(": ")
+        self.record.outcome = Outcome.FAILED if self.kind else self.record.outcome
+        self.record.error = self.record.error or f"{type(error).__name__}: {error}".rstrip(": ")
         self.prefill.end(None, error)
         self.decode.end(None, error)
         self.end()
@@ -463,8 +475,8 @@ class Call:
         if self.phase is Phase.ENDED:
             return
         self.phase = Phase.ENDED
-        if self.decode.endpoint is not None and self.decode.status == 200 and self.error is None:
-            self.remote.remember(self.outcome, self.decode.endpoint.url, self.prefill_result)
+        if self.decode.endpoint is not None and self.decode.status == 200 and self.record.error is None:
+            self.remote.remember(self.record.outcome, self.decode.endpoint.url, self.prefill_result)
         trace = self.trace()
         if self.kind is not None:
             log_end(trace)
@@ -475,7 +487,7 @@ class Call:
     ) -> httpx.Response:
         """End the call at ``leg`` with ``answer``: that leg's own error response (its body
         read), or a JSON error of that status saying ``message`` (default: ``error``)."""
-        self.outcome, self.error, self.failed_leg = outcome, error, leg
+        self.record.outcome, self.record.error, self.record.failed_leg = outcome, error, leg
         if isinstance(answer, httpx.Response):
             response = leg_error_response(answer, self.trace().to_headers())
         else:

@@ -32,7 +32,7 @@ is sent again sequentially once the prefill answered (that decode takes the KV a
 the prefill's blocks, or gets the error a sequential call would). vLLM 0.32's decode
 server keeps the blocks of an aborted decode whose registration went out until a WRITE
 reaches them (its receiving side has no lease: vLLM issue #46283), so a caller that leaves
-cuts the decode at once but not the prefill: the async transport reads it to its end in a
+cuts the decode at once but not the prefill: the async driver reads it to its end in a
 task of its own, and its WRITE frees the cut decode's blocks. A sync caller leaves only
 by an exception in its own thread (Ctrl-C), which cuts the prefill's read with the decode:
 the blocks then wait as after a failed prefill. After a prefill that fails for good no
@@ -59,16 +59,12 @@ The transports (``transport._transport``) run the two legs; this module decides 
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import threading
-import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-import msgspec
 import orjson
 
+from ..fleet import CoordinateBook, Coordinates
 from ..pools import AllEndpointsOpen
 from ..wire import EventTooLarge, SSEFramer, event_data, is_done
 from ..wire import _bodies as wire
@@ -76,7 +72,6 @@ from ..wire import _bodies as wire
 if TYPE_CHECKING:
     import httpx
 
-    from ..fleet import Fleet
     from ._call import Call
 
 SEQUENTIAL = "sequential"
@@ -89,148 +84,8 @@ PROMPT_DRIFT = "prompt_drift"
 PROMPT_UNCHECKED = "prompt_unchecked"
 
 
-class _CoordinateFields(msgspec.Struct):
-    """The fields of ``kv_transfer_params`` the coordinates come from; the others (the
-    prefill's block ids: thousands, for a long prompt) are skipped unparsed."""
-
-    remote_engine_id: object = None
-    remote_host: object = None
-    remote_port: object = None
-    tp_size: object = None
-    pp_size: object = 1
-    transfer_mode: object = None
-
-
-_read_coordinates = msgspec.json.Decoder(_CoordinateFields).decode
-
-
-@dataclass(frozen=True)
-class Coordinates:
-    """Where a prefill server's NIXL agent is, as its answers' ``kv_transfer_params`` say."""
-
-    engine_id: str
-    host: str
-    port: int
-    tp_size: int
-    pp_size: int
-    transfer_mode: str | None
-    """``"push"`` or ``"pull"`` as the server reported it; None when it did not."""
-
-    @classmethod
-    def from_kv_params(cls, raw: bytes | None) -> Coordinates | None:
-        """The coordinates in a prefill answer's ``kv_transfer_params``; None when any is missing or odd."""
-        if not raw:
-            return None
-        try:
-            params = _read_coordinates(raw)
-        except msgspec.DecodeError:
-            return None
-        engine, host, port, tp = params.remote_engine_id, params.remote_host, params.remote_port, params.tp_size
-        pp, mode = params.pp_size, params.transfer_mode
-        if not isinstance(engine, str) or not engine or not isinstance(host, str) or not host:
-            return None
-        numbers = [n for n in (port, tp, pp) if isinstance(n, int) and not isinstance(n, bool) and n > 0]
-        if len(numbers) != 3:
-            return None
-        return cls(engine, host, numbers[0], numbers[1], numbers[2], mode if isinstance(mode, str) else None)
-
-    @functools.cached_property
-    def _members(self) -> tuple[bytes, ...]:
-        named = {"remote_engine_id": self.engine_id, "remote_host": self.host, "remote_port": self.port}
-        if self.transfer_mode is not None:
-            named["transfer_mode"] = self.transfer_mode
-        return tuple(orjson.dumps({key: value})[1:-1] for key, value in named.items())
-
-    def named_in(self, kv_params: bytes) -> bool:
-        """Whether an answer's ``kv_transfer_params`` hold these coordinates, as vLLM writes
-        them (compact JSON): a substring test, where a parse would read every block id."""
-        return all(member in kv_params for member in self._members)
-
-    def same_server(self, other: Coordinates) -> bool:
-        """Whether a WRITE from ``other`` would reach a decode registered with these."""
-        return (self.engine_id, self.host, self.port, self.tp_size, self.pp_size) == (
-            other.engine_id,
-            other.host,
-            other.port,
-            other.tp_size,
-            other.pp_size,
-        )
-
-    def decode_kv_params(self, request_id: str) -> bytes:
-        """The concurrent decode's ``kv_transfer_params``: registered with this prefill server.
-
-        ``remote_block_ids`` is empty: in push mode the prefill server learns the decode's
-        blocks from its registration, not the other way round. ``remote_request_id`` must
-        be there (vLLM 0.32's decode engine dies on a KeyError without it, in
-        ``NixlConnectorMetadata.add_new_req_to_recv``); the prefill server's own id for the
-        request is not known yet, and the decode uses this one only to name the request in
-        its lease heartbeats, which the prefill server ignores for an id it does not hold:
-        the call's leg id, which both legs carry, is the honest value.
-        """
-        params = {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_engine_id": self.engine_id,
-            "remote_host": self.host,
-            "remote_port": self.port,
-            "tp_size": self.tp_size,
-            "pp_size": self.pp_size,
-            "remote_block_ids": [],
-            "remote_request_id": request_id,
-        }
-        return orjson.dumps(params)
-
-
-class CoordinateBook:
-    """Each prefill endpoint's coordinates, from its last answer (one book per fleet)."""
-
-    def __init__(self) -> None:
-        self._by_url: dict[str, Coordinates] = {}
-        self._sequential_only: set[str] = set()
-        """Engine ids of prefill servers whose concurrent decodes cannot be trusted: one
-        rendered another prompt, or gave no prompt ids to check."""
-        self._lock = threading.Lock()
-
-    def learn(self, url: str, kv_params: bytes | None) -> Coordinates | None:
-        known = self._by_url.get(url)
-        if known is not None and kv_params and known.named_in(kv_params):
-            return known  # the same server as last time: no parse on the handoff's path
-        coordinates = Coordinates.from_kv_params(kv_params)
-        with self._lock:
-            if coordinates is None:
-                self._by_url.pop(url, None)
-            else:
-                self._by_url[url] = coordinates
-        return coordinates
-
-    def get(self, url: str) -> Coordinates | None:
-        return self._by_url.get(url)
-
-    def sequential_only(self, coordinates: Coordinates) -> None:
-        """This prefill server gets sequential handoffs only (until it restarts: a new engine id)."""
-        with self._lock:
-            self._sequential_only.add(coordinates.engine_id)
-
-    def is_sequential_only(self, coordinates: Coordinates) -> bool:
-        return coordinates.engine_id in self._sequential_only
-
-
-_books: weakref.WeakKeyDictionary[Fleet, CoordinateBook] = weakref.WeakKeyDictionary()
-_books_lock = threading.Lock()
-
-
-def book_of(fleet: Fleet) -> CoordinateBook:
-    """The fleet's coordinate book: shared by every copy of a client that shares the fleet."""
-    with _books_lock:
-        book = _books.get(fleet)
-        if book is None:
-            book = _books[fleet] = CoordinateBook()
-        return book
-
-
 def mode_of(call: Call) -> str:
-    assert call.plan is not None
-    return call.plan.options.dispatch or call.context.options.dispatch
+    return call.effective.dispatch
 
 
 def usable(mode: str, coordinates: Coordinates | None) -> bool:
@@ -248,6 +103,8 @@ class ConcurrentDecode:
 
     coordinates: Coordinates
     request: httpx.Request
+    in_flight: Any = None
+    """The driver's handle on the decode while it runs (a thread's or a task's)."""
 
 
 def concurrent_decode(call: Call) -> ConcurrentDecode | None:
@@ -256,7 +113,7 @@ def concurrent_decode(call: Call) -> ConcurrentDecode | None:
     Decided once a call gets a prefill leg. The prefill endpoint is picked here (the
     decode must name it); the prefill's first attempt goes to it (``Leg.pick_ahead``).
     """
-    call.dispatch = SEQUENTIAL
+    call.record.dispatch = SEQUENTIAL
     plan = call.plan
     if plan is None or call.fallback_url is not None or mode_of(call) == SEQUENTIAL:
         return None
@@ -266,7 +123,7 @@ def concurrent_decode(call: Call) -> ConcurrentDecode | None:
         prefill_url = call.prefill.pick_ahead(call.route_for("prefill"))
     except AllEndpointsOpen:
         return None  # the prefill phase reports it as usual
-    book = book_of(call.context.fleet)
+    book = call.context.fleet.coordinates
     coordinates = book.get(prefill_url)
     if not usable(mode_of(call), coordinates):
         return None
@@ -286,38 +143,64 @@ def concurrent_decode(call: Call) -> ConcurrentDecode | None:
     pushed = wire.PrefillResult(ids=None, count=0, kv_transfer_params=coordinates.decode_kv_params(call.leg_request_id))
     body = call.armed_decode_body(pushed, checks_prompt=True)
     request = call.decode.start(call.requests.signed(base, body))
-    call.dispatch = CONCURRENT
+    call.record.dispatch = CONCURRENT
     return ConcurrentDecode(coordinates, request)
 
 
-def learn(call: Call) -> Coordinates | None:
-    """Record the coordinates the prefill answer gave for its endpoint (every call, either mode)."""
-    result = call.prefill_result
-    if result is None or not call.prefill.url:
-        return None
-    return book_of(call.context.fleet).learn(call.prefill.url, result.kv_transfer_params)
+@dataclass(frozen=True, slots=True)
+class FallBack:
+    """Why a concurrent decode cannot be the call's answer: ``why`` for people, ``reason`` for
+    programs (``PDTrace.dispatch_fallback``). The flow then sends the decode again, sequentially."""
+
+    why: str
+    reason: str = DECODE_FAILED
 
 
-def moved_on(call: Call, sent: ConcurrentDecode) -> str | None:
-    """Why the decode sent with the prefill will never receive its KV, or None: it will.
+def moved_on(prefill: wire.PrefillResult | None, answered: Coordinates | None, sent: Coordinates) -> FallBack | None:
+    """Whether the decode sent with the prefill will never receive its KV (None: it will).
 
-    Called once the prefill phase is over (its answer's coordinates learnt by
-    ``Call.check_prefill``): the prefill failed, or it ran on a server other than the one
-    the decode registered with.
+    Asked once the prefill phase is over, with its answer (None: it failed) and the
+    coordinates that answer gave its endpoint (``Call.check_prefill`` learnt them): the
+    prefill failed, or it ran on a server other than the one the decode registered with.
     """
-    if call.prefill_result is None:
-        return "the prefill failed"
-    answered = book_of(call.context.fleet).get(call.prefill.url)
-    if answered is None or not answered.same_server(sent.coordinates):
-        call.dispatch_fallback = PREFILL_MOVED
+    if prefill is None:
+        return FallBack("the prefill failed")
     if answered is None:
-        return "the prefill's answer gave no push coordinates"
-    if not answered.same_server(sent.coordinates):
-        return (
-            f"the prefill server's coordinates changed (engine {sent.coordinates.engine_id} -> "
-            f"{answered.engine_id}, a restart or another endpoint)"
+        return FallBack("the prefill's answer gave no push coordinates", PREFILL_MOVED)
+    if not answered.same_server(sent):
+        return FallBack(
+            f"the prefill server's coordinates changed (engine {sent.engine_id} -> "
+            f"{answered.engine_id}, a restart or another endpoint)",
+            PREFILL_MOVED,
         )
     return None
+
+
+def failure(response: httpx.Response | None, error: BaseException | None) -> FallBack | None:
+    """Whether a concurrent decode's outcome cannot be the caller's answer (None: it can)."""
+    if error is not None:
+        return FallBack(f"the decode failed: {type(error).__name__}: {error}".rstrip(": "))
+    if response is None:
+        return FallBack("the decode gave no answer")
+    if response.status_code >= 400:
+        return FallBack(f"the decode answered HTTP {response.status_code}")
+    return None
+
+
+def broke_early(error: BaseException) -> FallBack:
+    why = f"the decode's stream broke before its first event: {type(error).__name__}: {error}"
+    return FallBack(why.rstrip(": "))
+
+
+class DecodeCancelled(Exception):
+    """How a cancelled concurrent decode's leg ends: by the client's choice, saying nothing of its server."""
+
+
+def discarded(status: int | None, error: BaseException | None) -> tuple[int | None, BaseException | None]:
+    """What the cut decode's leg ends with: the status of the response it had, else its error or the cut."""
+    if status is not None:
+        return status, None
+    return None, error or DecodeCancelled("cancelled: its prefill failed or ran elsewhere")
 
 
 class PromptPeek:
@@ -367,48 +250,33 @@ def prompt_peek(call: Call) -> PromptPeek:
     return PromptPeek(chat=call.plan.kind is wire.Kind.CHAT)
 
 
-def prompt_drift(call: Call, sent: ConcurrentDecode, decode_prompt: list[int] | None) -> str | None:
-    """Why the concurrent decode's answer is not the handoff's (the prompt it rendered differs
-    from the prefill's ids, or it gave none to check: a decode server, or something on the
-    way, that does not pass ``return_token_ids`` on), or None: it is. Either way that prefill
-    server gets sequential handoffs from then on. A prefill that sent no ids leaves nothing
-    to check, as in a sequential handoff without them."""
-    result = call.prefill_result
-    if result is None or result.ids is None or call.migration is None or not call.migration.armed:
+def prompt_drift(
+    book: CoordinateBook, sent: Coordinates, prefill_ids: bytes | None, decode_prompt: list[int] | None
+) -> FallBack | None:
+    """Whether the concurrent decode's answer is not the handoff's: the prompt it rendered
+    differs from the prefill's ids, or it gave none to check (a decode server, or something
+    on the way, that does not pass ``return_token_ids`` on). Either way that prefill server
+    gets sequential handoffs from then on (``book``). No prefill ids to check against
+    (``prefill_ids`` None: none sent, or the call's stream is not tracked) leaves nothing to
+    check, as in a sequential handoff without them."""
+    if prefill_ids is None:
         return None
-    book = book_of(call.context.fleet)
     if decode_prompt is None:
-        book.sequential_only(sent.coordinates)
-        call.dispatch_fallback = PROMPT_UNCHECKED
-        return "the decode's first event carried no prompt ids to check it against the prefill's"
-    prefill_prompt = orjson.loads(result.ids)
+        book.sequential_only(sent)
+        return FallBack(
+            "the decode's first event carried no prompt ids to check it against the prefill's", PROMPT_UNCHECKED
+        )
+    prefill_prompt = orjson.loads(prefill_ids)
     if decode_prompt == prefill_prompt:
         return None
     at = next((i for i, (a, b) in enumerate(zip(decode_prompt, prefill_prompt, strict=False)) if a != b), None)
     where = f", first at token {at}" if at is not None else ""
-    why = (
+    book.sequential_only(sent)
+    return FallBack(
         f"the decode rendered another prompt than the prefill ({len(decode_prompt)} tokens against "
-        f"{len(prefill_prompt)}{where}): do both servers run the same model and chat template?"
+        f"{len(prefill_prompt)}{where}): do both servers run the same model and chat template?",
+        PROMPT_DRIFT,
     )
-    book.sequential_only(sent.coordinates)
-    call.dispatch_fallback = PROMPT_DRIFT
-    return why
-
-
-def fall_back(call: Call, why: str, *, kv_spent: bool = False) -> None:
-    """The concurrent decode was cancelled or failed: the call's decode goes out anew, sequentially.
-
-    ``kv_spent``: the decode had answered, so the prefill server has WRITTEN its KV into
-    that decode's blocks and freed its own; the new decode computes the prefill's ids itself.
-    """
-    call.dispatch = SEQUENTIAL  # what answers is a sequential decode
-    call.dispatch_fallback = call.dispatch_fallback or DECODE_FAILED
-    call.migration = None
-    call.reset_decode_body()
-    if kv_spent and call.prefill_result is not None:
-        call.prefill_result = dataclasses.replace(call.prefill_result, kv_transfer_params=None)
-    note = f"concurrent dispatch fell back to sequential: {why}"
-    call.fallback = f"{call.fallback}; {note}" if call.fallback else note
 
 
 __all__ = [
@@ -419,13 +287,15 @@ __all__ = [
     "PROMPT_UNCHECKED",
     "SEQUENTIAL",
     "ConcurrentDecode",
+    "DecodeCancelled",
+    "FallBack",
     "CoordinateBook",
     "Coordinates",
     "PromptPeek",
-    "book_of",
+    "broke_early",
     "concurrent_decode",
-    "fall_back",
-    "learn",
+    "discarded",
+    "failure",
     "moved_on",
     "prompt_drift",
     "prompt_peek",

@@ -1,16 +1,15 @@
 """A broken decode stream's move to another endpoint, as steps: the decisions here, the I/O in a driver.
 
-``move`` is a generator, as httpx's ``Auth.auth_flow`` is: it yields each step that needs
-the network (send the continuation's prefill, open its decode, send a KV release, read a
-refusal's body) and receives the step's result, or has the step's exception thrown in.
-Its two drivers, the sync and async migrating streams (``transport._migrating_stream``),
-do only the I/O. It lives with ``Call`` and ``Leg`` because it takes legs; the bytes
-and the decisions it runs are ``migration``'s.
+``move`` is a flow of steps (``_steps``), as the call's own (``_flow``) is: it yields each
+step that needs the network (send the continuation's prefill, open its decode, send a KV
+release, read a refusal's body) and receives the step's result, or has the step's
+exception thrown in. A moving decode body (``_decode_body.MovingBody``) runs it among its
+own steps, with its transport's driver, which does only the I/O. It lives with ``Call`` and ``Leg``
+because it takes legs; the bytes and the decisions it runs are ``migration``'s.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Generator
 from typing import Any
 
@@ -19,43 +18,11 @@ import httpx
 from ..migration import CallMigration, CannotMove, Continuation, Route
 from ..pools import AllEndpointsOpen
 from ._call import Call
-from ._leg import Leg
 from ._release import release_leg
-
-STREAM_ERRORS = (httpx.TransportError, httpx.DecodingError)
-"""What a decode stream raises when it breaks (a reset, a server gone, a read timeout)."""
+from ._steps import STREAM_ERRORS, OpenDecode, ReadRefusal, Release, SendPrefill, Step
 
 _ERROR_TEXT = 300
 
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class SendPrefill:
-    """Send the continuation's prefill leg and read its whole body; the result is the response."""
-
-    request: httpx.Request
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class OpenDecode:
-    """Open the continuation's decode leg, retried as any decode leg; the result is the streaming response."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Release:
-    """Send a KV release leg and end it with its status or error; never fails (shielded on async)."""
-
-    leg: Leg
-    request: httpx.Request
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ReadRefusal:
-    """Read a refused decode response's body and close it; the result is the body."""
-
-    response: httpx.Response
-
-
-Step = SendPrefill | OpenDecode | Release | ReadRefusal
 Move = Generator[Step, Any, httpx.Response | None]
 
 
@@ -106,7 +73,7 @@ def _open(call: Call, migration: CallMigration, continuation: Continuation) -> G
     migration.pending = continuation  # Call.decode_request builds the continuation's requests
     call.decode_may_have_reached = False
     try:
-        response: httpx.Response = yield OpenDecode()
+        response: httpx.Response = yield OpenDecode(call)
     except BaseException:
         # Before the exception goes on (a cancel too): free a continuation prefill's KV
         # when no decode request can have pulled it.

@@ -190,6 +190,7 @@ class RemotePrefill:
     def decide(
         self,
         plan: wire.Plan,
+        mode: str,
         dialect: Dialect,
         options: PDOptions,
         fleet: Fleet,
@@ -200,7 +201,6 @@ class RemotePrefill:
         self.stored_state = dialect.stored_state(plan)
         if self.stored_state is not None:
             return False  # the state is where it was stored, never on a prefill server
-        mode = plan.options.remote_prefill or options.remote_prefill
         if mode != "always" and plan.messages is not None:  # a conversation, in chat messages
             self.conversation = ConversationTurn(plan, fleet.memory)
             self.home = conversation_home(fleet.decode, options, decode_route())

@@ -25,9 +25,9 @@ def trace_of(call: Call) -> PDTrace:
     """The call's trace as it stands."""
     plan, result = call.plan, call.prefill_result
     ids_skipped = None
-    if call.outcome is Outcome.DISAGGREGATED and plan is not None and result is not None:
+    if call.record.outcome is Outcome.DISAGGREGATED and plan is not None and result is not None:
         ids_skipped = plan.ids_skipped or result.problem
-    fallback = call.fallback
+    fallback = call.record.fallback
     if fallback is None and ids_skipped is not None:
         fallback = f"ids not forwarded: {ids_skipped}"
     moved = call.migration.summary() if call.migration is not None else None
@@ -39,19 +39,19 @@ def trace_of(call: Call) -> PDTrace:
         request_id=call.request_id,
         leg_request_id=call.leg_request_id,
         route=call.route,
-        outcome=call.outcome,
+        outcome=call.record.outcome,
         prefill_url=call.prefill.url or None,
         decode_url=call.decode.url or None,
-        prefill_ms=call.prefill_ms,
+        prefill_ms=call.record.prefill_ms,
         prefill_attempts=call.prefill.attempt,
-        decode_headers_ms=call.decode_headers_ms,
-        decode_first_byte_ms=call.decode_first_byte_ms,
+        decode_headers_ms=call.record.decode_headers_ms,
+        decode_first_byte_ms=call.record.decode_first_byte_ms,
         forwarded_tokens=forwarded_tokens(call),
         ids_skipped=ids_skipped,
-        handoff_cpu_ms=call.cpu_seconds * 1000 if call.kind else None,
+        handoff_cpu_ms=call.record.cpu_seconds * 1000 if call.kind else None,
         fallback=fallback,
-        error=call.error,
-        failed_leg=call.failed_leg,
+        error=call.record.error,
+        failed_leg=call.record.failed_leg,
         prefill_route=str(call.prefill.decision) if call.prefill.decision else None,
         decode_route=str(call.decode.decision) if call.decode.decision else None,
         migrations=call.migration.records() if call.migration is not None else (),
@@ -61,8 +61,8 @@ def trace_of(call: Call) -> PDTrace:
         estimated_prompt_tokens=estimate.total_tokens if estimate is not None else None,
         estimated_uncached_tokens=estimate.uncached_tokens if estimate is not None else None,
         prefill_warm_up_url=call.remote.warm_up_url,
-        dispatch=call.dispatch,
-        dispatch_fallback=call.dispatch_fallback,
+        dispatch=call.record.dispatch,
+        dispatch_fallback=call.record.dispatch_fallback,
     )
 
 
@@ -71,7 +71,7 @@ def forwarded_tokens(call: Call) -> int:
     result, plan = call.prefill_result, call.plan
     if result is None or result.ids is None or plan is None or plan.ids_skipped is not None:
         return 0
-    if call.dispatch == CONCURRENT:
+    if call.record.dispatch == CONCURRENT:
         return 0  # the decode rendered the prompt itself: its ids were not known yet
     return result.count
 

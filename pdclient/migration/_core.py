@@ -1,7 +1,7 @@
 """Token-exact decode migration: a decode stream cut mid-answer continues elsewhere.
 
 The decisions and the bytes, no I/O (the streams that send the continuation are in
-``transport._migrating_stream``). One ``CallMigration`` per P/D call, made when its decode body is built:
+``handoff._decode_body.MovingBody``). One ``CallMigration`` per P/D call, made when its decode body is built:
 
 - **arming** (``arm``): a call can move only if its prompt ids are known, the pool has
   another decode endpoint, ``max_decode_migrations`` > 0, and nothing in the request makes
@@ -155,9 +155,7 @@ def arm(call: Call, *, tracked: bool = False) -> CallMigration:
     ``tracked``: its stream is tracked even if it may not (its prompt ids are wanted)."""
     assert call.plan is not None
     plan, options = call.plan, call.context.options
-    limit = plan.options.max_decode_migrations
-    if limit is None:
-        limit = options.max_decode_migrations
+    limit = call.effective.max_decode_migrations
     prompt_ids: bytes | None = None
     prompt_count = 0
     result = call.prefill_result

@@ -1,4 +1,4 @@
-"""Retry decisions for the two legs, in one place; the transports only drive them.
+"""Retry decisions for the two legs, in one place; the call's flow runs them, its drivers sleep.
 
 - Prefill leg: cheap to repeat. Retried on connection errors, timeouts, 408, 429 and
   5xx, with exponential backoff and jitter (or the server's ``Retry-After``), on another
@@ -19,12 +19,11 @@ import functools
 import math
 import sys
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, TypeVar
 
-import anyio
 import httpx
 import tenacity
 
@@ -176,51 +175,37 @@ def decode_policy(settings: RetrySettings) -> Mapping[str, object]:
     )
 
 
-def run(policy: Mapping[str, object], attempt: Callable[..., T], *args: Any) -> T:
-    """``attempt(*args)``, retried under ``policy`` (tenacity arguments): its result, or the
-    last error. As ``tenacity.Retrying(**policy)(attempt, *args)``, but the first attempt
-    runs bare: tenacity's loop starts from its failure, so a call that needs no retry (all
-    but a few) never pays for it (~12 us a loop, two loops a call: ~5 % of ``pdclient
-    serve``'s own CPU per call). The policies here retry on errors only: a result is final.
+@dataclass(frozen=True, slots=True)
+class Sleep:
+    """A step of a flow: wait ``seconds`` before the next attempt (``time.sleep`` or ``anyio.sleep``)."""
+
+    seconds: float
+
+
+def retrying(policy: Mapping[str, object], attempt: Callable[[], Generator[Any, Any, T]]) -> Generator[Any, Any, T]:
+    """``attempt()``'s steps, retried under ``policy`` (tenacity arguments): its result, or the
+    last error; the waits between attempts are ``Sleep`` steps, so one loop serves both
+    drivers. As ``tenacity.Retrying(**policy)(attempt)``, but the first attempt runs bare:
+    tenacity's loop starts from its failure, so a call that needs no retry (all but a few)
+    never pays for it (~12 us a loop, two loops a call: ~5 % of ``pdclient serve``'s own
+    CPU per call). The policies here retry on errors only: a result is final.
     """
     try:
-        return attempt(*args)
+        return (yield from attempt())
     except BaseException:
         retrying, state = _after_failure(policy, sys.exc_info())
     while True:
         do = retrying.iter(state)
         if isinstance(do, tenacity.DoAttempt):
             try:
-                result = attempt(*args)
+                result = yield from attempt()
             except BaseException:  # as tenacity: the policy decides, and re-raises what it won't retry
                 state.set_exception(sys.exc_info())  # type: ignore[arg-type]
             else:
                 state.set_result(result)
         elif isinstance(do, tenacity.DoSleep):
             state.prepare_for_next_attempt()
-            time.sleep(do)
-        else:
-            return do  # type: ignore[no-any-return]
-
-
-async def run_async(policy: Mapping[str, object], attempt: Callable[..., Awaitable[T]], *args: Any) -> T:
-    """Async twin of ``run`` (the sleep is ``anyio.sleep``: asyncio and trio)."""
-    try:
-        return await attempt(*args)
-    except BaseException:
-        retrying, state = _after_failure(policy, sys.exc_info())
-    while True:
-        do = retrying.iter(state)
-        if isinstance(do, tenacity.DoAttempt):
-            try:
-                result = await attempt(*args)
-            except BaseException:
-                state.set_exception(sys.exc_info())  # type: ignore[arg-type]
-            else:
-                state.set_result(result)
-        elif isinstance(do, tenacity.DoSleep):
-            state.prepare_for_next_attempt()
-            await anyio.sleep(do)
+            yield Sleep(float(do))
         else:
             return do  # type: ignore[no-any-return]
 

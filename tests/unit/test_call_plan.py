@@ -23,7 +23,6 @@ from pdclient.handoff import (
     Call,
     CallContext,
     ConversationTurn,
-    HandoffInstead,
     LegRequests,
     asks_usage,
     dispatch,
@@ -34,6 +33,7 @@ from pdclient.handoff import (
     remote_prefill_decision,
     usage_merge_for,
 )
+from pdclient.handoff._flow import sequential_again
 from pdclient.routing import RouteDecision
 from pdclient.wire import SIGNATURE_HEADER
 from tests.fake_vllm import NIXL_PARAMS, prefill_json
@@ -88,7 +88,7 @@ def test_always_and_never_decide_without_an_estimate(mode: str, prefills: bool, 
         and call.remote.decision.reason.value == reason
         and call.remote.decision.estimate is None
     )
-    assert call.outcome is (Outcome.DISAGGREGATED if prefills else Outcome.DECODE_ONLY)
+    assert call.record.outcome is (Outcome.DISAGGREGATED if prefills else Outcome.DECODE_ONLY)
     # Only a call whose turn may be remembered keeps its conversation (never: yes; always: no).
     assert (call.remote.conversation is None) is (mode == "always")
 
@@ -127,7 +127,7 @@ def follow_up_of_a_remembered_turn() -> Call:
 
 def test_auto_sends_a_cached_conversation_decode_only_to_the_endpoint_holding_it() -> None:
     call = follow_up_of_a_remembered_turn()
-    assert call.outcome is Outcome.DECODE_ONLY and call.remote.decision is not None
+    assert call.record.outcome is Outcome.DECODE_ONLY and call.remote.decision is not None
     assert (call.remote.decision.reason, call.remote.decision.decode_endpoint) == (Reason.MOSTLY_CACHED, DECODES[1])
     decode = call.decode_request()
     # Decode-only: the caller's fields as sent, on the endpoint holding the conversation,
@@ -142,10 +142,9 @@ def test_a_held_conversation_whose_endpoint_is_gone_becomes_a_handoff() -> None:
     held = next(e for e in call.context.fleet.decode.endpoints if e.url == DECODES[1])
     held.acquire()  # the endpoint is taken by this very call's first attempt, then tried
     call.decode.tried.append(held)
-    with pytest.raises(HandoffInstead):
-        call.decode_request()
+    assert call.decode_request() is None  # the flow runs its prefill, then opens the decode anew
     assert (
-        call.outcome is Outcome.DISAGGREGATED
+        call.record.outcome is Outcome.DISAGGREGATED
         and call.remote.decision is not None
         and call.remote.decision.remote_prefill
     )
@@ -179,7 +178,7 @@ def test_a_handoff_after_all_counts_the_whole_prompt_as_uncached() -> None:
 def test_a_response_building_on_stored_state_is_decode_only() -> None:
     call = make_call({"model": "m", "input": "and?", "previous_response_id": "resp_1"}, "/responses")
     assert not call.wants_prefill()
-    assert call.outcome is Outcome.DECODE_ONLY and call.remote.stored_state == "previous_response_id"
+    assert call.record.outcome is Outcome.DECODE_ONLY and call.remote.stored_state == "previous_response_id"
     assert call.trace().remote_prefill_reason == "stored_state"
 
 
@@ -256,7 +255,7 @@ def test_a_secret_signs_every_leg_body_pdclient_built_and_only_those() -> None:
 
 
 def learnt(call: Call, params: dict[str, Any]) -> None:
-    dispatch.book_of(call.context.fleet).learn(PREFILL, json.dumps(params).encode())
+    call.context.fleet.coordinates.learn(PREFILL, json.dumps(params).encode())
 
 
 @pytest.mark.parametrize(
@@ -278,7 +277,7 @@ def test_dispatch_goes_concurrent_only_on_learnt_coordinates_its_mode_accepts(
         learnt(call, params)
     assert call.wants_prefill()
     sent_with = dispatch.concurrent_decode(call)
-    assert call.dispatch == expected and (sent_with is not None) is (expected == dispatch.CONCURRENT)
+    assert call.record.dispatch == expected and (sent_with is not None) is (expected == dispatch.CONCURRENT)
     if sent_with is not None:
         kv = sent(sent_with.request)["kv_transfer_params"]
         assert kv["do_remote_prefill"] is True and kv["remote_block_ids"] == []
@@ -293,7 +292,7 @@ def test_a_concurrent_decode_falls_back_to_sequential_when_no_decode_admits() ->
     assert call.wants_prefill()
     for endpoint in call.context.fleet.decode.endpoints:
         endpoint.trip()
-    assert dispatch.concurrent_decode(call) is None and call.dispatch == dispatch.SEQUENTIAL
+    assert dispatch.concurrent_decode(call) is None and call.record.dispatch == dispatch.SEQUENTIAL
 
 
 def test_a_concurrent_decode_that_moved_on_is_sent_again_sequentially() -> None:
@@ -305,10 +304,10 @@ def test_a_concurrent_decode_that_moved_on_is_sent_again_sequentially() -> None:
     prefill = call.prefill_request()
     restarted = {**PUSH, "remote_engine_id": "restarted"}
     assert call.check_prefill(httpx.Response(200, json=prefill_json(sent(prefill), kv_params=restarted))) is None
-    why = dispatch.moved_on(call, concurrent)
-    assert why is not None and "restarted" in why
-    dispatch.fall_back(call, why)
-    assert call.dispatch == dispatch.SEQUENTIAL and call.fallback is not None
+    why = dispatch.moved_on(call.prefill_result, call.context.fleet.coordinates.get(PREFILL), concurrent.coordinates)
+    assert why is not None and "restarted" in why.why
+    sequential_again(call, why)
+    assert call.record.dispatch == dispatch.SEQUENTIAL and call.record.fallback is not None
     decode = sent(call.decode_request())
     assert decode["kv_transfer_params"]["remote_engine_id"] == "restarted"
     assert decode["kv_transfer_params"]["prompt_token_ids"] == call_ids(call)

@@ -86,3 +86,16 @@ def test_the_same_server_is_recognised_without_a_parse() -> None:
         book.learn("http://p", raw)
     assert book.learn("http://p", orjson.dumps({"do_remote_prefill": True})) is None
     assert book.get("http://p") is None
+
+
+def test_the_coordinate_book_is_a_field_of_its_fleet() -> None:
+    # Every copy of a client that shares a fleet shares what it learnt; a new fleet starts blank.
+    from pdclient import PDOptions
+    from pdclient.fleet import Fleet
+
+    options = PDOptions(prefill_base_url="http://p", decode_base_url="http://d")
+    fleet = Fleet(options, asynchronous=False)
+    assert isinstance(fleet.coordinates, dispatch.CoordinateBook)
+    fleet.coordinates.learn("http://p", orjson.dumps({**PARAMS, "transfer_mode": "push"}))
+    assert fleet.coordinates.get("http://p") is not None
+    assert Fleet(options, asynchronous=False).coordinates.get("http://p") is None

@@ -1,8 +1,12 @@
-"""``pools._retry.run`` / ``run_async``: tenacity's loop from the first attempt's failure, counted as
-tenacity counts."""
+"""``pools._retry.retrying``: tenacity's loop from the first attempt's failure, counted as
+tenacity counts, its waits ``Sleep`` steps that a sync or an async driver runs."""
 
 from __future__ import annotations
 
+from collections.abc import Generator
+from typing import Any
+
+import anyio
 import anyio.lowlevel
 import httpx
 import pytest
@@ -37,10 +41,29 @@ class Flaky:
         return self(tag)
 
 
+def attempt(flaky: Flaky) -> Generator[Any, Any, str]:
+    answer: str = yield flaky
+    return answer
+
+
 async def run(mode: str, flaky: Flaky, policy: dict[str, object] = POLICY) -> str:
-    if mode == "sync":
-        return retry.run(policy, flaky, "a")
-    return await retry.run_async(policy, flaky.async_call, "a")
+    """Drive ``retrying`` as the transports' drivers do: ``flaky`` answered in place, a ``Sleep`` slept."""
+    steps = retry.retrying(policy, lambda: attempt(flaky))
+    result: Any = None
+    failure: BaseException | None = None
+    while True:
+        try:
+            step = steps.send(result) if failure is None else steps.throw(failure)
+        except StopIteration as done:
+            return str(done.value)
+        result, failure = None, None
+        try:
+            if isinstance(step, retry.Sleep):
+                await anyio.sleep(step.seconds)  # the async driver's; the sync one's is time.sleep
+            else:
+                result = await flaky.async_call("a") if mode == "async" else flaky("a")
+        except BaseException as exc:
+            failure = exc
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

@@ -1,0 +1,31 @@
+"""What a call's report reads (``_report.trace_of``): how it ended, why, and its timings.
+
+The flow and the decisions it applies write it; nothing in it steers the call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .._trace import Outcome
+
+
+@dataclass(slots=True)
+class CallRecord:
+    outcome: Outcome
+    error: str | None = None
+    failed_leg: str | None = None
+    fallback: str | None = None
+    """How the call degraded, for people (the failure policy's note, a concurrent decode's fall-back)."""
+    dispatch: str | None = None
+    """How the legs went out, ``sequential`` or ``concurrent`` (``_dispatch``), once a prefill is planned."""
+    dispatch_fallback: str | None = None
+    """Why a concurrent decode went out again sequentially (``_dispatch``'s reasons)."""
+    cpu_seconds: float = 0.0
+    """The handoff's own CPU: reading the prefill's answer, building the decode body."""
+    prefill_ms: float | None = None
+    decode_headers_ms: float | None = None
+    decode_first_byte_ms: float | None = None
+
+
+__all__ = ["CallRecord"]

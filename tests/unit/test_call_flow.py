@@ -1,0 +1,148 @@
+"""A call as one flow of steps (``pdclient.handoff.call_flow``), driven by hand: no HTTP.
+
+The flow yields the I/O it needs and is sent what the network gave (or has the failure
+thrown in); these tests play the driver's part and check the steps and their order, so a
+decision can be read here without a transport.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from pdclient import AsyncPDTransport, PDOptions, PDTransport
+from pdclient._observe import Observers
+from pdclient._trace import Outcome
+from pdclient.fleet import Fleet
+from pdclient.handoff import (
+    Call,
+    CallContext,
+    Open,
+    ReadRequest,
+    Release,
+    SendPrefill,
+    Sleep,
+    Step,
+    Stream,
+    call_flow,
+    dispatch,
+)
+from pdclient.handoff._effective import EffectiveOptions
+from pdclient.handoff._record import CallRecord
+from pdclient.pools import RetrySettings
+from pdclient.wire import _bodies as wire
+from tests.fake_vllm import prefill_json
+
+PREFILL = "http://p:8100/v1"
+DECODE = "http://d:8200/v1"
+BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 5}
+
+
+def new_call(**options: Any) -> Call:
+    settings = PDOptions(prefill_base_url=PREFILL, decode_base_url=DECODE, **options)
+    context = CallContext(options=settings, fleet=Fleet(settings, asynchronous=False), observers=Observers([]))
+    return Call(context, httpx.Request("POST", f"{DECODE}/chat/completions", json=BODY))
+
+
+def drive(call: Call, answer: dict[type, list[Any]]) -> tuple[list[Step], Any]:
+    """Run the call's flow, answering each step with the next of ``answer[type]`` (an
+    exception is thrown in, a callable is called with the step)."""
+    steps = call_flow(call)
+    seen: list[Step] = []
+    result: Any = None
+    while True:
+        try:
+            step = steps.throw(result) if isinstance(result, BaseException) else steps.send(result)
+        except StopIteration as done:
+            return seen, done.value
+        seen.append(step)
+        given = answer[type(step)].pop(0) if answer.get(type(step)) else None
+        result = given(step) if callable(given) and not isinstance(given, type) else given
+
+
+def stream(step: Stream) -> httpx.ByteStream:
+    return httpx.ByteStream(b"")
+
+
+def test_a_sequential_handoff_is_its_prefill_then_its_decode() -> None:
+    call = new_call()
+    steps, response = drive(
+        call,
+        {
+            SendPrefill: [httpx.Response(200, json=prefill_json(BODY))],
+            Open: [httpx.Response(200, headers={"content-type": "text/event-stream"})],
+            Stream: [stream],
+        },
+    )
+    assert [type(s) for s in steps] == [ReadRequest, SendPrefill, Open, Stream]
+    assert response.status_code == 200 and call.record.dispatch == "sequential"
+    prefill, decode = steps[1], steps[2]
+    assert isinstance(prefill, SendPrefill) and isinstance(decode, Open)
+    assert prefill.request.url.host == "p" and decode.request.url.host == "d" and not prefill.outlive
+
+
+def test_a_busy_prefill_is_tried_again_after_a_sleep_step() -> None:
+    call = new_call(retries=RetrySettings(backoff_initial=0.5, backoff_max=0.5))
+    steps, response = drive(
+        call,
+        {
+            SendPrefill: [httpx.Response(503), httpx.Response(200, json=prefill_json(BODY))],
+            Open: [httpx.Response(200, headers={"content-type": "text/event-stream"})],
+            Stream: [stream],
+        },
+    )
+    assert [type(s) for s in steps] == [ReadRequest, SendPrefill, Sleep, SendPrefill, Open, Stream]
+    sleep = steps[2]
+    assert isinstance(sleep, Sleep) and 0.5 <= sleep.seconds <= 1.0 and response.status_code == 200
+
+
+def test_a_decode_that_never_opens_releases_the_prefill_before_the_error_goes_on() -> None:
+    steps = call_flow(new_call())
+    seen = [next(steps), steps.send(None), steps.send(httpx.Response(200, json=prefill_json(BODY)))]
+    seen.append(steps.throw(KeyboardInterrupt()))  # a Ctrl-C while the decode's headers are awaited
+    assert [type(s) for s in seen] == [ReadRequest, SendPrefill, Open, Release]
+    release = seen[-1]
+    assert isinstance(release, Release) and release.leg.name == "release"
+    assert json.loads(release.request.content)["kv_transfer_params"]["do_remote_prefill"] is True
+    with pytest.raises(KeyboardInterrupt):
+        steps.send(None)  # the release sent: the interrupt goes on
+
+
+@pytest.mark.parametrize("transport", [PDTransport, AsyncPDTransport])
+def test_a_copy_with_other_options_shares_its_transports_driver(transport: type[PDTransport]) -> None:
+    # One way to build a transport's state: the copy has every attribute, the driver (its
+    # connections, the prefills outliving their callers) shared, not rebuilt beside it.
+    original = transport(prefill_base_url=PREFILL, decode_base_url=DECODE)
+    copy = original.with_options(original.options.replace(on_prefill_failure="decode"))
+    assert copy._driver is original._driver and copy.options.on_prefill_failure == "decode"
+    assert vars(copy).keys() == vars(original).keys()
+
+
+def test_a_call_keeps_its_record_apart_and_its_options_resolved_once() -> None:
+    call = new_call(on_prefill_failure="decode", dispatch="auto")
+    call.request = httpx.Request(
+        "POST", f"{DECODE}/chat/completions", json={**BODY, "pdclient": {"max_decode_migrations": 0}}
+    )
+    call.request.read()
+    assert call.plan_or_refuse() is None
+    assert call.effective == EffectiveOptions(
+        on_prefill_failure="decode", dispatch="auto", remote_prefill="auto", max_decode_migrations=0
+    )
+    assert call.record == CallRecord(Outcome.DISAGGREGATED)  # what the report reads, nothing else
+
+
+def test_the_dispatch_decisions_take_values_and_return_decisions() -> None:
+    here = dispatch.Coordinates("e1", "p", 5600, 1, 1, "push")
+    elsewhere = dispatch.Coordinates("e2", "p", 5600, 1, 1, "push")
+    assert dispatch.moved_on(None, here, here) == dispatch.FallBack("the prefill failed")
+    result = wire.PrefillResult(ids=b"[1,2]", count=2, kv_transfer_params=None)
+    assert dispatch.moved_on(result, here, here) is None
+    moved = dispatch.moved_on(result, elsewhere, here)
+    assert moved is not None and moved.reason == dispatch.PREFILL_MOVED
+    book = dispatch.CoordinateBook()
+    assert dispatch.prompt_drift(book, here, b"[1,2]", [1, 2]) is None
+    drift = dispatch.prompt_drift(book, here, b"[1,2]", [1, 3])
+    assert drift is not None and drift.reason == dispatch.PROMPT_DRIFT and book.is_sequential_only(here)
