@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..wire import _bodies as wire
+from .. import wire
 from ._chat import CHAT, COMPLETIONS
 from ._dialect import Dialect
 from ._messages import MESSAGES

@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 import orjson
 
-from ..wire import _bodies as wire
+from .. import wire
 from ..wire import has_media
 
 RETURN_IDS = "return_prompt_token_ids"

@@ -69,9 +69,9 @@ from typing import TYPE_CHECKING
 import msgspec
 import orjson
 
+from .. import wire
 from ..pools import AllEndpointsOpen
 from ..wire import EventTooLarge, SSEFramer, event_data, is_done
-from ..wire import _bodies as wire
 
 if TYPE_CHECKING:
     import httpx

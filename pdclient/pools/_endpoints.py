@@ -12,18 +12,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TypeAlias
 
 import httpx
 
 from .._errors import PDConfigError, PDError
-from ..routing import LeastOutstanding, RouteDecision, RouteRequest, policy_decision
+from ..routing import LeastOutstanding, LoadSample, RouteDecision, RouteRequest, RoutingPolicy, policy_decision
 from ..wire import normalise_url, redact_url
 from ._latency import PeakEWMA
-
-if TYPE_CHECKING:
-    from ..fleet import LoadSample
-    from ..routing import RoutingPolicy
 
 PREFILL_ENV = "PDCLIENT_PREFILL_BASE_URL"
 DECODE_ENV = "PDCLIENT_DECODE_BASE_URL"
@@ -141,6 +137,10 @@ class Endpoint:
             self._opened_at = self._clock()
 
 
+PoolDecision: TypeAlias = RouteDecision[Endpoint]
+"""A pool's routing decision: the policy's reason, naming one of the pool's own endpoints."""
+
+
 @dataclass(eq=False)
 class EndpointPool:
     """The endpoints of one leg with their routing policy and breakers."""
@@ -184,7 +184,7 @@ class EndpointPool:
 
     def decide(
         self, request: RouteRequest, avoid: Sequence[Endpoint] = (), exclude: Sequence[Endpoint] = ()
-    ) -> RouteDecision:
+    ) -> PoolDecision:
         """An admitted endpoint chosen by the pool's policy (preferring ones not in ``avoid``, tried
         by this call; never one in ``exclude``), with the policy's reason."""
         return route_decision(self, self.policy, request, avoid, exclude)
@@ -216,7 +216,7 @@ def route_decision(
     request: RouteRequest,
     avoid: Sequence[Endpoint] = (),
     exclude: Sequence[Endpoint] = (),
-) -> RouteDecision:
+) -> PoolDecision:
     """Choose among the pool's candidates with ``policy``, then tell the policy (its optional
     ``on_routed``); the choice with its reason."""
     decision = policy_decision(policy, pool.candidates(avoid, exclude), request)

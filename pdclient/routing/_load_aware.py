@@ -9,11 +9,10 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from .._errors import PDConfigError
+from ._endpoint import EndpointView, LoadSample, Routed
 from ._policy import RouteDecision
 
 if TYPE_CHECKING:
-    from ..fleet import LoadSample
-    from ..pools import Endpoint
     from ._policy import RouteRequest
 
 
@@ -86,7 +85,7 @@ class LoadAware:
         self._clock = clock
         self._rng = rng or random.Random()
 
-    def scores(self, endpoints: Sequence[Endpoint]) -> list[float] | None:
+    def scores(self, endpoints: Sequence[Routed]) -> list[float] | None:
         """Each endpoint's score, or None when any of them has no fresh sample."""
         now = self._clock()
         samples = []
@@ -106,7 +105,7 @@ class LoadAware:
         return scores
 
     @staticmethod
-    def slowness(endpoints: Sequence[Endpoint]) -> list[float]:
+    def slowness(endpoints: Sequence[Routed]) -> list[float]:
         """Each endpoint's latency estimate over the median of theirs, at least 1 (1 without an estimate)."""
         estimates = [e.latency.estimate() for e in endpoints]
         known = [x for x in estimates if x is not None and x > 0]
@@ -122,15 +121,15 @@ class LoadAware:
         theirs = sum(s.waiting + s.running for s in samples)
         return min(MAX_EXTRAPOLATION, max(1.0, theirs / max(1, ours)))
 
-    def loads(self, endpoints: Sequence[Endpoint]) -> list[float]:
+    def loads(self, endpoints: Sequence[Routed]) -> list[float]:
         """The scores, or this process's in-flight counts when they are not all fresh."""
         scores = self.scores(endpoints)
         return scores if scores is not None else [float(e.in_flight) for e in endpoints]
 
-    def choose(self, endpoints: Sequence[Endpoint], request: RouteRequest) -> Endpoint:
+    def choose(self, endpoints: Sequence[Routed], request: RouteRequest) -> Routed:
         return self.decide(endpoints, request).endpoint
 
-    def decide(self, endpoints: Sequence[Endpoint], request: RouteRequest) -> RouteDecision:
+    def decide(self, endpoints: Sequence[Routed], request: RouteRequest) -> RouteDecision[Routed]:
         scores = self.scores(endpoints)
         if scores is None:
             return RouteDecision(self.name, min(endpoints, key=lambda e: e.in_flight), "stale")
@@ -145,6 +144,6 @@ class LoadAware:
             detail["full"] = len(endpoints) - len(roomy)
         return RouteDecision(self.name, endpoints[chosen], "load", detail)
 
-    def _full(self, endpoint: Endpoint) -> bool:
+    def _full(self, endpoint: EndpointView) -> bool:
         sample = endpoint.load
         return sample is not None and sample.kv_usage is not None and sample.kv_usage > self.kv_threshold

@@ -24,8 +24,7 @@ from .._observe import Observers, TraceCallback
 from .._options import PDOptions
 from ..fleet import Fleet, running_library
 from ..handoff import PREFILL_FAILURES, Call, CallContext, HandoffInstead, Leg, dispatch, release_request
-from ..pools import AllEndpointsOpen, URLArg
-from ..pools import _retry as retry
+from ..pools import AllEndpointsOpen, URLArg, retry
 from ..wire import Refusal
 from ._concurrent import AsyncDecodeInFlight, DecodeInFlight
 from ._leg_client import AsyncLegClient, LegClient
