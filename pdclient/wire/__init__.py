@@ -2,31 +2,9 @@
 options, the SSE framer, the usage merge, the request signature."""
 
 from ._bodies import (
-    MULTIPART,
-    PREFILL_KV_TRANSFER_PARAMS,
-    Fields,
-    Kind,
-    Plan,
-    PrefillResult,
-    Refusal,
-    UploadScan,
-    affinity_key,
-    check_content_encoding,
-    check_forwarded_body,
     decode_body,
     decode_fields,
-    encode_fields,
-    field_value,
-    kv_params_in_json,
-    media_type,
-    plan_call,
-    prefill_body,
-    prefill_body_for_ids,
-    read_prefill,
     release_body,
-    route_kind,
-    warm_up_body,
-    without_call_options,
 )
 from ._call_options import (
     CALL_OPTIONS_KEY,
@@ -41,8 +19,36 @@ from ._call_options import (
     normalise_url,
     redact_url,
 )
+from ._forwarded import (
+    MULTIPART,
+    Refusal,
+    UploadScan,
+    check_content_encoding,
+    check_forwarded_body,
+    kv_params_in_json,
+    media_type,
+)
 from ._headers import FAILED_LEG_HEADER, HOP_BY_HOP, RAW_TRACE_HEADER_PREFIX, TRACE_HEADER_PREFIX
 from ._parts import TEXT_PART_TYPES, has_media, is_text_part
+from ._plan import (
+    Fields,
+    Kind,
+    Plan,
+    affinity_key,
+    encode_fields,
+    field_value,
+    plan_call,
+    route_kind,
+    without_call_options,
+)
+from ._prefill import (
+    PREFILL_KV_TRANSFER_PARAMS,
+    PrefillResult,
+    prefill_body,
+    prefill_body_for_ids,
+    read_prefill,
+    warm_up_body,
+)
 from ._signing import DEFAULT_TTL, SECRET_ENV, SIGNATURE_HEADER, signature
 from ._sse import (
     MAX_EVENT_BYTES,
