@@ -19,7 +19,7 @@ pytest.importorskip("uvicorn", reason="pdclient[serve] is not installed")
 import uvicorn
 
 from pdclient.serve import ServeConfig, create_app
-from pdclient.serve._app import Proxy
+from pdclient.serve._proxy import Proxy
 from pdclient.serve._run import server_config
 from tests.serve.process import ServeProcess, metric_samples
 from tests.stubserver import StubServer

@@ -17,6 +17,8 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 import pdclient
 
 PACKAGE = Path(pdclient.__file__).parent
@@ -153,6 +155,42 @@ def test_the_graph_sees_function_local_imports_and_skips_type_checking_ones() ->
     assert "pdclient.serve._app" in graph["pdclient.serve._run"], "run() imports the app inside the function"
     assert "pdclient._client" not in graph["pdclient.cli._common"], "TYPE_CHECKING only"
     assert "pdclient._client" in import_graph(type_checking=True)["pdclient.cli._common"]
+
+
+CONCERNS = {
+    "conversations/_settings.py": {"ConversationSettings"},
+    "conversations/_memory.py": {"ConversationMemory"},
+    "conversations/_digests.py": {"messages_digest", "rendered_chars"},
+    "conversations/_decision.py": {"Estimate", "decide_remote_prefill"},
+    "conversations/_answer.py": {"AnswerCollector"},
+    "serve/_app.py": {"create_app", "ProxyApp"},
+    "serve/_proxy.py": {"Proxy"},
+    "serve/_paths.py": {"upstream_path", "own_location"},
+    "serve/_readiness.py": {"readiness", "first_probes"},
+    "serve/_signals.py": {"on_shutdown_signal"},
+    "serve/_summary.py": {"startup_summary"},
+    "wire/_plan.py": {"Plan", "plan_call", "Fields"},
+    "wire/_forwarded.py": {"check_forwarded_body", "UploadScan"},
+    "wire/_prefill.py": {"prefill_body", "read_prefill"},
+    "wire/_bodies.py": {"decode_body", "release_body"},
+}
+
+
+def defined_names(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    return names
+
+
+@pytest.mark.parametrize("module", sorted(CONCERNS))
+def test_each_concern_has_a_module_of_its_own(module: str) -> None:
+    path = PACKAGE / module
+    assert path.exists(), module
+    assert CONCERNS[module] <= defined_names(path)
 
 
 def test_the_top_level_holds_the_public_types_and_entry_points() -> None:
