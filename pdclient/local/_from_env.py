@@ -16,16 +16,16 @@ import httpx
 
 from .._errors import PDConfigError
 from ..pools import DECODE_ENV, PREFILL_ENV, resolve_urls
+from ._clients import PairClients
 
 if TYPE_CHECKING:
-    from .._client import AsyncPDChatClient, PDChatClient
     from ._pair import LocalPD
 
 MODEL_ENV = "PDCLIENT_MODEL"
 
 
 @dataclass(frozen=True)
-class PDServers:
+class PDServers(PairClients):
     """Where a P/D deployment answers, and what it serves."""
 
     prefill_urls: tuple[str, ...]
@@ -46,20 +46,6 @@ class PDServers:
     def decode_url(self) -> str:
         """The first decode URL (pass ``decode_urls`` to a client to use them all)."""
         return self.decode_urls[0]
-
-    def client(self, **kwargs: Any) -> PDChatClient:
-        """A PDChatClient over every server; kwargs go to its constructor."""
-        from .._client import PDChatClient
-
-        kwargs.setdefault("api_key", "EMPTY")
-        return PDChatClient(prefill_base_url=self.prefill_urls, decode_base_url=self.decode_urls, **kwargs)
-
-    def async_client(self, **kwargs: Any) -> AsyncPDChatClient:
-        """An AsyncPDChatClient over every server; kwargs go to its constructor."""
-        from .._client import AsyncPDChatClient
-
-        kwargs.setdefault("api_key", "EMPTY")
-        return AsyncPDChatClient(prefill_base_url=self.prefill_urls, decode_base_url=self.decode_urls, **kwargs)
 
     def env(self) -> dict[str, str]:
         """The environment that names these servers (for a subprocess), model included."""

@@ -13,13 +13,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
 from .._errors import PDConfigError, PDSetupError
 from ..wire import PREFILL_KV_TRANSFER_PARAMS
 from . import _prepare
+from ._clients import PairClients
 from ._ports import PortClaim, claim_ports
 from ._server import (
     NIXL_CONNECTORS,
@@ -30,9 +31,6 @@ from ._server import (
     stop_all,
     wait_all_ready,
 )
-
-if TYPE_CHECKING:
-    from .._client import AsyncPDChatClient, PDChatClient
 
 logger = logging.getLogger("pdclient.local")
 
@@ -130,7 +128,7 @@ def _guard_sigterm(on: bool) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-class LocalPD:
+class LocalPD(PairClients):
     """Starts prefill and decode vLLM servers on 127.0.0.1 and stops them on exit.
 
     ::
@@ -484,20 +482,6 @@ class LocalPD:
         if not self.servers:
             raise PDSetupError("the local servers were never started")
         return tuple(srv.log_path for srv in self.servers)
-
-    def client(self, **kwargs: Any) -> PDChatClient:
-        """A PDChatClient wired to every server here; kwargs go to its constructor."""
-        from .._client import PDChatClient
-
-        kwargs.setdefault("api_key", "EMPTY")
-        return PDChatClient(prefill_base_url=self.prefill_urls, decode_base_url=self.decode_urls, **kwargs)
-
-    def async_client(self, **kwargs: Any) -> AsyncPDChatClient:
-        """An AsyncPDChatClient wired to every server here; kwargs go to its constructor."""
-        from .._client import AsyncPDChatClient
-
-        kwargs.setdefault("api_key", "EMPTY")
-        return AsyncPDChatClient(prefill_base_url=self.prefill_urls, decode_base_url=self.decode_urls, **kwargs)
 
     def __repr__(self) -> str:
         if not self.servers or not all(srv.running for srv in self.servers):
