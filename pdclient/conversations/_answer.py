@@ -92,14 +92,18 @@ class AnswerCollector:
             if choice.get("finish_reason") is not None:
                 self._finished = True
 
+    def _text(self, message: dict[str, Any]) -> None:
+        """A message's (or a delta's) text, and whether it reasoned: the same keys in both."""
+        content = message.get("content")
+        if isinstance(content, str):
+            self._content.append(content)
+        if message.get("reasoning_content") or message.get("reasoning"):
+            self._reasoning = True
+
     def _delta(self, delta: object) -> None:
         if not isinstance(delta, dict):
             return
-        content = delta.get("content")
-        if isinstance(content, str):
-            self._content.append(content)
-        if delta.get("reasoning_content") or delta.get("reasoning"):
-            self._reasoning = True
+        self._text(delta)
         for part in delta.get("tool_calls") or ():
             if not isinstance(part, dict):
                 continue
@@ -145,11 +149,7 @@ class AnswerCollector:
         if not isinstance(message, dict):
             self._spoil()
             return
-        content = message.get("content")
-        if isinstance(content, str):
-            self._content.append(content)
-        if message.get("reasoning_content") or message.get("reasoning"):
-            self._reasoning = True
+        self._text(message)
         calls = message.get("tool_calls") or []
         if isinstance(calls, list):
             self._tool_calls = {i: c for i, c in enumerate(calls) if isinstance(c, dict)}
