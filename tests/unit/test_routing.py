@@ -241,3 +241,14 @@ def test_set_members_keeps_survivors_and_leaves_removed_ones_to_their_calls() ->
     assert p.urls == URLS, "what the caller configured does not change"
     with pytest.raises(ValueError):
         p.set_members([])
+
+
+def test_a_named_policys_legs_and_load_signals_are_its_class_attributes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One source of a policy's metadata: the name resolves to the class, the class says."""
+    from pdclient.routing import CacheAware, LoadAware, legs_of, wants_load_signals
+
+    assert legs_of("cache_aware") == ("prefill",) and wants_load_signals("load_aware")
+    monkeypatch.setattr(CacheAware, "legs", ("prefill", "decode"))
+    monkeypatch.setattr(LoadAware, "wants_load_signals", False)
+    assert legs_of("cache_aware") == ("prefill", "decode")
+    assert not wants_load_signals("load_aware")
