@@ -47,7 +47,15 @@ from ..handoff import (  # the per-call costs, cut once (see each)
 from ..metrics import BuildInfo, PrometheusObserver, WithoutCreated
 from ..pools import AllEndpointsOpen
 from ..routing import TENANT_EXTENSION
-from ..wire import FAILED_LEG_HEADER, HOP_BY_HOP, RAW_TRACE_HEADER_PREFIX, ends_event_stream, redact_url
+from ..wire import (
+    ERROR_TYPE,
+    FAILED_LEG_HEADER,
+    HOP_BY_HOP,
+    RAW_TRACE_HEADER_PREFIX,
+    ends_event_stream,
+    error_body,
+    redact_url,
+)
 from ._config import MULTIPROC_ENV, ServeConfig
 from ._legs import AiohttpTransport
 from ._logging import CallLog
@@ -70,7 +78,7 @@ LEG_ERRORS = "pdclient.serve.leg_errors"
 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
     """An OpenAI-style error body, as the openai SDKs read it."""
-    body = {"error": {"message": f"pdclient serve: {message}", "type": "pdclient_error", "code": status}}
+    body = {"error": error_body(f"pdclient serve: {message}", status)}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -97,7 +105,7 @@ def _is_own_error(response: httpx.Response) -> bool:
         error = orjson.loads(response.content).get("error")
     except (orjson.JSONDecodeError, AttributeError):
         return False
-    return isinstance(error, dict) and error.get("type") == "pdclient_error"
+    return isinstance(error, dict) and error.get("type") == ERROR_TYPE
 
 
 _TENANT_DOMAIN = b"pdclient serve tenant v1\x00"

@@ -19,6 +19,7 @@ from ._call_options import (
     normalise_url,
     redact_url,
 )
+from ._error_body import ERROR_TYPE, error_body
 from ._forwarded import (
     MULTIPART,
     Refusal,
@@ -93,9 +94,11 @@ __all__ = [
     "DISPATCH_MODES",
     "encode_fields",
     "ends_event_stream",
+    "error_body",
     "error_event",
     "event_data",
     "event_json",
+    "ERROR_TYPE",
     "EventTooLarge",
     "FAILED_LEG_HEADER",
     "field_value",
