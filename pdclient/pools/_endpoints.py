@@ -189,11 +189,15 @@ class EndpointPool:
         by this call; never one in ``exclude``), with the policy's reason."""
         return route_decision(self, self.policy, request, avoid, exclude)
 
+    def admitted(self, exclude: Sequence[Endpoint] = (), members: Sequence[Endpoint] | None = None) -> list[Endpoint]:
+        """The members whose breaker admits a request now, never one in ``exclude``."""
+        return [e for e in (self.endpoints if members is None else members) if e.admits() and e not in exclude]
+
     def candidates(self, avoid: Sequence[Endpoint] = (), exclude: Sequence[Endpoint] = ()) -> list[Endpoint]:
         """The admitted endpoints not in ``avoid`` (all admitted ones if that leaves none), never
         one in ``exclude``; raises ``AllEndpointsOpen`` when none is left."""
         members = self.endpoints  # read once: discovery may swap the tuple meanwhile
-        admitted = [e for e in members if e.admits() and e not in exclude]
+        admitted = self.admitted(exclude, members)
         if not admitted:
             if exclude:
                 raise AllEndpointsOpen(f"no other {self.leg} endpoint is admitted")

@@ -252,3 +252,14 @@ def test_a_named_policys_legs_and_load_signals_are_its_class_attributes(monkeypa
     monkeypatch.setattr(LoadAware, "wants_load_signals", False)
     assert legs_of("cache_aware") == ("prefill", "decode")
     assert not wants_load_signals("load_aware")
+
+
+def test_the_pool_says_which_endpoints_admit_now() -> None:
+    """One question, one answer: the members whose breaker admits a request now, less those excluded."""
+    p, _ = pool(failures=1)
+    a, b, c = p.endpoints
+    a.acquire()
+    a.release(ok=False)
+    assert p.admitted() == [b, c]
+    assert p.admitted(exclude=[c]) == [b]
+    assert p.candidates(exclude=[c]) == [b]
