@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import threading
@@ -76,13 +75,6 @@ def config_for(
     if observers:
         config = dataclasses.replace(config, options=config.options.replace(observers=observers))
     return config
-
-
-async def wait_for(condition: Any, timeout: float = 5.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
 
 
 @pytest.fixture(scope="module")
