@@ -1,4 +1,4 @@
-"""``pools._retry.run`` / ``run_async``: tenacity's loop from the first attempt's failure, counted as
+"""``pools.retry.run`` / ``run_async``: tenacity's loop from the first attempt's failure, counted as
 tenacity counts."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import httpx
 import pytest
 import tenacity
 
-from pdclient.pools import _retry as retry
+from pdclient.pools import retry
 
 POLICY = {
     "stop": tenacity.stop_after_attempt(3),
