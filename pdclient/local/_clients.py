@@ -1,5 +1,5 @@
-"""The clients over a pair's every server: ``client()`` / ``async_client()`` of ``LocalPD`` and of
-the servers named by the environment (``PDServers``)."""
+"""How a caller reaches a pair's servers, for ``LocalPD`` and the servers the environment names
+(``PDServers``) alike: the first URLs, and the clients over every server."""
 
 from __future__ import annotations
 
@@ -18,8 +18,18 @@ class _Servers(Protocol):
     def decode_urls(self) -> Sequence[str]: ...
 
 
-class PairClients:
+class PairAccess:
     """Mixed into what names a pair's servers (``prefill_urls``, ``decode_urls``)."""
+
+    @property
+    def prefill_url(self: _Servers) -> str:
+        """The first prefill URL (pass ``prefill_urls`` to a client to use them all)."""
+        return self.prefill_urls[0]
+
+    @property
+    def decode_url(self: _Servers) -> str:
+        """The first decode URL (pass ``decode_urls`` to a client to use them all)."""
+        return self.decode_urls[0]
 
     def client(self: _Servers, **kwargs: Any) -> PDChatClient:
         """A PDChatClient over every server; kwargs go to its constructor."""

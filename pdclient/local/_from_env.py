@@ -16,7 +16,7 @@ import httpx
 
 from .._errors import PDConfigError
 from ..pools import DECODE_ENV, PREFILL_ENV, resolve_urls
-from ._clients import PairClients
+from ._clients import PairAccess
 
 if TYPE_CHECKING:
     from ._pair import LocalPD
@@ -25,7 +25,7 @@ MODEL_ENV = "PDCLIENT_MODEL"
 
 
 @dataclass(frozen=True)
-class PDServers(PairClients):
+class PDServers(PairAccess):
     """Where a P/D deployment answers, and what it serves."""
 
     prefill_urls: tuple[str, ...]
@@ -36,16 +36,6 @@ class PDServers(PairClients):
     """The served model name to pass as ``model=``."""
     local: LocalPD | None = None
     """The LocalPD running these servers, or None when they came from the environment."""
-
-    @property
-    def prefill_url(self) -> str:
-        """The first prefill URL (pass ``prefill_urls`` to a client to use them all)."""
-        return self.prefill_urls[0]
-
-    @property
-    def decode_url(self) -> str:
-        """The first decode URL (pass ``decode_urls`` to a client to use them all)."""
-        return self.decode_urls[0]
 
     def env(self) -> dict[str, str]:
         """The environment that names these servers (for a subprocess), model included."""

@@ -20,7 +20,7 @@ import httpx
 from .._errors import PDConfigError, PDSetupError
 from ..wire import PREFILL_KV_TRANSFER_PARAMS
 from . import _prepare
-from ._clients import PairClients
+from ._clients import PairAccess
 from ._ports import PortClaim, claim_ports
 from ._server import (
     NIXL_CONNECTORS,
@@ -128,7 +128,7 @@ def _guard_sigterm(on: bool) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-class LocalPD(PairClients):
+class LocalPD(PairAccess):
     """Starts prefill and decode vLLM servers on 127.0.0.1 and stops them on exit.
 
     ::
@@ -460,16 +460,6 @@ class LocalPD(PairClients):
         """Every decode server's OpenAI base URL, ending in /v1."""
         self._running()
         return [srv.base_url + "/v1" for srv in self.decodes]
-
-    @property
-    def prefill_url(self) -> str:
-        """The (first) prefill server's OpenAI base URL, ending in /v1."""
-        return self.prefill_urls[0]
-
-    @property
-    def decode_url(self) -> str:
-        """The (first) decode server's OpenAI base URL, ending in /v1."""
-        return self.decode_urls[0]
 
     @property
     def model(self) -> str:
