@@ -6,6 +6,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .._errors import PDConfigError
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
 MAX_EXTRAPOLATION = 64.0
 
 
+@dataclass(eq=False, kw_only=True)
 class LoadAware:
     """The least loaded endpoint by the servers' own counts, plus the calls made since.
 
@@ -64,30 +66,22 @@ class LoadAware:
     wants_prompt_text = False
     wants_load_signals = True
 
-    def __init__(
-        self,
-        *,
-        waiting_weight: float = 1.0,
-        running_weight: float = 1.0,
-        kv_threshold: float = 0.8,
-        extrapolate: bool = True,
-        latency: bool = True,
-        clock: Callable[[], float] = time.monotonic,
-        rng: random.Random | None = None,
-    ) -> None:
-        if waiting_weight < 0 or running_weight < 0 or not 0 < kv_threshold <= 1:
+    waiting_weight: float = 1.0
+    running_weight: float = 1.0
+    kv_threshold: float = 0.8
+    extrapolate: bool = True
+    latency: bool = True
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False)
+    rng: random.Random = field(default_factory=random.Random, repr=False)
+    """Breaks ties between equally loaded endpoints."""
+
+    def __post_init__(self) -> None:
+        if self.waiting_weight < 0 or self.running_weight < 0 or not 0 < self.kv_threshold <= 1:
             raise PDConfigError("LoadAware: weights must be >= 0 and kv_threshold in (0, 1]")
-        self.waiting_weight = waiting_weight
-        self.running_weight = running_weight
-        self.kv_threshold = kv_threshold
-        self.extrapolate = extrapolate
-        self.latency = latency
-        self._clock = clock
-        self._rng = rng or random.Random()
 
     def scores(self, endpoints: Sequence[Routed]) -> list[float] | None:
         """Each endpoint's score, or None when any of them has no fresh sample."""
-        now = self._clock()
+        now = self.clock()
         samples = []
         for endpoint in endpoints:
             sample = endpoint.load
@@ -138,7 +132,7 @@ class LoadAware:
         # also differs between processes), then a random one.
         best = min((scores[i], endpoints[i].in_flight) for i in roomy)
         tied = [i for i in roomy if (scores[i], endpoints[i].in_flight) == best]
-        chosen = tied[0] if len(tied) == 1 else self._rng.choice(tied)
+        chosen = tied[0] if len(tied) == 1 else self.rng.choice(tied)
         detail = {"score": round(scores[chosen], 2)}
         if len(roomy) < len(endpoints):
             detail["full"] = len(endpoints) - len(roomy)
