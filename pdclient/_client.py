@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import inspect
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Concatenate, ParamSpec, TypeVar
 
 import httpx
 import openai
@@ -29,6 +29,21 @@ if TYPE_CHECKING:
     from ._trace import PDTrace
 
 _NOT_GIVEN: Any = openai.NotGiven()
+P = ParamSpec("P")
+_C = TypeVar("_C")
+
+
+def _arguments_of(
+    source: Callable[Concatenate[Any, P], Any],
+) -> Callable[[Callable[Concatenate[_C, ...], None]], Callable[Concatenate[_C, P], None]]:
+    """``__init__`` with the keyword arguments of ``source`` (``copy``): one list of the P/D
+    arguments, typed for the caller's checker and shown by ``inspect.signature``."""
+
+    def takes(method: Callable[Concatenate[_C, ...], None]) -> Callable[Concatenate[_C, P], None]:
+        method.__signature__ = inspect.signature(source).replace(return_annotation="None")  # type: ignore[attr-defined]
+        return method
+
+    return takes
 
 
 def _given(arguments: dict[str, Any]) -> dict[str, Any]:
@@ -48,8 +63,9 @@ class _PDClient:
     pd_options: PDOptions
     """The P/D options this client was made with (frozen); ``with_options(...)`` derives new ones."""
 
-    def __init__(
+    def copy(
         self,
+        /,
         *,
         options: PDOptions | None = None,
         prefill_base_url: URLArg | openai.NotGiven = _NOT_GIVEN,
@@ -73,11 +89,26 @@ class _PDClient:
         remote_prefill: str | openai.NotGiven = _NOT_GIVEN,
         dispatch: str | openai.NotGiven = _NOT_GIVEN,
         conversations: ConversationSettings | openai.NotGiven = _NOT_GIVEN,
-        base_url: str | httpx.URL | openai.NotGiven | None = _NOT_GIVEN,
-        http_client: httpx.Client | httpx.AsyncClient | None = None,
         **kwargs: Any,
-    ) -> None:
+    ) -> Self:
+        """The openai client's ``copy`` (and ``with_options``), keeping or changing the P/D options.
+
+        Its keyword arguments are the constructor's too (``__init__`` takes them from here): the
+        P/D options one by one or as ``options``, and the openai client's own."""
         given = _given(locals())
+        new = (options or self.pd_options).replace(**given)
+        if new.decode_urls != self.pd_options.decode_urls:
+            kwargs.setdefault("base_url", new.decode_urls[0])  # copy() would keep the old decode URL
+        extra = {**kwargs.pop("_extra_kwargs", {}), "options": new}
+        copied: Self = super().copy(_extra_kwargs=extra, **kwargs)  # type: ignore[misc]
+        return copied
+
+    @_arguments_of(copy)
+    def __init__(self, **kwargs: Any) -> None:
+        options: PDOptions | None = kwargs.pop("options", None)
+        base_url: object = kwargs.pop("base_url", _NOT_GIVEN)
+        http_client: httpx.Client | httpx.AsyncClient | None = kwargs.pop("http_client", None)
+        given = _given({name: kwargs.pop(name, _NOT_GIVEN) for name in PDOptions.names()})
         if options is not None and not isinstance(options, PDOptions):
             raise PDConfigError(f"options must be a PDOptions, got {type(options).__name__}")
         wired = self._wired_transport(http_client)
@@ -113,42 +144,6 @@ class _PDClient:
                 f"with transport {type(transport).__name__}"
             )
         return transport
-
-    def copy(
-        self,
-        *,
-        options: PDOptions | None = None,
-        prefill_base_url: URLArg | openai.NotGiven = _NOT_GIVEN,
-        decode_base_url: URLArg | openai.NotGiven = _NOT_GIVEN,
-        on_prefill_failure: str | openai.NotGiven = _NOT_GIVEN,
-        allow_call_fallback_url: bool | openai.NotGiven = _NOT_GIVEN,
-        allow_call_overrides: bool | openai.NotGiven = _NOT_GIVEN,
-        routing: str | RoutingPolicy | openai.NotGiven = _NOT_GIVEN,
-        breaker: BreakerSettings | openai.NotGiven = _NOT_GIVEN,
-        retries: RetrySettings | openai.NotGiven = _NOT_GIVEN,
-        reuse_secret: str | openai.NotGiven | None = _NOT_GIVEN,
-        on_trace: Callable[[PDTrace], None] | openai.NotGiven | None = _NOT_GIVEN,
-        observers: Sequence[PDObserver] | openai.NotGiven = _NOT_GIVEN,
-        prefill_routing: str | RoutingPolicy | openai.NotGiven | None = _NOT_GIVEN,
-        decode_routing: str | RoutingPolicy | openai.NotGiven | None = _NOT_GIVEN,
-        load_signals: ScrapeSettings | bool | openai.NotGiven | None = _NOT_GIVEN,
-        health_checks: HealthSettings | bool | openai.NotGiven | None = _NOT_GIVEN,
-        discovery: DiscoverySettings | bool | openai.NotGiven | None = _NOT_GIVEN,
-        max_decode_migrations: int | openai.NotGiven = _NOT_GIVEN,
-        migrate_non_streamed: bool | openai.NotGiven = _NOT_GIVEN,
-        remote_prefill: str | openai.NotGiven = _NOT_GIVEN,
-        dispatch: str | openai.NotGiven = _NOT_GIVEN,
-        conversations: ConversationSettings | openai.NotGiven = _NOT_GIVEN,
-        **kwargs: Any,
-    ) -> Self:
-        """The openai client's ``copy`` (and ``with_options``), keeping or changing the P/D options."""
-        given = _given(locals())
-        new = (options or self.pd_options).replace(**given)
-        if new.decode_urls != self.pd_options.decode_urls:
-            kwargs.setdefault("base_url", new.decode_urls[0])  # copy() would keep the old decode URL
-        extra = {**kwargs.pop("_extra_kwargs", {}), "options": new}
-        copied: Self = super().copy(_extra_kwargs=extra, **kwargs)  # type: ignore[misc]
-        return copied
 
     with_options = copy
 

@@ -62,6 +62,7 @@ per process, since every process has breakers of its own.
 from __future__ import annotations
 
 import copy
+import functools
 import platform
 import threading
 import time
@@ -144,95 +145,57 @@ class PrometheusObserver(PDObserver):
         self.registry = prometheus_client.REGISTRY if registry is None else registry
         self.namespace = namespace
         p, r = prometheus_client, self.registry
-        self.calls = p.Counter("calls", "Finished P/D calls.", ["route", "outcome"], namespace=namespace, registry=r)
-        self.remote_prefill_decisions = p.Counter(
+        counter = functools.partial(p.Counter, namespace=namespace, registry=r)
+        gauge = functools.partial(p.Gauge, namespace=namespace, registry=r)
+        histogram = functools.partial(p.Histogram, namespace=namespace, registry=r, buckets=buckets)
+        self.calls = counter("calls", "Finished P/D calls.", ["route", "outcome"])
+        self.remote_prefill_decisions = counter(
             "remote_prefill_decisions",
             "Whether a call got a remote prefill (remote_prefill), and why.",
             ["route", "remote_prefill", "reason"],
-            namespace=namespace,
-            registry=r,
         )
-        self.dispatch = p.Counter(
+        self.dispatch = counter(
             "dispatch",
             "How a call's two legs went out (dispatch), and why a concurrent decode went out again (fallback).",
             ["route", "dispatch", "fallback"],
-            namespace=namespace,
-            registry=r,
         )
-        self.in_flight = p.Gauge(
-            "calls_in_flight",
-            "P/D calls started and not yet finished.",
-            ["route"],
-            namespace=namespace,
-            registry=r,
-            multiprocess_mode="livesum",
+        self.in_flight = gauge(
+            "calls_in_flight", "P/D calls started and not yet finished.", ["route"], multiprocess_mode="livesum"
         )
-        self.call_duration = p.Histogram(
-            "call_duration_seconds",
-            "From a call's start to its end (a streamed answer's last byte).",
-            ["route"],
-            namespace=namespace,
-            registry=r,
-            buckets=buckets,
+        self.call_duration = histogram(
+            "call_duration_seconds", "From a call's start to its end (a streamed answer's last byte).", ["route"]
         )
-        self.ttft = p.Histogram(
-            "time_to_first_token_seconds",
-            "From a call's start to the first byte of the decode's answer.",
-            ["route"],
-            namespace=namespace,
-            registry=r,
-            buckets=buckets,
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "From a call's start to the first byte of the decode's answer.", ["route"]
         )
-        self.leg_duration = p.Histogram(
+        self.leg_duration = histogram(
             "leg_duration_seconds",
             "One leg attempt, from sending it until its body was read or closed.",
             ["leg", "endpoint", "status"],
-            namespace=namespace,
-            registry=r,
-            buckets=buckets,
         )
-        self.forwarded_tokens = p.Counter(
-            "forwarded_tokens",
-            "Prompt token ids forwarded from the prefill to the decode leg.",
-            ["route"],
-            namespace=namespace,
-            registry=r,
+        self.forwarded_tokens = counter(
+            "forwarded_tokens", "Prompt token ids forwarded from the prefill to the decode leg.", ["route"]
         )
-        self.routing_decisions = p.Counter(
+        self.routing_decisions = counter(
             "routing_decisions",
             "Leg attempts by the routing policy that chose their endpoint and the rule that decided.",
             ["leg", "policy", "rule"],
-            namespace=namespace,
-            registry=r,
         )
-        self.routed_prompt_chars = p.Counter(
-            "routed_prompt_chars",
-            "Cache-aware routing: prompt characters routed.",
-            ["leg"],
-            namespace=namespace,
-            registry=r,
+        self.routed_prompt_chars = counter(
+            "routed_prompt_chars", "Cache-aware routing: prompt characters routed.", ["leg"]
         )
-        self.routed_match_chars = p.Counter(
+        self.routed_match_chars = counter(
             "routed_match_chars",
             "Cache-aware routing: prompt characters the chosen server was sent before (a predicted cache hit).",
             ["leg"],
-            namespace=namespace,
-            registry=r,
         )
-        self.migrations = p.Counter(
-            "decode_migrations",
-            "Decode streams that broke and continued on another decode endpoint.",
-            ["route", "via"],
-            namespace=namespace,
-            registry=r,
+        self.migrations = counter(
+            "decode_migrations", "Decode streams that broke and continued on another decode endpoint.", ["route", "via"]
         )
-        self.migration_pause = p.Histogram(
+        self.migration_pause = histogram(
             "decode_migration_pause_seconds",
             "The caller's pause when its decode stream moved: last chunk before the cut to the first after it.",
             ["route"],
-            namespace=namespace,
-            registry=r,
-            buckets=buckets,
         )
         r.register(BuildInfo(namespace))
         self._endpoints = _EndpointCollector(namespace)

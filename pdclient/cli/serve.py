@@ -22,8 +22,7 @@ import os
 from typing import Any
 
 from .. import PDConfigError
-from ..serve import SETTINGS, ServeConfig, Setting
-from ..serve._config import CONFIG_FILE_ENV
+from ..serve import CONFIG_FILE_ENV, SETTINGS, ServeConfig, Setting
 from ._common import CLIError
 
 

@@ -1,20 +1,11 @@
-"""Conversation-aware disaggregation, pure: the memory, the estimate and the decision, and
-the answer the caller received."""
+"""Conversation-aware disaggregation, pure: the settings, the memory (of digests, ``_digests``),
+the estimate and the decision, and the answer the caller received."""
 
-from ._memory import (
-    SHAPE_FIELDS,
-    Answer,
-    AnswerCollector,
-    ConversationMemory,
-    ConversationSettings,
-    Decision,
-    Estimate,
-    Match,
-    Reason,
-    adds_media,
-    decide_remote_prefill,
-    rendered_chars,
-)
+from ._answer import Answer, AnswerCollector
+from ._decision import Decision, Estimate, Match, Reason, decide_remote_prefill
+from ._digests import SHAPE_FIELDS, adds_media, rendered_chars
+from ._memory import ConversationMemory
+from ._settings import ConversationSettings
 
 __all__ = [
     "Answer",

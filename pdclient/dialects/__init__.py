@@ -5,7 +5,7 @@ decode stream may move; the handoff asks the dialect and never branches on the A
 A stored response's decode endpoint travels as a tag in its id (``_stored_state``)."""
 
 from ._dialect import Dialect
-from ._registry import DIALECTS, dialect_for, dialect_of
+from ._registry import DIALECTS, dialect_for
 from ._stored_state import (
     MAX_ID_LENGTH,
     IdTags,
@@ -25,7 +25,6 @@ __all__ = [
     "Dialect",
     "IdTags",
     "dialect_for",
-    "dialect_of",
     "endpoint_for",
     "endpoint_tag",
     "names_a_response",

@@ -11,8 +11,7 @@ from typing import Any
 
 import orjson
 
-from ..wire import _bodies as wire
-from ..wire import _usage as usage
+from .. import wire
 from ._dialect import Dialect, merge_for
 
 
@@ -43,7 +42,7 @@ class _Classic(Dialect):
     def release_body(self, plan: wire.Plan, prefill: wire.PrefillResult) -> bytes:
         return wire.release_body(plan, prefill)
 
-    def usage_merge(self, prefill: wire.PrefillResult, content_type: str) -> usage.UsageMerge | None:
+    def usage_merge(self, prefill: wire.PrefillResult, content_type: str) -> wire.UsageMerge | None:
         # The prompt count is the ids' (checked against the prefill's own usage).
         if prefill.ids is None:
             return None

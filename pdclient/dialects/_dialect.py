@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from ..wire import _bodies as wire
-from ..wire import _usage as usage
+from .. import wire
 
 
 class Dialect(Protocol):
@@ -58,19 +57,19 @@ class Dialect(Protocol):
 
     def release_body(self, plan: wire.Plan, prefill: wire.PrefillResult) -> bytes: ...
 
-    def usage_merge(self, prefill: wire.PrefillResult, content_type: str) -> usage.UsageMerge | None:
+    def usage_merge(self, prefill: wire.PrefillResult, content_type: str) -> wire.UsageMerge | None:
         """How a disaggregated call's 200 decode body gets the prefill's input side of the usage."""
         ...
 
 
 def merge_for(
-    prefill: dict[str, object] | None, content_type: str, merge: usage.PayloadMerge = usage.merge_chat_payload
-) -> usage.UsageMerge | None:
+    prefill: dict[str, object] | None, content_type: str, merge: wire.PayloadMerge = wire.merge_chat_payload
+) -> wire.UsageMerge | None:
     """A ``UsageMerge`` for a decode body of this content type (SSE or JSON), or None."""
     if prefill is None:
         return None
     if content_type.startswith("text/event-stream"):
-        return usage.UsageMerge(prefill, stream=True, merge=merge)
+        return wire.UsageMerge(prefill, stream=True, merge=merge)
     if content_type.startswith("application/json"):
-        return usage.UsageMerge(prefill, stream=False, merge=merge)
+        return wire.UsageMerge(prefill, stream=False, merge=merge)
     return None

@@ -21,8 +21,7 @@ from typing import Any
 
 import orjson
 
-from ..wire import _bodies as wire
-from ..wire import _usage as usage
+from .. import wire
 from . import _rendered as rendered
 from ._dialect import Dialect, merge_for
 
@@ -125,7 +124,7 @@ class Messages(Dialect):
     def release_body(self, plan: wire.Plan, prefill: wire.PrefillResult) -> bytes:
         return wire.encode_fields(_one_token(rendered.decode_fields(plan, prefill)))
 
-    def usage_merge(self, prefill: wire.PrefillResult, content_type: str) -> usage.UsageMerge | None:
+    def usage_merge(self, prefill: wire.PrefillResult, content_type: str) -> wire.UsageMerge | None:
         return merge_for(rendered.input_side_of(prefill), content_type, merge_payload)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from ..wire import _bodies as wire
 from ._chat import CHAT, COMPLETIONS
 from ._dialect import Dialect
 from ._messages import MESSAGES
@@ -10,14 +9,9 @@ from ._responses import RESPONSES
 
 DIALECTS: tuple[Dialect, ...] = (CHAT, COMPLETIONS, RESPONSES, MESSAGES)
 _BY_PATH: dict[str, Dialect] = {d.path: d for d in DIALECTS}
-_BY_KIND: dict[wire.Kind, Dialect] = {d.kind: d for d in DIALECTS}
 
 
 def dialect_for(relative_path: str) -> Dialect | None:
     """The dialect of a POST to this path under the API's base URL, or None (a pass-through:
     ``/messages/count_tokens``, ``/responses/{id}``, models, embeddings, ...)."""
     return _BY_PATH.get(relative_path.rstrip("/"))
-
-
-def dialect_of(kind: wire.Kind) -> Dialect:
-    return _BY_KIND[kind]

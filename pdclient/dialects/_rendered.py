@@ -16,13 +16,13 @@ from typing import Any
 import msgspec
 import orjson
 
-from ..wire import _bodies as wire
+from .. import wire
 from ..wire import has_media
 
 RETURN_IDS = "return_prompt_token_ids"
 _PREFILL_KV = msgspec.Raw(orjson.dumps(dict(wire.PREFILL_KV_TRANSFER_PARAMS)))
 _PREFILL_KV_WITH_IDS = msgspec.Raw(orjson.dumps({**wire.PREFILL_KV_TRANSFER_PARAMS, RETURN_IDS: True}))
-TRUE, FALSE, ONE = msgspec.Raw(b"true"), msgspec.Raw(b"false"), msgspec.Raw(b"1")
+FALSE, ONE = msgspec.Raw(b"false"), msgspec.Raw(b"1")
 NO_IDS = "prefill answer has no prompt_token_ids in its kv_transfer_params (a server without pdclient's server patch)"
 
 

@@ -23,8 +23,7 @@ from typing import Any
 import msgspec
 import orjson
 
-from ..wire import _bodies as wire
-from ..wire import _usage as usage
+from .. import wire
 from . import _rendered as rendered
 from . import _stored_state as stored
 from ._dialect import Dialect, merge_for
@@ -149,7 +148,7 @@ class Responses(Dialect):
     def release_body(self, plan: wire.Plan, prefill: wire.PrefillResult) -> bytes:
         return wire.encode_fields(_one_output_token(rendered.decode_fields(plan, prefill)))
 
-    def usage_merge(self, prefill: wire.PrefillResult, content_type: str) -> usage.UsageMerge | None:
+    def usage_merge(self, prefill: wire.PrefillResult, content_type: str) -> wire.UsageMerge | None:
         return merge_for(rendered.input_side_of(prefill), content_type, merge_payload)
 
 

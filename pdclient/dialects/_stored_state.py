@@ -30,8 +30,7 @@ from typing import Any
 
 import orjson
 
-from ..wire import _call_options as call_options
-from ..wire import _sse as sse
+from .. import wire
 
 TAG_LENGTH = 10
 """Base32 characters of the tag: 50 bits, ample to tell a pool's endpoints apart."""
@@ -59,7 +58,7 @@ compiled once, in linear time on any id (a pattern per id cost ~1 s per MB to co
 def endpoint_tag(url: str, secret: str | None = None) -> str:
     """The tag of a decode endpoint's URL: the same in every process that configures it
     alike with the same ``secret`` (``PDOptions.reuse_secret``; None: the fixed key)."""
-    named = call_options.redact_url(url).encode("utf-8")
+    named = wire.redact_url(url).encode("utf-8")
     if secret is None:  # as before secrets keyed it: tags already handed out still route
         digest = hashlib.sha256(_KEY + named).digest()
     else:
@@ -147,7 +146,7 @@ def tag_event(event: bytes, tag: str) -> bytes:
     """One SSE event with its ``response``'s ids tagged (``response.created``, ``.completed``, ...)."""
     if _RESPONSE_KEY not in event:
         return event
-    data = sse.event_data(event)
+    data = wire.event_data(event)
     if data is None:
         return event
     try:
@@ -173,14 +172,14 @@ class IdTags:
         self._tag = tag
         self.stream = stream
         self._buffer = b""
-        self._framer = sse.SSEFramer()
+        self._framer = wire.SSEFramer()
 
     def feed(self, data: bytes) -> bytes:
         """The body bytes just read; returns what goes to the caller now."""
         if not self.stream:
             self._buffer += data
             return b""
-        return sse.pass_events(self._framer, data, self.event)
+        return wire.pass_events(self._framer, data, self.event)
 
     def event(self, raw: bytes) -> bytes:
         """One whole event of the stream, its response's ids tagged."""

@@ -23,7 +23,7 @@ from ._coordinates import CoordinateBook, Coordinates
 from ._discovery import DiscoverySettings, DnsDiscovery, is_address, members_of, request_overrides
 from ._fleet import Fleet
 from ._health import HealthProber, HealthSettings, ProbeState, step, verdict
-from ._load import LoadSample, LoadScraper, ScrapeSettings, ServerLoad, parse_metrics, server_url
+from ._load import LoadScraper, ScrapeSettings, ServerLoad, parse_metrics, server_url
 from ._warm import WARM_UP_TIMEOUT, PrefillWarmer
 
 __all__ = [
@@ -41,7 +41,6 @@ __all__ = [
     "HealthProber",
     "HealthSettings",
     "Job",
-    "LoadSample",
     "LoadScraper",
     "LookedUp",
     "Lookup",

@@ -15,22 +15,19 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import httpx
 
-from ..conversations import ConversationMemory
-from ..pools import EndpointPool
+from ..conversations import ConversationMemory, ConversationSettings
+from ..pools import BreakerSettings, EndpointPool
 from ..routing import RoutingPolicy, make_policy
 from ._background import Background, Core, Fetch, system_resolver
 from ._coordinates import CoordinateBook
 from ._discovery import DiscoverySettings, DnsDiscovery, is_address
 from ._health import HealthProber, HealthSettings
-from ._load import LoadScraper
+from ._load import LoadScraper, ScrapeSettings
 from ._warm import PrefillWarmer
-
-if TYPE_CHECKING:
-    from .._options import PDOptions
 
 _FLEET_FIELDS = (
     "prefill_base_url",
@@ -46,8 +43,36 @@ _FLEET_FIELDS = (
 )
 
 
+class FleetOptions(Protocol):
+    """What a fleet is made from: the options that shape routing (``PDOptions`` has them all).
+
+    Every name in ``_FLEET_FIELDS`` is read too, to tell whether two options share a fleet."""
+
+    @property
+    def prefill_urls(self) -> tuple[str, ...]: ...
+
+    @property
+    def decode_urls(self) -> tuple[str, ...]: ...
+
+    @property
+    def breaker(self) -> BreakerSettings: ...
+
+    @property
+    def conversations(self) -> ConversationSettings: ...
+
+    @property
+    def discovery(self) -> DiscoverySettings | bool | None: ...
+
+    @property
+    def health_checks(self) -> HealthSettings | bool | None: ...
+
+    def policy_for(self, leg: str) -> str | RoutingPolicy: ...
+
+    def load_settings_for(self, leg: str) -> ScrapeSettings | None: ...
+
+
 class Fleet:
-    def __init__(self, options: PDOptions, *, asynchronous: bool = False) -> None:
+    def __init__(self, options: FleetOptions, *, asynchronous: bool = False) -> None:
         self._key = tuple(getattr(options, name) for name in _FLEET_FIELDS)
         # Each pool gets its own policy object: policies may keep state (round robin's turn).
         self.prefill = EndpointPool("prefill", options.prefill_urls, _policy(options, "prefill"), options.breaker)
@@ -67,7 +92,7 @@ class Fleet:
         self._closed = False
         self._lock = threading.Lock()
 
-    def serves(self, options: PDOptions) -> bool:
+    def serves(self, options: FleetOptions) -> bool:
         """Whether ``options`` route exactly as this fleet does."""
         return all(
             a is b or a == b for a, b in zip(self._key, (getattr(options, n) for n in _FLEET_FIELDS), strict=True)
@@ -110,11 +135,11 @@ class Fleet:
             await background.aclose()
 
 
-def _policy(options: PDOptions, leg: str) -> RoutingPolicy:
+def _policy(options: FleetOptions, leg: str) -> RoutingPolicy:
     return make_policy(options.policy_for(leg), load_signals=options.load_settings_for(leg) is not None)
 
 
-def _background(options: PDOptions, pools: tuple[EndpointPool, ...], asynchronous: bool) -> Background | None:
+def _background(options: FleetOptions, pools: tuple[EndpointPool, ...], asynchronous: bool) -> Background | None:
     """The cores the options turn on, in one ``Background``; None when every feature is off."""
     discovery = options.discovery if isinstance(options.discovery, DiscoverySettings) else None
     health = options.health_checks if isinstance(options.health_checks, HealthSettings) else None

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from .._durations import check_seconds
 from .._errors import PDConfigError
 from ..pools import Endpoint
+from ..routing import LoadSample
 from ._background import EveryMember, Fetch, Fetched, Job, JobResult
 
 logger = logging.getLogger("pdclient")
@@ -68,26 +69,6 @@ class ServerLoad:
     running: float
     kv_usage: float | None
     """None when the server does not publish it."""
-
-
-@dataclass(frozen=True)
-class LoadSample:
-    """One scrape of one server, as the scraper leaves it on ``Endpoint.load``."""
-
-    waiting: float
-    running: float
-    kv_usage: float | None
-    taken_at: float
-    """Clock time (``time.monotonic``) the answer arrived."""
-    fresh_until: float
-    """After this the sample says nothing: routing falls back to this process's own view."""
-    local_in_flight: int
-    """This process's calls in flight on the endpoint when the answer arrived (the
-    server's counts include them): the difference from the current count is what the
-    server has got from us since."""
-
-    def fresh(self, now: float) -> bool:
-        return now < self.fresh_until
 
 
 def _label_value(raw: str) -> str:

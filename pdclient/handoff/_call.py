@@ -43,19 +43,18 @@ from typing import Any
 import httpx
 import openai
 
+from .. import migration as migrate
+from .. import wire
+from .. import wire as usage
 from .._observe import Observers
 from .._options import PDOptions
 from .._trace import Outcome, PDTrace
 from ..conversations import SHAPE_FIELDS
 from ..dialects import endpoint_for, names_a_response
 from ..fleet import Fleet
-from ..migration import _core as migrate
-from ..pools import AllEndpointsOpen
-from ..pools import _retry as retry
+from ..pools import AllEndpointsOpen, retry
 from ..routing import TENANT_EXTENSION, RouteRequest, plan_text
 from ..wire import EventTooLarge, error_event, redact_url
-from ..wire import _bodies as wire
-from ..wire import _usage as usage
 from ._effective import EffectiveOptions
 from ._failure import (
     PrefillRedirected,

@@ -64,10 +64,10 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from .. import wire
 from ..fleet import CoordinateBook, Coordinates
 from ..pools import AllEndpointsOpen
 from ..wire import EventTooLarge, SSEFramer, event_data, is_done
-from ..wire import _bodies as wire
 
 if TYPE_CHECKING:
     import httpx

@@ -16,8 +16,7 @@ import httpx
 import openai
 import orjson
 
-from ..pools import AllEndpointsOpen
-from ..pools import _retry as retry
+from ..pools import AllEndpointsOpen, retry
 from ..wire import redact_url
 from ._to_caller import READ_BODY_FRAMING, raw_headers, without_trace_headers
 

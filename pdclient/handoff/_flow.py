@@ -25,8 +25,7 @@ from typing import Any
 
 import httpx
 
-from ..pools import AllEndpointsOpen
-from ..pools import _retry as retry
+from ..pools import AllEndpointsOpen, retry
 from ..wire import Refusal
 from . import _dispatch as dispatch
 from ._call import Call

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 import httpx
 
 from ..fleet import request_overrides
-from ..pools import Endpoint, EndpointPool
-from ..pools import _retry as retry
-from ..routing import RouteDecision, RouteRequest
+from ..pools import Endpoint, EndpointPool, retry
+from ..pools import PoolDecision as RouteDecision
+from ..routing import RouteRequest
 
 if TYPE_CHECKING:
     from ._call import Call

@@ -19,14 +19,14 @@ from typing import Any
 
 import httpx
 
+from .. import wire
+from .. import wire as usage
 from .._options import PDOptions, call_override_refusal
 from ..dialects import Dialect, dialect_for, untag_path
 from ..fleet import WARM_UP_TIMEOUT, Fetch
 from ..migration import CallMigration
 from ..pools import Endpoint, EndpointPool
 from ..wire import CALL_OPTIONS_KEY, HOP_BY_HOP, PREFILL_FAILURE_POLICIES, SIGNATURE_HEADER, CallOptions, signature
-from ..wire import _bodies as wire
-from ..wire import _usage as usage
 
 # Hop-by-hop or derived headers that must not be copied onto a leg's new request (the
 # request id is set anew, as the call's leg id).

@@ -16,6 +16,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from .. import wire
 from .._options import DEFAULT_ROUTING, PDOptions
 from .._trace import Outcome
 from ..conversations import (
@@ -31,7 +32,6 @@ from ..conversations import (
 )
 from ..pools import AllEndpointsOpen, EndpointPool
 from ..routing import RouteDecision, RouteRequest, conversation_routing, policy_decision
-from ..wire import _bodies as wire
 from ._leg import Leg
 from ._leg_requests import LegRequests
 from ._report import STORED_STATE

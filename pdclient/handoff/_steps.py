@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from ..pools._retry import Sleep
+from ..pools import Sleep
 
 if TYPE_CHECKING:
     from ._call import Call

@@ -13,12 +13,12 @@ from collections.abc import Collection
 
 import httpx
 
+from .. import wire
+from .. import wire as usage
 from .._trace import Outcome
 from ..conversations import AnswerCollector
 from ..dialects import Dialect, IdTags, endpoint_tag
 from ..wire import RAW_TRACE_HEADER_PREFIX, USAGE_KEY, SSEFramer, event_json, pass_events
-from ..wire import _bodies as wire
-from ..wire import _usage as usage
 
 CONTENT_LENGTH = frozenset({b"content-length"})
 READ_BODY_FRAMING = frozenset({b"content-length", b"content-encoding", b"transfer-encoding"})

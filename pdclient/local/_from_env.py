@@ -16,16 +16,16 @@ import httpx
 
 from .._errors import PDConfigError
 from ..pools import DECODE_ENV, PREFILL_ENV, resolve_urls
+from ._clients import PairAccess
 
 if TYPE_CHECKING:
-    from .._client import AsyncPDChatClient, PDChatClient
     from ._pair import LocalPD
 
 MODEL_ENV = "PDCLIENT_MODEL"
 
 
 @dataclass(frozen=True)
-class PDServers:
+class PDServers(PairAccess):
     """Where a P/D deployment answers, and what it serves."""
 
     prefill_urls: tuple[str, ...]
@@ -36,30 +36,6 @@ class PDServers:
     """The served model name to pass as ``model=``."""
     local: LocalPD | None = None
     """The LocalPD running these servers, or None when they came from the environment."""
-
-    @property
-    def prefill_url(self) -> str:
-        """The first prefill URL (pass ``prefill_urls`` to a client to use them all)."""
-        return self.prefill_urls[0]
-
-    @property
-    def decode_url(self) -> str:
-        """The first decode URL (pass ``decode_urls`` to a client to use them all)."""
-        return self.decode_urls[0]
-
-    def client(self, **kwargs: Any) -> PDChatClient:
-        """A PDChatClient over every server; kwargs go to its constructor."""
-        from .._client import PDChatClient
-
-        kwargs.setdefault("api_key", "EMPTY")
-        return PDChatClient(prefill_base_url=self.prefill_urls, decode_base_url=self.decode_urls, **kwargs)
-
-    def async_client(self, **kwargs: Any) -> AsyncPDChatClient:
-        """An AsyncPDChatClient over every server; kwargs go to its constructor."""
-        from .._client import AsyncPDChatClient
-
-        kwargs.setdefault("api_key", "EMPTY")
-        return AsyncPDChatClient(prefill_base_url=self.prefill_urls, decode_base_url=self.decode_urls, **kwargs)
 
     def env(self) -> dict[str, str]:
         """The environment that names these servers (for a subprocess), model included."""

@@ -13,13 +13,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
 from .._errors import PDConfigError, PDSetupError
 from ..wire import PREFILL_KV_TRANSFER_PARAMS
 from . import _prepare
+from ._clients import PairAccess
 from ._cpu_isa import cpu_isa_env, cpu_isa_from_env
 from ._ports import PortClaim, claim_ports
 from ._server import (
@@ -31,9 +32,6 @@ from ._server import (
     stop_all,
     wait_all_ready,
 )
-
-if TYPE_CHECKING:
-    from .._client import AsyncPDChatClient, PDChatClient
 
 logger = logging.getLogger("pdclient.local")
 
@@ -131,7 +129,7 @@ def _guard_sigterm(on: bool) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-class LocalPD:
+class LocalPD(PairAccess):
     """Starts prefill and decode vLLM servers on 127.0.0.1 and stops them on exit.
 
     ::
@@ -473,16 +471,6 @@ class LocalPD:
         return [srv.base_url + "/v1" for srv in self.decodes]
 
     @property
-    def prefill_url(self) -> str:
-        """The (first) prefill server's OpenAI base URL, ending in /v1."""
-        return self.prefill_urls[0]
-
-    @property
-    def decode_url(self) -> str:
-        """The (first) decode server's OpenAI base URL, ending in /v1."""
-        return self.decode_urls[0]
-
-    @property
     def model(self) -> str:
         """The served model name to pass as ``model=``."""
         return SERVED_MODEL_NAME
@@ -493,20 +481,6 @@ class LocalPD:
         if not self.servers:
             raise PDSetupError("the local servers were never started")
         return tuple(srv.log_path for srv in self.servers)
-
-    def client(self, **kwargs: Any) -> PDChatClient:
-        """A PDChatClient wired to every server here; kwargs go to its constructor."""
-        from .._client import PDChatClient
-
-        kwargs.setdefault("api_key", "EMPTY")
-        return PDChatClient(prefill_base_url=self.prefill_urls, decode_base_url=self.decode_urls, **kwargs)
-
-    def async_client(self, **kwargs: Any) -> AsyncPDChatClient:
-        """An AsyncPDChatClient wired to every server here; kwargs go to its constructor."""
-        from .._client import AsyncPDChatClient
-
-        kwargs.setdefault("api_key", "EMPTY")
-        return AsyncPDChatClient(prefill_base_url=self.prefill_urls, decode_base_url=self.decode_urls, **kwargs)
 
     def __repr__(self) -> str:
         if not self.servers or not all(srv.running for srv in self.servers):

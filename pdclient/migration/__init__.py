@@ -1,7 +1,8 @@
 """Decode migration without I/O: whether a call may move, the SSE tracker, the continuation's
 bodies and route."""
 
-from ._core import Assembler, CallMigration, CannotAssemble, CannotMove, Continuation, Route, Tracker
+from ._call import MigratingCall
+from ._core import Assembler, CallMigration, CannotAssemble, CannotMove, Continuation, Route, Tracker, arm
 
 __all__ = [
     "Assembler",
@@ -10,5 +11,7 @@ __all__ = [
     "CannotMove",
     "Continuation",
     "Route",
+    "MigratingCall",
     "Tracker",
+    "arm",
 ]

@@ -49,13 +49,13 @@ import httpx
 import msgspec
 import orjson
 
+from .. import wire
 from .._trace import Migration
 from ..pools import Endpoint
 from ..wire import ParsedEvent, SSEFramer, event_data, is_done
-from ..wire import _bodies as wire
 
 if TYPE_CHECKING:
-    from ..handoff import Call
+    from ._call import MigratingCall as Call
 
 REMOTE_PREFILL_MIN_TOKENS = 1024
 """A continuation whose prompt (the call's prompt plus the answer so far) has at least this

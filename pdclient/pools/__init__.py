@@ -1,6 +1,8 @@
 """The endpoints of each leg: ``EndpointPool``, ``Endpoint`` (breaker, in-flight count, latency
-estimate), URL handling, and the retry decisions per leg."""
+estimate), URL handling, and the retry decisions per leg (``retry``: the leg retry loops and
+their policies, used as a namespace)."""
 
+from . import _retry as retry
 from ._endpoints import (
     DECODE_ENV,
     PREFILL_ENV,
@@ -8,12 +10,13 @@ from ._endpoints import (
     BreakerSettings,
     Endpoint,
     EndpointPool,
+    PoolDecision,
     URLArg,
     resolve_urls,
     route_decision,
 )
 from ._latency import PeakEWMA
-from ._retry import RetrySettings, counts_against_server, is_transient_status, retry_after_seconds
+from ._retry import RetrySettings, Sleep, counts_against_server, is_transient_status, retry_after_seconds
 
 __all__ = [
     "AllEndpointsOpen",
@@ -23,11 +26,14 @@ __all__ = [
     "EndpointPool",
     "PREFILL_ENV",
     "PeakEWMA",
+    "PoolDecision",
     "RetrySettings",
+    "Sleep",
     "URLArg",
     "counts_against_server",
     "is_transient_status",
     "resolve_urls",
+    "retry",
     "retry_after_seconds",
     "route_decision",
 ]

@@ -12,19 +12,15 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TypeAlias
 
 import httpx
 
 from .._durations import check_seconds
 from .._errors import PDConfigError, PDError
-from ..routing import LeastOutstanding, RouteDecision, RouteRequest, policy_decision
+from ..routing import LeastOutstanding, LoadSample, RouteDecision, RouteRequest, RoutingPolicy, policy_decision
 from ..wire import normalise_url, redact_url
 from ._latency import PeakEWMA
-
-if TYPE_CHECKING:
-    from ..fleet import LoadSample
-    from ..routing import RoutingPolicy
 
 PREFILL_ENV = "PDCLIENT_PREFILL_BASE_URL"
 DECODE_ENV = "PDCLIENT_DECODE_BASE_URL"
@@ -141,6 +137,10 @@ class Endpoint:
             self._opened_at = self._clock()
 
 
+PoolDecision: TypeAlias = RouteDecision[Endpoint]
+"""A pool's routing decision: the policy's reason, naming one of the pool's own endpoints."""
+
+
 @dataclass(eq=False)
 class EndpointPool:
     """The endpoints of one leg with their routing policy and breakers."""
@@ -184,16 +184,20 @@ class EndpointPool:
 
     def decide(
         self, request: RouteRequest, avoid: Sequence[Endpoint] = (), exclude: Sequence[Endpoint] = ()
-    ) -> RouteDecision:
+    ) -> PoolDecision:
         """An admitted endpoint chosen by the pool's policy (preferring ones not in ``avoid``, tried
         by this call; never one in ``exclude``), with the policy's reason."""
         return route_decision(self, self.policy, request, avoid, exclude)
+
+    def admitted(self, exclude: Sequence[Endpoint] = (), members: Sequence[Endpoint] | None = None) -> list[Endpoint]:
+        """The members whose breaker admits a request now, never one in ``exclude``."""
+        return [e for e in (self.endpoints if members is None else members) if e.admits() and e not in exclude]
 
     def candidates(self, avoid: Sequence[Endpoint] = (), exclude: Sequence[Endpoint] = ()) -> list[Endpoint]:
         """The admitted endpoints not in ``avoid`` (all admitted ones if that leaves none), never
         one in ``exclude``; raises ``AllEndpointsOpen`` when none is left."""
         members = self.endpoints  # read once: discovery may swap the tuple meanwhile
-        admitted = [e for e in members if e.admits() and e not in exclude]
+        admitted = self.admitted(exclude, members)
         if not admitted:
             if exclude:
                 raise AllEndpointsOpen(f"no other {self.leg} endpoint is admitted")
@@ -216,7 +220,7 @@ def route_decision(
     request: RouteRequest,
     avoid: Sequence[Endpoint] = (),
     exclude: Sequence[Endpoint] = (),
-) -> RouteDecision:
+) -> PoolDecision:
     """Choose among the pool's candidates with ``policy``, then tell the policy (its optional
     ``on_routed``); the choice with its reason."""
     decision = policy_decision(policy, pool.candidates(avoid, exclude), request)

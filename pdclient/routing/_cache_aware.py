@@ -45,11 +45,12 @@ import orjson
 
 from .._errors import PDConfigError
 from ..wire import is_text_part
+from ._endpoint import EndpointView, Routed
 from ._load_aware import LoadAware
-from ._policy import RouteDecision, RouteRequest, rendezvous
+from ._policy import RouteDecision, RouteRequest
+from ._rendezvous import rendezvous
 
 if TYPE_CHECKING:
-    from ..pools import Endpoint
     from ..wire import Plan
 
 DEFAULT_CHUNK_CHARS = 128
@@ -221,7 +222,7 @@ class CacheAware:
         self._routing = threading.local()
         """The request this thread is routing and its hashes, from ``decide`` to ``on_routed``."""
 
-    def _loads(self, endpoints: Sequence[Endpoint]) -> list[float]:
+    def _loads(self, endpoints: Sequence[Routed]) -> list[float]:
         if self.load is not None:
             return self.load.loads(endpoints)
         return [float(e.in_flight) for e in endpoints]
@@ -242,10 +243,10 @@ class CacheAware:
     def wants_load_signals(self) -> bool:
         return self.load is not None
 
-    def choose(self, endpoints: Sequence[Endpoint], request: RouteRequest) -> Endpoint:
+    def choose(self, endpoints: Sequence[Routed], request: RouteRequest) -> Routed:
         return self.decide(endpoints, request).endpoint
 
-    def decide(self, endpoints: Sequence[Endpoint], request: RouteRequest) -> RouteDecision:
+    def decide(self, endpoints: Sequence[Routed], request: RouteRequest) -> RouteDecision[Routed]:
         loads = self._loads(endpoints)
         low, high = min(loads), max(loads)
         least = endpoints[loads.index(low)]
@@ -264,11 +265,11 @@ class CacheAware:
             return RouteDecision(self.name, rendezvous(endpoints, request.affinity_key), "affinity", detail)
         return RouteDecision(self.name, least, "least_loaded", detail)
 
-    def on_routed(self, endpoint: Endpoint, request: RouteRequest) -> None:
+    def on_routed(self, endpoint: EndpointView, request: RouteRequest) -> None:
         if request.prompt_text:
             self.index.insert(self._hashes(request, request.prompt_text), endpoint.url)
         self._routing.request = None
 
-    def on_removed(self, endpoint: Endpoint) -> None:
+    def on_removed(self, endpoint: EndpointView) -> None:
         """Discovery removed ``endpoint`` from the pool: forget what was sent there."""
         self.index.forget(endpoint.url)

@@ -6,20 +6,21 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .._errors import PDConfigError
+from ._endpoint import EndpointView, LoadSample, Routed
 from ._policy import RouteDecision
 
 if TYPE_CHECKING:
-    from ..fleet import LoadSample
-    from ..pools import Endpoint
     from ._policy import RouteRequest
 
 
 MAX_EXTRAPOLATION = 64.0
 
 
+@dataclass(eq=False, kw_only=True)
 class LoadAware:
     """The least loaded endpoint by the servers' own counts, plus the calls made since.
 
@@ -65,30 +66,22 @@ class LoadAware:
     wants_prompt_text = False
     wants_load_signals = True
 
-    def __init__(
-        self,
-        *,
-        waiting_weight: float = 1.0,
-        running_weight: float = 1.0,
-        kv_threshold: float = 0.8,
-        extrapolate: bool = True,
-        latency: bool = True,
-        clock: Callable[[], float] = time.monotonic,
-        rng: random.Random | None = None,
-    ) -> None:
-        if waiting_weight < 0 or running_weight < 0 or not 0 < kv_threshold <= 1:
-            raise PDConfigError("LoadAware: weights must be >= 0 and kv_threshold in (0, 1]")
-        self.waiting_weight = waiting_weight
-        self.running_weight = running_weight
-        self.kv_threshold = kv_threshold
-        self.extrapolate = extrapolate
-        self.latency = latency
-        self._clock = clock
-        self._rng = rng or random.Random()
+    waiting_weight: float = 1.0
+    running_weight: float = 1.0
+    kv_threshold: float = 0.8
+    extrapolate: bool = True
+    latency: bool = True
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False)
+    rng: random.Random = field(default_factory=random.Random, repr=False)
+    """Breaks ties between equally loaded endpoints."""
 
-    def scores(self, endpoints: Sequence[Endpoint]) -> list[float] | None:
+    def __post_init__(self) -> None:
+        if self.waiting_weight < 0 or self.running_weight < 0 or not 0 < self.kv_threshold <= 1:
+            raise PDConfigError("LoadAware: weights must be >= 0 and kv_threshold in (0, 1]")
+
+    def scores(self, endpoints: Sequence[Routed]) -> list[float] | None:
         """Each endpoint's score, or None when any of them has no fresh sample."""
-        now = self._clock()
+        now = self.clock()
         samples = []
         for endpoint in endpoints:
             sample = endpoint.load
@@ -106,7 +99,7 @@ class LoadAware:
         return scores
 
     @staticmethod
-    def slowness(endpoints: Sequence[Endpoint]) -> list[float]:
+    def slowness(endpoints: Sequence[Routed]) -> list[float]:
         """Each endpoint's latency estimate over the median of theirs, at least 1 (1 without an estimate)."""
         estimates = [e.latency.estimate() for e in endpoints]
         known = [x for x in estimates if x is not None and x > 0]
@@ -122,15 +115,15 @@ class LoadAware:
         theirs = sum(s.waiting + s.running for s in samples)
         return min(MAX_EXTRAPOLATION, max(1.0, theirs / max(1, ours)))
 
-    def loads(self, endpoints: Sequence[Endpoint]) -> list[float]:
+    def loads(self, endpoints: Sequence[Routed]) -> list[float]:
         """The scores, or this process's in-flight counts when they are not all fresh."""
         scores = self.scores(endpoints)
         return scores if scores is not None else [float(e.in_flight) for e in endpoints]
 
-    def choose(self, endpoints: Sequence[Endpoint], request: RouteRequest) -> Endpoint:
+    def choose(self, endpoints: Sequence[Routed], request: RouteRequest) -> Routed:
         return self.decide(endpoints, request).endpoint
 
-    def decide(self, endpoints: Sequence[Endpoint], request: RouteRequest) -> RouteDecision:
+    def decide(self, endpoints: Sequence[Routed], request: RouteRequest) -> RouteDecision[Routed]:
         scores = self.scores(endpoints)
         if scores is None:
             return RouteDecision(self.name, min(endpoints, key=lambda e: e.in_flight), "stale")
@@ -139,12 +132,12 @@ class LoadAware:
         # also differs between processes), then a random one.
         best = min((scores[i], endpoints[i].in_flight) for i in roomy)
         tied = [i for i in roomy if (scores[i], endpoints[i].in_flight) == best]
-        chosen = tied[0] if len(tied) == 1 else self._rng.choice(tied)
+        chosen = tied[0] if len(tied) == 1 else self.rng.choice(tied)
         detail = {"score": round(scores[chosen], 2)}
         if len(roomy) < len(endpoints):
             detail["full"] = len(endpoints) - len(roomy)
         return RouteDecision(self.name, endpoints[chosen], "load", detail)
 
-    def _full(self, endpoint: Endpoint) -> bool:
+    def _full(self, endpoint: EndpointView) -> bool:
         sample = endpoint.load
         return sample is not None and sample.kv_usage is not None and sample.kv_usage > self.kv_threshold

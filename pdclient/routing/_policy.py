@@ -12,14 +12,11 @@ and the numbers behind it. Observers read it as ``leg.decision``; the trace carr
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Generic, Protocol
 
-if TYPE_CHECKING:
-    from ..pools import Endpoint
-
+from ._endpoint import Chosen, Routed
 
 TENANT_EXTENSION = "pdclient.tenant"
 """The httpx request extension that names the caller's tenant (``RouteRequest.tenant``):
@@ -45,7 +42,7 @@ class RouteRequest:
 
 
 @dataclass(frozen=True)
-class RouteDecision:
+class RouteDecision(Generic[Chosen]):
     """How a leg's endpoint was chosen: for observers (``leg.decision``) and the trace.
 
     ``str()`` is the trace's compact ASCII form, ``policy[/rule][ name=value ...]``, e.g.
@@ -55,7 +52,7 @@ class RouteDecision:
 
     policy: str
     """The policy's name (``least_outstanding``, ``cache_aware``, ...; a custom policy's class name)."""
-    endpoint: Endpoint
+    endpoint: Chosen
     rule: str | None = None
     """Which of the policy's rules decided, for policies that have several:
     ``affinity``: ``key`` / ``no_key`` (least outstanding);
@@ -88,7 +85,7 @@ class RoutingPolicy(Protocol):
     - ``name``: its name in ``RouteDecision`` (default: the class name).
     """
 
-    def choose(self, endpoints: Sequence[Endpoint], request: RouteRequest) -> Endpoint: ...
+    def choose(self, endpoints: Sequence[Routed], request: RouteRequest) -> Routed: ...
 
 
 def policy_name(policy: object) -> str:
@@ -96,15 +93,10 @@ def policy_name(policy: object) -> str:
     return name if isinstance(name, str) else type(policy).__name__
 
 
-def policy_decision(policy: RoutingPolicy, endpoints: Sequence[Endpoint], request: RouteRequest) -> RouteDecision:
+def policy_decision(policy: RoutingPolicy, endpoints: Sequence[Routed], request: RouteRequest) -> RouteDecision[Routed]:
     """The policy's choice among ``endpoints`` with its reason (``decide`` if it has one, else ``choose``)."""
     explained = getattr(policy, "decide", None)
     if explained is not None:
-        decision: RouteDecision = explained(endpoints, request)
+        decision: RouteDecision[Routed] = explained(endpoints, request)
         return decision
     return RouteDecision(policy_name(policy), policy.choose(endpoints, request))
-
-
-def rendezvous(endpoints: Sequence[Endpoint], key: str) -> Endpoint:
-    """The endpoint that ranks first for ``key`` (rendezvous hashing): a key moves only when its endpoint goes."""
-    return max(endpoints, key=lambda e: hashlib.blake2b(f"{key}|{e.url}".encode(), digest_size=8).digest())

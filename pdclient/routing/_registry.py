@@ -35,27 +35,30 @@ POLICIES: dict[str, Callable[[bool], RoutingPolicy]] = {
 """The policies ``routing=`` names; each factory takes whether the pool's /metrics are scraped."""
 
 
-LOAD_POLICIES = frozenset({"load_aware"})
-"""Named policies that read the servers' load: they turn load signals on for their pool."""
-
-
-PREFILL_ONLY = frozenset({"cache_aware"})
-"""Named policies that route the prefill leg only (they follow the prefill servers' prefix caches)."""
+def _policy_of(value: str | RoutingPolicy) -> object:
+    """The policy a name makes by default (without load signals), or the object itself: what a
+    named policy needs is said once, by its own attributes."""
+    if isinstance(value, str):
+        factory = POLICIES.get(value)
+        return factory(False) if factory is not None else None
+    return value
 
 
 def legs_of(value: str | RoutingPolicy) -> tuple[str, ...]:
     """The legs a policy (by name or object) can route."""
-    if isinstance(value, str):
-        return ("prefill",) if value in PREFILL_ONLY else ("prefill", "decode")
-    legs = getattr(value, "legs", ("prefill", "decode"))
-    return tuple(legs)
+    source = _policy_of(value)
+    return tuple(getattr(source, "legs", ("prefill", "decode")))
 
 
 def wants_load_signals(value: str | RoutingPolicy) -> bool:
     """Whether a policy (by name or object) reads ``Endpoint.load``, so its pool must be scraped."""
-    if isinstance(value, str):
-        return value in LOAD_POLICIES
-    return bool(getattr(value, "wants_load_signals", False))
+    source = _policy_of(value)
+    return bool(getattr(source, "wants_load_signals", False))
+
+
+def prefill_only() -> frozenset[str]:
+    """The named policies that route the prefill leg only (they follow the prefill servers' prefix caches)."""
+    return frozenset(name for name in POLICIES if legs_of(name) == ("prefill",))
 
 
 def make_policy(value: str | RoutingPolicy, *, load_signals: bool = False) -> RoutingPolicy:

@@ -32,18 +32,23 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from .._errors import PDConfigError
+from ._endpoint import Routed
 from ._load_aware import LoadAware
 from ._policy import RouteDecision
 
 if TYPE_CHECKING:
-    from ..pools import Endpoint
     from ._policy import RouteRequest
 
 
-def rendezvous_order(endpoints: Sequence[Endpoint], key: str) -> list[int]:
+def rendezvous_order(endpoints: Sequence[Routed], key: str) -> list[int]:
     """The endpoints' indices, best first, for ``key`` (highest random weight)."""
     weights = [hashlib.blake2b(f"{key}|{e.url}".encode(), digest_size=8).digest() for e in endpoints]
     return sorted(range(len(endpoints)), key=lambda i: weights[i], reverse=True)
+
+
+def rendezvous(endpoints: Sequence[Routed], key: str) -> Routed:
+    """The endpoint that ranks first for ``key``: a key moves only when its endpoint goes."""
+    return endpoints[rendezvous_order(endpoints, key)[0]]
 
 
 def tenant_key(key: str, tenant: str | None) -> str:
@@ -65,14 +70,14 @@ class Rendezvous:
         self.slack = slack
         self._load = LoadAware(latency=False)
 
-    def choose(self, endpoints: Sequence[Endpoint], request: RouteRequest) -> Endpoint:
+    def choose(self, endpoints: Sequence[Routed], request: RouteRequest) -> Routed:
         return self.decide(endpoints, request).endpoint
 
     def key(self, request: RouteRequest) -> str | None:
         """What the ranking hashes: the conversation's affinity key, within its tenant."""
         return None if request.affinity_key is None else tenant_key(request.affinity_key, request.tenant)
 
-    def decide(self, endpoints: Sequence[Endpoint], request: RouteRequest) -> RouteDecision:
+    def decide(self, endpoints: Sequence[Routed], request: RouteRequest) -> RouteDecision[Routed]:
         loads = self._load.loads(endpoints)
         key = self.key(request)
         if key is None:

@@ -7,10 +7,11 @@ import random
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ._policy import RouteDecision, rendezvous
+from ._endpoint import Routed
+from ._policy import RouteDecision
+from ._rendezvous import rendezvous
 
 if TYPE_CHECKING:
-    from ..pools import Endpoint
     from ._policy import RouteRequest, RoutingPolicy
 
 
@@ -20,7 +21,7 @@ class RoundRobin:
     def __init__(self) -> None:
         self._turn = itertools.count()
 
-    def choose(self, endpoints: Sequence[Endpoint], request: RouteRequest) -> Endpoint:
+    def choose(self, endpoints: Sequence[Routed], request: RouteRequest) -> Routed:
         # next() on itertools.count is atomic under the GIL: safe across threads and tasks.
         return endpoints[next(self._turn) % len(endpoints)]
 
@@ -30,7 +31,7 @@ class LeastOutstanding:
 
     name = "least_outstanding"
 
-    def choose(self, endpoints: Sequence[Endpoint], request: RouteRequest) -> Endpoint:
+    def choose(self, endpoints: Sequence[Routed], request: RouteRequest) -> Routed:
         return min(endpoints, key=lambda e: e.in_flight)
 
 
@@ -42,7 +43,7 @@ class PowerOfTwoChoices:
     def __init__(self, rng: random.Random | None = None) -> None:
         self._rng = rng or random.Random()
 
-    def choose(self, endpoints: Sequence[Endpoint], request: RouteRequest) -> Endpoint:
+    def choose(self, endpoints: Sequence[Routed], request: RouteRequest) -> Routed:
         if len(endpoints) == 1:
             return endpoints[0]
         first, second = self._rng.sample(list(endpoints), 2)
@@ -61,10 +62,10 @@ class Affinity:
     def __init__(self, fallback: RoutingPolicy | None = None) -> None:
         self._fallback = fallback or LeastOutstanding()
 
-    def choose(self, endpoints: Sequence[Endpoint], request: RouteRequest) -> Endpoint:
+    def choose(self, endpoints: Sequence[Routed], request: RouteRequest) -> Routed:
         return self.decide(endpoints, request).endpoint
 
-    def decide(self, endpoints: Sequence[Endpoint], request: RouteRequest) -> RouteDecision:
+    def decide(self, endpoints: Sequence[Routed], request: RouteRequest) -> RouteDecision[Routed]:
         if request.affinity_key is None:
             return RouteDecision(self.name, self._fallback.choose(endpoints, request), "no_key")
         return RouteDecision(self.name, rendezvous(endpoints, request.affinity_key), "key")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._config import SETTINGS, ServeConfig, Setting
+from ._config import CONFIG_FILE_ENV, SETTINGS, ServeConfig, Setting
 
 if TYPE_CHECKING:
     from ._app import create_app
@@ -35,4 +35,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["SETTINGS", "ServeConfig", "Setting", "create_app", "run"]
+__all__ = ["CONFIG_FILE_ENV", "SETTINGS", "ServeConfig", "Setting", "create_app", "run"]

@@ -26,7 +26,7 @@ from typing import Any
 from .. import PDConfigError, PDOptions
 from .._durations import check_seconds
 from ..pools import DECODE_ENV, PREFILL_ENV
-from ..routing import POLICIES, PREFILL_ONLY
+from ..routing import POLICIES, prefill_only
 
 # Constants with no public name: the environment variables PDOptions reads, the policy names.
 from ..wire import DISPATCH_MODES, REMOTE_PREFILL_MODES, SECRET_ENV
@@ -197,11 +197,11 @@ _SPECIAL: Mapping[str, dict[str, Any]] = {
     "prefill": {"parse": _urls, "env": PREFILL_ENV, "metavar": "URL", "multiple": True, "default": ()},
     "decode": {"parse": _urls, "env": DECODE_ENV, "metavar": "URL", "multiple": True, "default": ()},
     # Each leg's flag offers only the policies that route that leg (cache_aware is prefill only).
-    "routing": {"parse": _str, "choices": tuple(sorted(POLICIES.keys() - PREFILL_ONLY))},
+    "routing": {"parse": _str, "choices": tuple(sorted(POLICIES.keys() - prefill_only()))},
     "prefill_routing": {"parse": _optional_str, "choices": tuple(sorted(POLICIES)), "metavar": "POLICY"},
     "decode_routing": {
         "parse": _optional_str,
-        "choices": tuple(sorted(POLICIES.keys() - PREFILL_ONLY)),
+        "choices": tuple(sorted(POLICIES.keys() - prefill_only())),
         "metavar": "POLICY",
     },
     "load_signals": {"parse": _on_off_default, "metavar": "on|off|auto"},

@@ -42,7 +42,7 @@ import httpx
 from aiohttp.helpers import get_env_proxy_for_url
 from yarl import URL
 
-from ..transport._leg_client import _with_url_auth  # the clients' rule, so both send the same
+from ..transport import with_url_auth  # the clients' rule, so both send the same
 from ..wire import HOP_BY_HOP
 
 _SENDING = "http11.send_request_headers.started"
@@ -125,7 +125,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         url = request.url
         if url.userinfo:
-            request = _with_url_auth(request)
+            request = with_url_auth(request)
             url = url.copy_with(userinfo=b"")
         timeouts = request.extensions.get("timeout") or {}
         timeout = aiohttp.ClientTimeout(

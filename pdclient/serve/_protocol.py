@@ -1,14 +1,13 @@
-"""The proxy's client connections: uvicorn's HTTP/1.1 protocols, with deadlines on each
-request's head and body.
+"""The proxy's client connections: uvicorn's httptools HTTP/1.1 protocol (the one uvicorn's
+``auto`` picks), with deadlines on each request's head and body.
 
-uvicorn bounds a connection's idle time between requests (``timeout_keep_alive``), the
-requests it serves at once (``limit_concurrency``) and, with h11, the size of a head, but
-not the time a request takes to arrive, nor (with httptools) its head's size: a client
-sending its headers one byte every half second holds a connection, and its file
-descriptor, for as long as it likes. Here a request's line and headers must be whole
-within ``header_timeout`` seconds of their first byte, or of the connection for one that
-sends nothing (with h11: of the connection, or of the first byte after an answer), and be
-no larger than ``max_header_size`` bytes; then its body must be whole within
+uvicorn bounds a connection's idle time between requests (``timeout_keep_alive``) and the
+requests it serves at once (``limit_concurrency``), but not the time a request takes to
+arrive, nor (with httptools) its head's size: a client sending its headers one byte every
+half second holds a connection, and its file descriptor, for as long as it likes. Here a
+request's line and headers must be whole within ``header_timeout`` seconds of their first
+byte, or of the connection for one that sends nothing, and be no larger than
+``max_header_size`` bytes; then its body must be whole within
 ``body_timeout`` seconds. Else the connection is closed, after a 431 or a 408 when no
 answer has started.
 
@@ -23,9 +22,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-import h11
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol  # httptools: a dependency of the extra
 from uvicorn.server import ServerState
 
@@ -84,7 +81,7 @@ class _Deadline:
 
 
 class _Deadlines:
-    """What both protocols share: the deadlines, and what their expiry does."""
+    """The deadlines, and what their expiry does."""
 
     transport: asyncio.Transport
     cycle: Any  # uvicorn's RequestResponseCycle of the request being read (None before the first)
@@ -112,42 +109,6 @@ class _Deadlines:
     def _close(self) -> None:
         if not self.transport.is_closing():
             self.transport.close()
-
-
-class H11Connection(_Deadlines, H11Protocol):
-    """uvicorn's h11 protocol with the deadlines (h11 bounds the head's size itself)."""
-
-    def __init__(
-        self,
-        config: uvicorn.Config,
-        server_state: ServerState,
-        app_state: dict[str, Any],
-        _loop: asyncio.AbstractEventLoop | None = None,
-    ) -> None:
-        super().__init__(config, server_state, app_state, _loop)
-        self._start_deadlines(config, self.loop)
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self.head.start()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._stop_deadlines()
-        super().connection_lost(exc)
-
-    def data_received(self, data: bytes) -> None:
-        # The client's side stays IDLE until a request's head is whole, then SEND_BODY until its end.
-        if self.conn.their_state is h11.IDLE and not self.head.running:
-            self.head.start()
-        super().data_received(data)
-        state = self.conn.their_state
-        if state is not h11.IDLE:
-            self.head.stop()
-        if state is h11.SEND_BODY:
-            if not self.body.running:
-                self.body.start()
-        else:
-            self.body.stop()
 
 
 class HttpToolsConnection(_Deadlines, HttpToolsProtocol):
@@ -200,4 +161,4 @@ class HttpToolsConnection(_Deadlines, HttpToolsProtocol):
         super().on_message_complete()
 
 
-__all__ = ["H11Connection", "HttpToolsConnection", "ServerConfig"]
+__all__ = ["HttpToolsConnection", "ServerConfig"]

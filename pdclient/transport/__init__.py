@@ -2,10 +2,12 @@
 (plain and migrating), the sync and async twins."""
 
 from ._leg_client import LEG_LIMITS
+from ._leg_client import _with_url_auth as with_url_auth
 from ._transport import AsyncPDTransport, PDTransport
 
 __all__ = [
     "AsyncPDTransport",
     "LEG_LIMITS",
     "PDTransport",
+    "with_url_auth",
 ]

@@ -19,6 +19,8 @@ from collections.abc import Callable
 
 import orjson
 
+from ._error_body import error_body
+
 DONE = b"[DONE]"
 """The data of the last event of an OpenAI-style stream."""
 
@@ -51,7 +53,7 @@ def error_event(message: str, code: int = 502) -> bytes:
     """An event that ends a stream with an error, in the shape both SDKs raise on: the openai
     SDK raises ``APIError`` with the message for any event whose data has an ``error``, the
     anthropic SDK its status error for an ``error`` event."""
-    error = {"type": "error", "error": {"message": message, "type": "pdclient_error", "code": code}}
+    error = {"type": "error", "error": error_body(message, code)}
     return b"event: error\ndata: " + orjson.dumps(error) + b"\n\n"
 
 

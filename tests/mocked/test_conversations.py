@@ -9,7 +9,7 @@ on the decode endpoint that answered it (block size 128), and goes there decode-
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -19,6 +19,7 @@ import pytest
 
 from pdclient import CallView, ConversationSettings, Outcome, PDConfigError, PDObserver, PDOptions, PDTrace
 from tests.fake_vllm import DECODE, DECODE2, PREFILL, FakeVLLM, VLLMAnswers, echo, ids_of_conversation
+from tests.polling import until
 from tests.twins import Twin
 
 SYSTEM = {"role": "system", "content": "You are a storyteller. " + "Once upon a time there was a tale. " * 60}
@@ -169,15 +170,6 @@ async def test_a_tool_loop_goes_decode_only_after_its_first_turn(mode: str, pair
     await t.close()
 
 
-async def eventually(condition: Callable[[], bool]) -> None:
-    """Wait up to 5 s for ``condition`` (warm-ups are posted in the background)."""
-    for _ in range(500):
-        if condition():
-            return
-        await anyio.sleep(0.01)
-    raise AssertionError("timed out")
-
-
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "json"])
 async def test_a_decode_only_call_sends_its_prompt_to_the_prefill_server_as_a_plain_one_token_call(
     mode: str, pair: FakeVLLM, stream: bool
@@ -185,7 +177,7 @@ async def test_a_decode_only_call_sends_its_prompt_to_the_prefill_server_as_a_pl
     t, traces = twin(mode, remote_prefill="auto")
     await turn(t, TURN1, stream)
     await turn(t, TURN2, stream, temperature=0.5)
-    await eventually(lambda: len(pair.warm_up_bodies) == 1)
+    await until(lambda: len(pair.warm_up_bodies) == 1)
     (warm_up,) = pair.warm_up_bodies
     # The prompt as the caller sent it, one token, not streamed, and nothing held for a decode.
     assert warm_up == {"messages": TURN2, "model": "m", "temperature": 0.5, "stream": False, "max_tokens": 1, "n": 1}
@@ -220,7 +212,7 @@ async def test_a_failing_warm_up_changes_nothing_for_the_caller(mode: str, pair:
     await turn(t, TURN1, True)
     pair.router.routes["prefill"].side_effect = httpx.ConnectError("refused")
     assert await turn(t, TURN2, True) == echo({"messages": TURN2})
-    await eventually(lambda: t.client.pd_fleet.warmer.failed == 1)
+    await until(lambda: t.client.pd_fleet.warmer.failed == 1)
     # The warm-up is the client's own business: the prefill endpoint's breaker is not told.
     assert all(e.admits() for e in t.client.pd_fleet.prefill.endpoints)
     await t.close()

@@ -16,6 +16,7 @@ import respx
 
 from pdclient import DiscoverySettings, PDTrace, RetrySettings
 from tests.fake_vllm import DECODE, PREFILL, FakeVLLM
+from tests.polling import until
 from tests.twins import Twin
 
 P1, P2 = "http://prefill-1.test:8100/v1", "http://prefill-2.test:8100/v1"
@@ -116,15 +117,6 @@ NAMED = "http://vllm-decode.test:8200/v1"
 ADDRESSES = ["10.9.0.1", "10.9.0.2"]
 
 
-async def wait_for(condition: Any, timeout: float = 5.0) -> None:
-    import anyio
-
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        await anyio.sleep(0.01)
-
-
 async def test_a_discovered_member_gets_its_name_on_every_leg_and_the_release(mode: str) -> None:
     fake = FakeVLLM()
     zone = Zone(ADDRESSES)
@@ -145,7 +137,7 @@ async def test_a_discovered_member_gets_its_name_on_every_leg_and_the_release(mo
         assert fleet.background is not None and fleet.background.driver is None, "nothing before the first call"
         assert [m.id for m in (await twin.call(twin.client.models.list)).data] == ["stub-model"]
         assert router.routes["models"].calls.last.request.headers["host"] == "vllm-decode.test:8200"
-        await wait_for(lambda: [e.url for e in fleet.decode.endpoints] == [f"http://{a}:8200/v1" for a in ADDRESSES])
+        await until(lambda: [e.url for e in fleet.decode.endpoints] == [f"http://{a}:8200/v1" for a in ADDRESSES])
 
         with pytest.raises(openai.APIConnectionError):
             await twin.chat(messages=conversation("hi"))

@@ -18,6 +18,7 @@ import respx
 from pdclient import Outcome, PDTrace
 from pdclient.pools import BreakerSettings, RetrySettings
 from tests.fake_vllm import DECODE, NIXL_PARAMS, FakeVLLM, chat_json, ids_for, prefill_json
+from tests.polling import until
 from tests.twins import Twin, status_error
 
 MESSAGES = [{"role": "user", "content": "Is it up?"}]
@@ -33,13 +34,6 @@ def twin_with_traces(mode: str, **kwargs: Any) -> tuple[Twin, list[PDTrace]]:
 
 def decode_body(router: respx.MockRouter, index: int = 0) -> dict[str, Any]:
     return dict(json.loads(router["decode"].calls[index].request.content))
-
-
-async def eventually(condition: Any, seconds: float = 5.0) -> None:
-    """Wait for background work (a KV release runs in a thread or task) to happen."""
-    deadline = time.monotonic() + seconds
-    while not condition() and time.monotonic() < deadline:  # noqa: ASYNC110 - polling another thread's work
-        await asyncio.sleep(0.01)
 
 
 def in_flight(twin: Twin) -> list[int]:
@@ -110,7 +104,7 @@ async def test_decode_connection_refused_is_retried_then_a_clean_error(mode: str
     twin, traces = twin_with_traces(mode)
     with pytest.raises(openai.APIConnectionError):
         await twin.chat(messages=MESSAGES)
-    await eventually(lambda: pd_routes["decode"].call_count == 3)
+    await until(lambda: pd_routes["decode"].call_count == 3)
     assert pd_routes["decode"].call_count == 2 + 1, "two decode attempts, then one KV release attempt"
     release = decode_body(pd_routes, 2)
     assert release["max_tokens"] == 1 and release["stream"] is False
@@ -351,7 +345,7 @@ async def test_cancel_between_legs_releases_prefill_kv_async(pd_routes: respx.Mo
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await eventually(lambda: len(calls) == 2)
+    await until(lambda: len(calls) == 2)
     release = calls[1]
     assert release["max_tokens"] == 1 and release["stream"] is False and "stream_options" not in release
     assert release["kv_transfer_params"] == {**NIXL_PARAMS, "prompt_token_ids": ids_for("Is it up?")}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import threading
@@ -19,7 +18,7 @@ pytest.importorskip("uvicorn", reason="pdclient[serve] is not installed")
 import uvicorn
 
 from pdclient.serve import ServeConfig, create_app
-from pdclient.serve._app import Proxy
+from pdclient.serve._proxy import Proxy
 from pdclient.serve._run import server_config
 from tests.serve.process import ServeProcess, metric_samples
 from tests.stubserver import StubServer
@@ -76,13 +75,6 @@ def config_for(
     if observers:
         config = dataclasses.replace(config, options=config.options.replace(observers=observers))
     return config
-
-
-async def wait_for(condition: Any, timeout: float = 5.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
 
 
 @pytest.fixture(scope="module")

@@ -132,7 +132,7 @@ async def test_a_prefill_redirect_is_a_failed_prefill_leg_that_names_no_server()
 
 
 def test_a_location_becomes_the_proxys_own_path_or_is_dropped() -> None:
-    from pdclient.serve._app import base_paths, own_location
+    from pdclient.serve._paths import base_paths, own_location
 
     bases = base_paths(["http://d:8200/v1", "http://user:pw@p:8100/api/v1/", "http://root:8000"])
     assert bases == (b"/api/v1", b"/v1", b"")

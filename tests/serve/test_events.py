@@ -17,9 +17,10 @@ import httpx
 import pytest
 
 from pdclient import CallView, LegView, PDObserver, PDTrace
+from tests.polling import until
 from tests.stubserver import Fault, StubServer, closed_port_url
 
-from .conftest import MESSAGES, RunningProxy, config_for, running_proxy, wait_for
+from .conftest import MESSAGES, RunningProxy, config_for, running_proxy
 
 CHAT = {"model": "m", "messages": MESSAGES}
 
@@ -134,12 +135,12 @@ async def test_caller_leaving_mid_stream_and_before_the_decode_answers(stub: Stu
             async with http.stream("POST", "/chat/completions", json=body, headers={"x-request-id": "m"}) as r:
                 async for _ in r.aiter_lines():
                     break
-        await wait_for(lambda: ("call_end", "m") in recorder.of("m"), what="the call to end")
+        await until(lambda: ("call_end", "m") in recorder.of("m"), what="the call to end")
         stub.inject(Fault(delay=1.0), leg="decode")
         async with httpx.AsyncClient(base_url=proxy.base_url, timeout=httpx.Timeout(5, read=0.3)) as http:
             with pytest.raises(httpx.ReadTimeout):
                 await http.post("/chat/completions", json=CHAT, headers={"x-request-id": "b"})
-        await wait_for(lambda: ("call_end", "b") in recorder.of("b"), what="the call to end")
+        await until(lambda: ("call_end", "b") in recorder.of("b"), what="the call to end")
         await asyncio.sleep(0.1)
     assert ("leg_end", "decode", 200) in recorder.of("m")
     assert recorder.of("b") == [

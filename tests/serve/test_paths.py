@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from pdclient.serve._app import upstream_path
+from pdclient.serve._paths import upstream_path
 from tests.stubserver import StubServer
 
 from .conftest import MESSAGES, RunningProxy, config_for, running_proxy

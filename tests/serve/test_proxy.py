@@ -9,9 +9,10 @@ import openai
 import orjson
 import pytest
 
+from tests.polling import until
 from tests.stubserver import Fault, StubServer, closed_port_url
 
-from .conftest import ANSWER, MESSAGES, PROMPT_TOKENS, RunningProxy, config_for, running_proxy, wait_for
+from .conftest import ANSWER, MESSAGES, PROMPT_TOKENS, RunningProxy, config_for, running_proxy
 
 CHAT = {"model": "m", "messages": MESSAGES}
 
@@ -201,11 +202,11 @@ async def test_caller_disconnect_mid_stream_closes_the_decode(stub: StubServer) 
                 async for line in response.aiter_lines():
                     if line.startswith("data: "):
                         break  # one event, then the caller goes away (closes its connection)
-        await wait_for(lambda: stub.streams, what="the stub to see its stream end")
+        await until(lambda: stub.streams, what="the stub to see its stream end")
         (end,) = stub.streams
         assert end.how == "client closed" and end.events_sent == 1
         # The call is over for the proxy too: nothing in flight, the endpoint released.
-        await wait_for(lambda: all(e.in_flight == 0 for e in proxy.proxy.transport.fleet.decode.endpoints))
+        await until(lambda: all(e.in_flight == 0 for e in proxy.proxy.transport.fleet.decode.endpoints))
         metrics = await scrape(proxy)
         assert 'pdclient_calls_in_flight{route="chat"} 0.0' in metrics
         assert 'pdclient_calls_total{outcome="disaggregated",route="chat"} 1.0' in metrics
@@ -220,7 +221,7 @@ async def test_caller_leaving_before_the_decode_answers_cancels_the_call(stub: S
             with pytest.raises(httpx.ReadTimeout):
                 await http.post(proxy.base_url + "/chat/completions", json={**CHAT, "stream": True})
         failed = 'pdclient_calls_total{outcome="failed",route="chat"} 1.0'
-        await wait_for(lambda: failed in metrics_text(proxy), what="the call to end")
+        await until(lambda: failed in metrics_text(proxy), what="the call to end")
         assert all(e.in_flight == 0 for e in proxy.proxy.transport.fleet.decode.endpoints)
         assert len(stub.legs("decode")) == 1  # no release: the decode request had reached its server
 

@@ -14,14 +14,14 @@ from typing import Any
 import pytest
 
 from pdclient.serve import ServeConfig
-from pdclient.serve._protocol import H11Connection, HttpToolsConnection
+from pdclient.serve._protocol import HttpToolsConnection
 from pdclient.serve._run import server_config
 from tests.stubserver import Fault, StubServer
 
 from .conftest import RunningProxy, ServeProcess, config_for, running_proxy
 
 HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\n"
-PROTOCOLS = pytest.mark.parametrize("protocol", [HttpToolsConnection, H11Connection], ids=["httptools", "h11"])
+PROTOCOLS = pytest.mark.parametrize("protocol", [HttpToolsConnection], ids=["httptools"])
 
 
 @contextlib.contextmanager
@@ -133,7 +133,7 @@ def test_an_oversized_head_is_refused(stub: StubServer, protocol: type) -> None:
     with serve(stub, protocol, max_header_size=4096) as proxy, connection(proxy.url) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: proxy\r\nX-Big: " + b"a" * 8192)
         status, _ = answer(sock)
-    assert status == (431 if protocol is HttpToolsConnection else 400)  # h11 answers its own 400
+    assert status == 431
     assert stub.received == []
 
 

@@ -4,10 +4,7 @@ finishes an answer (``Dripping``)."""
 
 from __future__ import annotations
 
-import asyncio
 import threading
-import time
-from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
@@ -15,21 +12,6 @@ import httpx
 from tests.stubserver import StubServer
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
-
-async def await_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    for _ in range(int(timeout / 0.01)):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("timed out")
 
 
 def hold(stub: StubServer, n: int) -> list[threading.Thread]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack
 from typing import Any
 
@@ -19,6 +19,7 @@ import pytest
 from pdclient import BreakerSettings, DiscoverySettings, HealthSettings, PDTrace, ScrapeSettings
 from pdclient.fleet import BackgroundTask, BackgroundThread
 from pdclient.routing import CacheAware, RoundRobin
+from tests.polling import until
 from tests.stubs._fleet import Zone, hold, start_on
 from tests.stubserver import PrefixCacheModel, StubServer
 from tests.twins import Twin
@@ -26,13 +27,6 @@ from tests.twins import Twin
 FAST_SCRAPES = ScrapeSettings(interval=0.05, staleness=1.0, timeout=1.0)
 FAST_PROBES = HealthSettings(interval=0.05, timeout=1.0, failures=2, successes=2)
 MESSAGES = [{"role": "user", "content": "hi"}]
-
-
-async def until(condition: Callable[[], bool], limit: float = 10.0) -> None:
-    """Poll without blocking the loop (an async client's driver is a task on it)."""
-    with anyio.fail_after(limit):
-        while not condition():  # noqa: ASYNC110 - a condition another thread changes
-            await anyio.sleep(0.01)
 
 
 async def step(iterator: Any) -> Any:

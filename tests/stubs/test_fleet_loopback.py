@@ -31,7 +31,8 @@ from pdclient.fleet import (
 )
 from pdclient.pools import BreakerSettings, Endpoint, EndpointPool, route_decision
 from pdclient.routing import LeastOutstanding, LoadAware, RouteRequest, RoutingPolicy
-from tests.stubs._fleet import Dripping, Zone, await_until, hold, start_on, wait_until
+from tests.polling import until, wait_until
+from tests.stubs._fleet import Dripping, Zone, hold, start_on
 from tests.stubserver import StubServer
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
@@ -114,7 +115,7 @@ async def test_scraper_under_the_async_driver(stubs: list[StubServer]) -> None:
     driver.start()
     try:
         threads = hold(stubs[1], 2)
-        await await_until(lambda: pool.endpoints[1].load is not None and pool.endpoints[1].load.waiting == 1)
+        await until(lambda: pool.endpoints[1].load is not None and pool.endpoints[1].load.waiting == 1)
         assert LoadAware().choose(pool.endpoints, RouteRequest("decode")) is not pool.endpoints[1]
         await asyncio.to_thread(lambda: [t.join() for t in threads])
     finally:
@@ -181,9 +182,9 @@ async def test_health_probes_under_the_async_driver() -> None:
         driver.start()
         try:
             a.healthy = False
-            await await_until(lambda: pool.endpoints[0].state == "open")
+            await until(lambda: pool.endpoints[0].state == "open")
             a.healthy = True
-            await await_until(lambda: pool.endpoints[0].state == "closed")
+            await until(lambda: pool.endpoints[0].state == "closed")
         finally:
             await driver.aclose()
 
@@ -236,7 +237,7 @@ async def test_a_dripping_member_under_the_async_driver() -> None:
         driver = BackgroundTask(probes_and_scrapes(pool))
         driver.start()
         try:
-            await await_until(lambda: pool.endpoints[1].state == "open", timeout=FOUND_WITHIN)
+            await until(lambda: pool.endpoints[1].state == "open", limit=FOUND_WITHIN)
             before = seen(good)
             await asyncio.sleep(0.6)
             check_no_one_delayed(good, drip, pool, before)
@@ -291,7 +292,7 @@ async def test_discovery_under_the_async_driver() -> None:
     driver = BackgroundTask([DnsDiscovery(pool, DiscoverySettings(interval=0.05))], resolver=zone)
     driver.start()
     try:
-        await await_until(lambda: len(pool.endpoints) == 2)
+        await until(lambda: len(pool.endpoints) == 2)
         assert [e.host_name for e in pool.endpoints] == ["vllm-decode.test"] * 2
     finally:
         await driver.aclose()

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from pdclient.fleet import ServerLoad, parse_metrics
+from tests.polling import wait_until
 from tests.stubserver import MODEL, PrefixCacheModel, StubServer, render
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
@@ -36,26 +37,19 @@ def hold_streams(stub: StubServer, n: int) -> list[threading.Thread]:
     return threads
 
 
-def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
-
 def test_metrics_count_running_and_waiting_requests(stub: StubServer) -> None:
     stub.kv_usage = 0.0
     assert parse_metrics(httpx.get(root(stub) + "/metrics").text, model=MODEL) == ServerLoad(0, 0, 0.0)
     stub.kv_usage = None
     threads = hold_streams(stub, 1)
-    wait_for(lambda: stub.running == 1)
+    wait_until(lambda: stub.running == 1)
     assert parse_metrics(httpx.get(root(stub) + "/metrics").text) == ServerLoad(0, 1, 0.5), "1 of 2 slots"
     for t in threads:
         t.join()
 
     threads = hold_streams(stub, 5)
     stub.kv_usage = 0.42
-    wait_for(lambda: stub.running + stub.waiting == 5)
+    wait_until(lambda: stub.running + stub.waiting == 5)
     load = parse_metrics(httpx.get(root(stub) + "/metrics").text, model=MODEL)
     assert load == ServerLoad(waiting=3, running=2, kv_usage=0.42), "5 streams (1 s each), 2 slots"
     for t in threads:
@@ -121,7 +115,7 @@ def test_background_requests_hold_slots_and_count_as_running() -> None:
         stub.background = 3
         assert parse_metrics(httpx.get(root(stub) + "/metrics").text) == ServerLoad(0, 3, 0.75)
         threads = hold_streams(stub, 2)
-        wait_for(lambda: stub.waiting == 1)
+        wait_until(lambda: stub.waiting == 1)
         assert parse_metrics(httpx.get(root(stub) + "/metrics").text) == ServerLoad(1, 4, 1.0)
         for t in threads:
             t.join()

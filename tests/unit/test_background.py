@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
@@ -25,6 +25,7 @@ from pdclient.fleet import (
     host_header,
     system_resolver,
 )
+from tests.polling import until, wait_until
 
 
 class Recorder:
@@ -94,21 +95,6 @@ def check(outcomes: dict[object, JobResult]) -> None:
     assert outcomes["bug"] == LookedUp(error="RuntimeError: a resolver hook with a bug"), "a job's bug is its outcome"
 
 
-def wait_for(condition: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
-
-
-async def until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
-    for _ in range(int(timeout / 0.005)):
-        if condition():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError("timed out")
-
-
 def test_thread_driver_runs_jobs_until_closed() -> None:
     core = Recorder(JOBS)
     driver = BackgroundThread(
@@ -117,7 +103,7 @@ def test_thread_driver_runs_jobs_until_closed() -> None:
     assert not driver.running, "nothing runs before start()"
     driver.start()
     driver.start()  # idempotent
-    wait_for(core.each_twice)
+    wait_until(core.each_twice)
     driver.close()
     assert not driver.running
     check(dict(core.outcomes))
@@ -164,7 +150,7 @@ def test_a_failing_core_does_not_stop_the_others() -> None:
         [Broken([]), good], http=lambda: httpx.AsyncClient(transport=httpx.MockTransport(answer)), max_sleep=0.01
     )
     driver.start()
-    wait_for(lambda: len(good.outcomes) >= 3)
+    wait_until(lambda: len(good.outcomes) >= 3)
     driver.close()
 
 
@@ -204,11 +190,11 @@ def test_thread_driver_posts_a_queued_warm_up_at_once() -> None:
         [warmer], http=lambda: httpx.AsyncClient(transport=httpx.MockTransport(echo_post)), max_sleep=60.0
     )
     driver.start()
-    wait_for(lambda: driver.running)
+    wait_until(lambda: driver.running)
     time.sleep(0.05)  # asleep, for up to a minute
     warmer.add(Fetch("http://10.0.0.1:8000/v1/chat/completions", 1.0, None, b"{}", (("authorization", "Bearer k"),)))
     driver.wake()
-    wait_for(lambda: warmer.posted == 1, timeout=2.0)
+    wait_until(lambda: warmer.posted == 1, timeout=2.0)
     driver.close()
 
 
@@ -221,7 +207,7 @@ async def test_task_driver_posts_a_queued_warm_up_at_once() -> None:
     await asyncio.sleep(0.05)
     warmer.add(Fetch("http://10.0.0.1:8000/v1/chat/completions", 1.0, None, b"{}", (("authorization", "Bearer k"),)))
     driver.wake()
-    await until(lambda: warmer.posted == 1, timeout=2.0)
+    await until(lambda: warmer.posted == 1, limit=2.0)
     await driver.aclose()
 
 

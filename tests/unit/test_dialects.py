@@ -9,8 +9,7 @@ from typing import Any
 import pytest
 
 from pdclient.dialects import DIALECTS, dialect_for
-from pdclient.wire import Kind, Refusal
-from pdclient.wire import _usage as usage
+from pdclient.wire import Kind, Refusal, merge_usage_sse
 
 RESPONSES, MESSAGES = dialect_for("/responses"), dialect_for("/messages")
 
@@ -122,5 +121,5 @@ def test_messages_usage_takes_the_input_side_from_the_prefill() -> None:
 
 def test_chats_usage_rule_is_unchanged() -> None:
     event = b'data: {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 2}}\n\n'
-    merged = usage.merge_usage_sse(event, {"prompt_tokens": 5})
+    merged = merge_usage_sse(event, {"prompt_tokens": 5})
     assert json.loads(merged[6:])["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
-import time
 from collections.abc import Sequence
 
 import pytest
@@ -37,6 +36,7 @@ from pdclient.fleet import (
 )
 from pdclient.pools import BreakerSettings, Endpoint, EndpointPool
 from pdclient.routing import POLICIES, Affinity, LeastOutstanding, RoundRobin, RouteRequest, make_policy
+from tests.polling import wait_until
 
 P, D = "http://p:8100/v1", "http://d:8200/v1"
 
@@ -286,13 +286,6 @@ class Ticks:
         self.applied += 1
 
 
-def wait_for(condition: object, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
-
 def test_sync_background_is_one_thread_started_once_and_stopped_for_good() -> None:
     core = Ticks()
     background = Background([core], asynchronous=False)
@@ -301,7 +294,7 @@ def test_sync_background_is_one_thread_started_once_and_stopped_for_good() -> No
     background.start()
     assert isinstance(background.driver, BackgroundThread) and background.running
     assert sum(t.name == "pdclient-background" for t in threading.enumerate()) >= 1
-    wait_for(lambda: core.applied >= 2)
+    wait_until(lambda: core.applied >= 2)
     thread = background.driver._thread
     background.close()
     assert thread is not None and not thread.is_alive() and background.driver is None

@@ -13,7 +13,6 @@ from pdclient import PDConfigError
 from pdclient.fleet import (
     Fetch,
     Fetched,
-    LoadSample,
     LoadScraper,
     ScrapeSettings,
     ServerLoad,
@@ -21,7 +20,7 @@ from pdclient.fleet import (
     server_url,
 )
 from pdclient.pools import BreakerSettings, EndpointPool, PeakEWMA
-from pdclient.routing import LeastOutstanding, LoadAware, RouteRequest
+from pdclient.routing import LeastOutstanding, LoadAware, LoadSample, RouteRequest
 
 # The shape of vLLM 0.32's answer (vllm/v1/metrics/loggers.py; a real one is in
 # data/vllm_0_32_metrics.txt): HELP and TYPE lines, labels model_name and engine,

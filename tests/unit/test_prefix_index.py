@@ -11,13 +11,13 @@ from collections import Counter
 import pytest
 
 from pdclient import PDConfigError
-from pdclient.fleet import LoadSample
 from pdclient.pools import BreakerSettings, Endpoint, EndpointPool, route_decision
 from pdclient.routing import (
     DEFAULT_MAX_CHARS,
     Affinity,
     CacheAware,
     LoadAware,
+    LoadSample,
     PrefixIndex,
     RouteDecision,
     RouteRequest,

@@ -1,4 +1,4 @@
-"""``pools._retry.retrying``: tenacity's loop from the first attempt's failure, counted as
+"""``pools.retry.retrying``: tenacity's loop from the first attempt's failure, counted as
 tenacity counts, its waits ``Sleep`` steps that a sync or an async driver runs."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import httpx
 import pytest
 import tenacity
 
-from pdclient.pools import _retry as retry
+from pdclient.pools import retry
 
 POLICY = {
     "stop": tenacity.stop_after_attempt(3),

@@ -241,3 +241,25 @@ def test_set_members_keeps_survivors_and_leaves_removed_ones_to_their_calls() ->
     assert p.urls == URLS, "what the caller configured does not change"
     with pytest.raises(ValueError):
         p.set_members([])
+
+
+def test_a_named_policys_legs_and_load_signals_are_its_class_attributes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One source of a policy's metadata: the name resolves to the class, the class says."""
+    from pdclient.routing import CacheAware, LoadAware, legs_of, wants_load_signals
+
+    assert legs_of("cache_aware") == ("prefill",) and wants_load_signals("load_aware")
+    monkeypatch.setattr(CacheAware, "legs", ("prefill", "decode"))
+    monkeypatch.setattr(LoadAware, "wants_load_signals", False)
+    assert legs_of("cache_aware") == ("prefill", "decode")
+    assert not wants_load_signals("load_aware")
+
+
+def test_the_pool_says_which_endpoints_admit_now() -> None:
+    """One question, one answer: the members whose breaker admits a request now, less those excluded."""
+    p, _ = pool(failures=1)
+    a, b, c = p.endpoints
+    a.acquire()
+    a.release(ok=False)
+    assert p.admitted() == [b, c]
+    assert p.admitted(exclude=[c]) == [b]
+    assert p.candidates(exclude=[c]) == [b]

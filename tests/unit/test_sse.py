@@ -79,3 +79,15 @@ def test_an_event_longer_than_the_bound_raises_at_the_read_that_passes_it() -> N
     framer.feed(b"data: " + b"x" * MAX_EVENT_BYTES)
     with pytest.raises(EventTooLarge):
         framer.rest()
+
+
+def test_an_error_event_carries_the_one_error_body_shape() -> None:
+    """The OpenAI-style error object is written once (``wire.error_body``): the proxy's JSON
+    errors and a stream's error event carry the same."""
+    import orjson
+
+    from pdclient.wire import ERROR_TYPE, error_body, error_event
+
+    assert error_body("no such route", 404) == {"message": "no such route", "type": ERROR_TYPE, "code": 404}
+    data = error_event("cut", 502).split(b"data: ", 1)[1]
+    assert orjson.loads(data) == {"type": "error", "error": error_body("cut", 502)}

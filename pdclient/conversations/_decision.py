@@ -1,0 +1,107 @@
+"""Whether a call skips the remote prefill: the estimate of what its decode server holds, and the decision on it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from ..wire import REMOTE_PREFILL_MODES
+from ._settings import ConversationSettings
+
+
+class Match(str, enum.Enum):
+    """How a call relates to the remembered conversation under its key."""
+
+    EXTENDS_ANSWER = "extends_answer"
+    """The previous messages, the streamed answer as the next message, then new ones."""
+    EXTENDS_PROMPT = "extends_prompt"
+    """The previous messages, then others (the answer edited, or not reusable: tool calls)."""
+    UNKNOWN = "unknown"
+    """Nothing remembered under this key."""
+    EDITED = "edited"
+    """The previous messages are not this call's first messages (edited, dropped, reordered)."""
+    RESHAPED = "reshaped"
+    """Tools, model or template options differ from the previous turn's."""
+    ENDPOINT_UNAVAILABLE = "endpoint_unavailable"
+    """The decode endpoint that holds the conversation is gone or not admitted."""
+    EXTENDS_HISTORY = "extends_history"
+    """Read from the call alone: its last assistant message ends what the conversation's
+    decode endpoint computed (a turn this process did not see: another replica's or
+    worker's, or one older than what it remembers)."""
+    UNSEEN_HISTORY = "unseen_history"
+    """As ``EXTENDS_HISTORY``, but more of the history than this memory saw answered would
+    count as cached than ``ConversationSettings.unseen_history_tokens``: only that much does
+    (a history made up by the caller, say a long document and an answer no server wrote)."""
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What a call would cost the decode endpoint that holds its conversation."""
+
+    total_tokens: int
+    uncached_tokens: int
+    endpoint: str | None
+    """The decode endpoint whose prefix cache holds the rest; None when nothing is cached."""
+    match: Match
+    adds_media: bool = False
+    """The call's new messages carry a part other than text (an image, audio, video, a
+    file, ...): its tokens are what the server's encoder makes of it, which nothing in the
+    request tells (``uncached_tokens`` counts the part's JSON, a URL's ~35 tokens)."""
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.total_tokens - self.uncached_tokens
+
+
+class Reason(str, enum.Enum):
+    """Why ``decide_remote_prefill`` chose as it did (machine-readable, for traces and metrics)."""
+
+    MODE_ALWAYS = "mode_always"
+    MODE_NEVER = "mode_never"
+    NO_ESTIMATE = "no_estimate"
+    UNCACHED_AT_OR_ABOVE_THRESHOLD = "uncached_at_or_above_threshold"
+    UNCACHED_RATIO_AT_OR_ABOVE = "uncached_ratio_at_or_above"
+    ADDS_MEDIA = "adds_media"
+    MOSTLY_CACHED = "mostly_cached"
+
+
+@dataclass(frozen=True)
+class Decision:
+    remote_prefill: bool
+    reason: Reason
+    decode_endpoint: str | None
+    """Where the decode leg should go when it is admitted: the endpoint holding the
+    conversation. Also on the P/D path, where it pulls only the blocks it lacks."""
+    estimate: Estimate | None = None
+
+
+def decide_remote_prefill(mode: str, estimate: Estimate | None, settings: ConversationSettings) -> Decision:
+    """Whether a call gets a remote prefill.
+
+    ``always``: every call (pdclient's behaviour before conversations were remembered). ``never``: none, every
+    call decode-only. ``auto``: decode-only when the uncached tokens are fewer than
+    ``threshold_tokens`` and less than ``max_uncached_ratio`` of the prompt, as Dynamo's
+    conditional disaggregation does (both conditions); llm-d's prefix-based decider and
+    vllm-router's design use the absolute count alone. A call whose new messages add
+    media (``Estimate.adds_media``) is a handoff whatever its count: an image is hundreds
+    to thousands of tokens, and the vision encoder's work with them, that only the server
+    can count, and a decode-only call would make the decode server do it all while its
+    other streams stall.
+    """
+    endpoint = estimate.endpoint if estimate is not None else None
+    if mode == "always":
+        return Decision(True, Reason.MODE_ALWAYS, endpoint, estimate)
+    if mode == "never":
+        return Decision(False, Reason.MODE_NEVER, endpoint, estimate)
+    if mode != "auto":
+        raise ValueError(f"remote_prefill must be one of {REMOTE_PREFILL_MODES}, got {mode!r}")
+    if estimate is None:
+        return Decision(True, Reason.NO_ESTIMATE, None, None)
+    if estimate.adds_media:
+        return Decision(True, Reason.ADDS_MEDIA, endpoint, estimate)
+    if estimate.uncached_tokens >= settings.threshold_tokens:
+        return Decision(True, Reason.UNCACHED_AT_OR_ABOVE_THRESHOLD, endpoint, estimate)
+    total = max(estimate.total_tokens, 1)
+    if estimate.uncached_tokens / total >= settings.max_uncached_ratio:
+        return Decision(True, Reason.UNCACHED_RATIO_AT_OR_ABOVE, endpoint, estimate)
+    return Decision(False, Reason.MOSTLY_CACHED, endpoint, estimate)

@@ -1,0 +1,59 @@
+"""How conversations are remembered and when ``remote_prefill="auto"`` skips the prefill: ``ConversationSettings``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .._errors import PDConfigError
+
+
+@dataclass(frozen=True)
+class ConversationSettings:
+    """How conversations are remembered and when ``auto`` skips the remote prefill."""
+
+    threshold_tokens: int = 256
+    """``auto`` sends a call decode-only when its estimated uncached tokens are fewer than this..."""
+    max_uncached_ratio: float = 0.7
+    """...and they are less than this fraction of its prompt (Dynamo's default ratio)."""
+    block_size: int = 128
+    """The decode servers' KV block size. vLLM's CPU default; GPU servers default to 16.
+    Too large only counts a few more tokens as uncached."""
+    max_conversations: int = 10_000
+    """LRU bound of the memory (under 400 bytes an entry)."""
+    ratio_warmup: int = 8
+    """Server counts to learn from before the learned chars-per-token ratio is used as it
+    is; until then with a margin (25 % more tokens)."""
+    initial_chars_per_token: float = 2.0
+    """The ratio before the first server count: low, so tokens are over-estimated."""
+    ratio_window: int = 64
+    """A tenant's learned ratio is over its this many most recent samples."""
+    overhead_tokens_per_message: int = 8
+    """Template tokens per message (role markers, separators) added to every estimate."""
+    unseen_history_tokens: int = 2048
+    """Of a call's history that this memory did not see answered (turns another replica or
+    worker answered, or turns made up), at most this many tokens count as cached on the
+    call's word alone: the most such a call can put on a decode server's prefill if the
+    history is not there (made up, or evicted). Enough for a conversation's first follow-up
+    through another replica after a ~1,000-token first turn; 0 trusts none of it (a process
+    then hands off the first follow-up it sees of a conversation another one answered)."""
+    warm_prefill: bool = True
+    """A decode-only call by ``auto`` also sends its prompt to the prefill server, off the
+    caller's path, so a later P/D turn prefills only what is new (``fleet._warm``)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.warm_prefill, bool):
+            raise PDConfigError(f"conversations.warm_prefill must be a bool, got {self.warm_prefill!r}")
+        for name in ("threshold_tokens", "ratio_warmup", "overhead_tokens_per_message", "unseen_history_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise PDConfigError(f"conversations.{name} must be an int >= 0, got {value!r}")
+        for name in ("block_size", "max_conversations", "ratio_window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise PDConfigError(f"conversations.{name} must be an int >= 1, got {value!r}")
+        ratio = self.max_uncached_ratio
+        if not isinstance(ratio, int | float) or isinstance(ratio, bool) or not 0.0 < ratio <= 1.0:
+            raise PDConfigError(f"conversations.max_uncached_ratio must be in (0, 1], got {ratio!r}")
+        initial = self.initial_chars_per_token
+        if not isinstance(initial, int | float) or isinstance(initial, bool) or not initial > 0:
+            raise PDConfigError(f"conversations.initial_chars_per_token must be > 0, got {initial!r}")
