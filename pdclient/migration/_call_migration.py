@@ -86,7 +86,6 @@ class CallMigration:
         self._records: list[Migration] = []
         self._open: Continuation | None = None
         self._last_delivery = 0.0
-        self._started_first = False
 
     @property
     def armed(self) -> bool:
@@ -193,7 +192,6 @@ class CallMigration:
         if call.decode.endpoint is not None:
             self._broken.append(call.decode.endpoint)
         continuation = Continuation(
-            number=len(self.moves) + 1,
             plan=dataclasses.replace(self.plan, fields=fields),
             ids=ids,
             count=count,

@@ -29,8 +29,7 @@ def continuation_route(prompt_tokens: int) -> Route:
     endpoint, whose KV is handed over as for a new call, so a long prefill does not stall
     every stream of the decode server (the reason for P/D). Dynamo's conditional
     disaggregation makes the same cut ("if the prefill is short ... prefill locally in the
-    decode engine"). Issue 11's estimate (the decode's prefix-cache hit, the queue) can
-    replace the threshold here.
+    decode engine").
     """
     return Route.PREFILL_DECODE if prompt_tokens >= REMOTE_PREFILL_MIN_TOKENS else Route.DECODE
 
@@ -39,7 +38,6 @@ def continuation_route(prompt_tokens: int) -> Route:
 class Continuation:
     """One continuation of a call: its request body (per route) and where it came from."""
 
-    number: int
     plan: wire.Plan
     """The caller's plan with the continuation's fields (budget reduced, ids asked for)."""
     ids: bytes
