@@ -10,8 +10,8 @@ from ._call_migration import CallMigration, request_field
 if TYPE_CHECKING:
     from ._call import MigratingCall as Call
 
-# Request fields whose vLLM implementation makes a continuation differ from the answer
-# the server would have given, or whose value is compared below.
+# vLLM's guided-decoding fields: with any of them set, a continuation's decoding would
+# restart at the schema's root.
 _GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 
 

@@ -25,6 +25,7 @@ _INCLUDE_USAGE = msgspec.Raw(b'{"include_usage":true}')
 
 
 def request_field(fields: Mapping[str, msgspec.Raw], name: str) -> Any:
+    """The caller's field ``name`` as JSON reads it; None if the request has none."""
     raw = fields.get(name)
     if raw is None:
         return None
