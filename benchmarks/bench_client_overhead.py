@@ -25,7 +25,7 @@ CPU per call (``time.thread_time`` around the whole call: a sync client does all
 I/O included, in the calling thread).
 
 A second table measures the client CPU of a non-streamed call that may move to another
-decode endpoint if its decode dies (``migrate_non_streamed=True``, ``migration._core.Assembler``:
+decode endpoint if its decode dies (``migrate_non_streamed=True``, ``migration.Assembler``:
 its decode leg streams with ``return_token_ids`` and the JSON body is assembled from the
 events) against the default non-streamed path (the decode's own JSON passed through), per
 answer length, over two decode stubs; printed with the ratio assembled / JSON.

@@ -155,7 +155,7 @@ class PDOptions:
     background (``DiscoverySettings``; True: the defaults). Off by default."""
     max_decode_migrations: int = 1
     """How many times one streamed call may move to another decode endpoint after its stream
-    broke, continuing the answer token for token (pdclient/migration/_core.py); 0 turns it off."""
+    broke, continuing the answer token for token (pdclient/migration/); 0 turns it off."""
     migrate_non_streamed: bool = False
     """Whether non-streamed calls may move too: their decode leg then streams and pdclient
     assembles the JSON body vLLM would have answered. Off by default: the decode server's API

@@ -25,7 +25,7 @@ class Dialect(Protocol):
     """The route under the API's base URL (``/chat/completions``, ``/responses``, ...)."""
     migration_refusal: str | None
     """Why a decode stream of this API never moves to another endpoint (None: it may,
-    under ``migration._core``'s own rules)."""
+    under ``migration._arming``'s own rules)."""
 
     def plan(self, content: bytes, tenant: str | None) -> wire.Plan:
         """Read the caller's body; raises ``wire.Refusal`` for a request that cannot be split.

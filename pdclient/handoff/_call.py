@@ -145,7 +145,7 @@ class Call:
         self._decode_body: bytes | None = None
         self._prompt_text: str | None = None
         self.migration: migrate.CallMigration | None = None
-        """Whether and how the decode stream may move to another endpoint (``migration._core``)."""
+        """Whether and how the decode stream may move to another endpoint (``migration.CallMigration``)."""
         self.remote = RemotePrefill()
         """Whether the call gets a remote prefill and why, its conversation (``_remote_prefill``)."""
         self.caller_body = CallerBody()

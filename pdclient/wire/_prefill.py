@@ -67,7 +67,7 @@ def prefill_body_for_ids(plan: Plan, ids: bytes) -> bytes:
 
     Chat: the ids ride in ``kv_transfer_params.prompt_token_ids`` next to
     ``do_remote_decode`` (vLLM 0.27+ honours them on this leg too); completions: the
-    ``prompt`` is the ids. Used by a migrated decode (pdclient/migration/_core.py).
+    ``prompt`` is the ids. Used by a migrated decode (pdclient/migration/_continuation.py).
     """
     fields = one_token(plan.fields)
     fields["return_token_ids"] = _TRUE

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from pdclient import CallView, LegView, PDConfigError, PDObserver, PDOptions, PDTrace
-from pdclient.migration import _core as migrate
+from pdclient.migration import _continuation as migrate
 from tests.fake_vllm import ANSWER_ID, DECODE, DECODE2, EOS_ID, PREFILL, FakeVLLM, VLLMAnswers, ids_of_last_message
 from tests.twins import Twin
 

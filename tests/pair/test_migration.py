@@ -25,7 +25,7 @@ import pytest
 
 from pdclient import AsyncPDChatClient, PDChatClient, PDTrace, RouteRequest
 from pdclient.local import PDServers
-from pdclient.migration import _core as migrate
+from pdclient.migration import _continuation as migrate
 
 from .extra_decode import ExtraDecode
 from .helpers import WITH_LOGPROBS, Top, same_greedy_answer, tops

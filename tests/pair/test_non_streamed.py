@@ -2,7 +2,7 @@
 
 With ``migrate_non_streamed`` on, a non-streamed call that may move to another decode endpoint streams its decode leg
 (``return_token_ids``, ``stream_options.include_usage``) and pdclient assembles the JSON body
-the caller asked for (``pdclient.migration._core.Assembler``). Here the same greedy request goes
+the caller asked for (``pdclient.migration.Assembler``). Here the same greedy request goes
 through the session pair twice: once unable to move (``max_decode_migrations=0``: vLLM's own
 non-streamed body, passed through) and once assembled. Every field the openai SDK reads
 must be equal (message, finish_reason, stop_reason, logprobs, usage, the ids the caller

@@ -1,4 +1,4 @@
-"""The decode-migration tracker on bytes (pdclient/migration/_core.py): events in, the caller's bytes out."""
+"""The decode-migration tracker and assembler on bytes (pdclient/migration/): events in, the caller's bytes out."""
 
 from __future__ import annotations
 
