@@ -31,9 +31,11 @@ from pdclient.handoff import (
     dispatch,
 )
 from pdclient.handoff._effective import EffectiveOptions
+from pdclient.handoff._failure import error_response
 from pdclient.handoff._record import CallRecord
 from pdclient.pools import RetrySettings
 from pdclient.wire import _bodies as wire
+from pdclient.wire import error_body
 from tests.fake_vllm import prefill_json
 
 PREFILL = "http://p:8100/v1"
@@ -146,3 +148,14 @@ def test_the_dispatch_decisions_take_values_and_return_decisions() -> None:
     assert dispatch.prompt_drift(book, here, b"[1,2]", [1, 2]) is None
     drift = dispatch.prompt_drift(book, here, b"[1,2]", [1, 3])
     assert drift is not None and drift.reason == dispatch.PROMPT_DRIFT and book.is_sequential_only(here)
+
+
+def test_a_failed_calls_error_body_is_the_one_the_proxy_and_stream_error_events_use() -> None:
+    response = error_response(502, "the prefill leg failed", {"x-pd-failed-leg": "prefill"})
+
+    assert response.json() == {"error": error_body("pdclient: the prefill leg failed", 502)}
+    assert response.content == (
+        b'{"error":{"message":"pdclient: the prefill leg failed","type":"pdclient_error","code":502}}'
+    )
+    assert response.headers["content-type"] == "application/json"
+    assert response.headers["x-pd-failed-leg"] == "prefill"
