@@ -159,3 +159,18 @@ def test_a_failed_calls_error_body_is_the_one_the_proxy_and_stream_error_events_
     )
     assert response.headers["content-type"] == "application/json"
     assert response.headers["x-pd-failed-leg"] == "prefill"
+
+
+def test_the_decode_pools_own_admitted_list_says_which_endpoints_a_call_may_use(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    call = new_call(on_prefill_failure="decode")
+    pool = call.context.fleet.decode
+    assert pool is not None and call.decode_admitted()
+    assert call.decode.pin(DECODE, "conversation") == DECODE
+    call.decode.tried.clear()
+
+    # One rule of admission, the pool's: whatever it leaves out, the call does not go to.
+    monkeypatch.setattr(type(pool), "admitted", lambda self, exclude=(), members=None: [])
+    assert not call.decode_admitted()
+    assert call.decode.pin(DECODE, "conversation") is None
