@@ -8,6 +8,7 @@ decision can be read here without a transport.
 from __future__ import annotations
 
 import json
+from collections.abc import Generator
 from typing import Any
 
 import httpx
@@ -17,22 +18,11 @@ from pdclient import AsyncPDTransport, PDOptions, PDTransport
 from pdclient._observe import Observers
 from pdclient._trace import Outcome
 from pdclient.fleet import Fleet
-from pdclient.handoff import (
-    Call,
-    CallContext,
-    Open,
-    ReadRequest,
-    Release,
-    SendPrefill,
-    Sleep,
-    Step,
-    Stream,
-    call_flow,
-    dispatch,
-)
+from pdclient.handoff import Call, CallContext, call_flow, dispatch, steps
 from pdclient.handoff._effective import EffectiveOptions
 from pdclient.handoff._failure import error_response
 from pdclient.handoff._record import CallRecord
+from pdclient.handoff._steps import Open, ReadRequest, Release, SendPrefill, Sleep, Step, Stream
 from pdclient.pools import RetrySettings
 from pdclient.wire import _bodies as wire
 from pdclient.wire import error_body
@@ -174,3 +164,26 @@ def test_the_decode_pools_own_admitted_list_says_which_endpoints_a_call_may_use(
     monkeypatch.setattr(type(pool), "admitted", lambda self, exclude=(), members=None: [])
     assert not call.decode_admitted()
     assert call.decode.pin(DECODE, "conversation") is None
+
+
+def test_a_flow_run_sends_each_steps_result_or_throws_its_exception_and_keeps_the_return() -> None:
+    seen: list[Any] = []
+
+    def flow() -> Generator[str, Any, str]:
+        seen.append((yield "first"))
+        try:
+            yield "fails"
+        except KeyError as exc:
+            seen.append(exc)
+        seen.append((yield "unanswered"))
+        return "done"
+
+    run = steps.FlowRun(flow())
+    for step in run:
+        with run:
+            if step == "first":
+                run.result = 1
+            elif step == "fails":
+                raise KeyError("x")
+    assert seen[0] == 1 and isinstance(seen[1], KeyError) and seen[2] is None
+    assert run.value == "done"
