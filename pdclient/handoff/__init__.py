@@ -1,9 +1,11 @@
 """One call: its flow of steps (``call_flow``, run by a transport's driver), ``Call`` (plan,
 phase, legs, outcome, trace) and ``Leg``; what the call decides with (the remote prefill
 and its conversation, the legs' requests, what goes back to the caller); a broken stream's
-move, a flow of the same steps (``move``); ``dispatch``: both legs at once; the KV release."""
+move, a flow of the same steps (``move``); ``steps``: the I/O a flow asks its driver for;
+``dispatch``: both legs at once; the KV release."""
 
 from . import _dispatch as dispatch
+from . import _steps as steps
 from ._call import Call, CallContext, Phase
 from ._decode_body import Body, MovingBody, PlainBody, body_for
 from ._failure import PREFILL_FAILURES, PrefillRedirected
@@ -28,47 +30,13 @@ from ._remote_prefill import (
     remote_prefill_decision,
 )
 from ._report import CALL_RECORD, STORED_STATE
-from ._steps import (
-    NEXT,
-    STREAM_ERRORS,
-    Await,
-    Chunks,
-    Close,
-    Concurrently,
-    Cut,
-    Discard,
-    Flow,
-    Open,
-    OpenDecode,
-    PeekFirstEvent,
-    ReadRefusal,
-    ReadRequest,
-    Release,
-    SendPrefill,
-    Sleep,
-    Step,
-    Stream,
-)
 from ._to_caller import CallerBody, id_tags_for, usage_merge_for
 
 __all__ = [
-    "NEXT",
     "Body",
-    "Chunks",
     "MovingBody",
     "PlainBody",
     "body_for",
-    "Await",
-    "Close",
-    "Concurrently",
-    "Cut",
-    "Discard",
-    "Flow",
-    "Open",
-    "PeekFirstEvent",
-    "ReadRequest",
-    "Sleep",
-    "Stream",
     "call_flow",
     "open_decode",
     "PREFILL_FAILURES",
@@ -76,7 +44,6 @@ __all__ = [
     "CALL_RECORD",
     "RELEASE_TIMEOUT",
     "STORED_STATE",
-    "STREAM_ERRORS",
     "Call",
     "CallContext",
     "CallerBody",
@@ -84,17 +51,13 @@ __all__ = [
     "Leg",
     "LegRequests",
     "Move",
-    "OpenDecode",
     "Phase",
     "RemotePrefill",
-    "ReadRefusal",
-    "Release",
-    "SendPrefill",
-    "Step",
     "asks_usage",
     "conversation_home",
     "decode_body",
     "dispatch",
+    "steps",
     "handoff_after_all",
     "id_tags_for",
     "leg_url",

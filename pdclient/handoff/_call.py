@@ -350,7 +350,7 @@ class Call:
 
     def decode_admitted(self) -> bool:
         """Whether a decode endpoint admits a request now (asked before the prefill)."""
-        return any(endpoint.admits() for endpoint in self.context.fleet.decode.endpoints)
+        return bool(self.context.fleet.decode.admitted())
 
     def decode_outage(self) -> httpx.Response | None:
         """No decode endpoint admits a request: a prefill now would only hold KV blocks that

@@ -17,7 +17,7 @@ import openai
 import orjson
 
 from ..pools import AllEndpointsOpen, retry
-from ..wire import redact_url
+from ..wire import error_body, redact_url
 from ._to_caller import READ_BODY_FRAMING, raw_headers, without_trace_headers
 
 _SHOWN_BODY = 200
@@ -74,7 +74,7 @@ def prefill_failure_status(error: BaseException) -> int:
 def error_response(status: int, message: str, trace_headers: dict[str, str]) -> httpx.Response:
     """A JSON error the openai SDK turns into its usual ``APIStatusError``, naming the cause
     (the leg that failed is in the trace's ``x-pd-failed-leg`` header)."""
-    body = {"error": {"message": f"pdclient: {message}", "type": "pdclient_error", "code": status}}
+    body = {"error": error_body(f"pdclient: {message}", status)}
     return httpx.Response(
         status, headers={**trace_headers, "content-type": "application/json"}, content=orjson.dumps(body)
     )

@@ -66,8 +66,8 @@ class Leg:
         call itself: the decode endpoint holding a conversation (``remote_prefill``), or the
         one its rendezvous names (``policy`` ``rendezvous``)."""
         assert self.pool is not None
-        for endpoint in self.pool.endpoints:
-            if endpoint.url == url and endpoint not in self.tried and endpoint.admits():
+        for endpoint in self.pool.admitted(exclude=self.tried):
+            if endpoint.url == url:
                 return self.take(RouteDecision(policy, endpoint, rule=rule))
         return None
 

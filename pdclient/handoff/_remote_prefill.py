@@ -206,7 +206,7 @@ class RemotePrefill:
             self.home = conversation_home(fleet.decode, options, decode_route())
         estimate = None
         if mode == "auto" and self.conversation is not None:
-            estimate = self.conversation.estimate([e.url for e in fleet.decode.endpoints if e.admits()], self.home)
+            estimate = self.conversation.estimate([e.url for e in fleet.decode.admitted()], self.home)
         self.decision = remote_prefill_decision(mode, estimate, options.conversations, self.home)
         self.warms = not self.decision.remote_prefill and mode == "auto" and options.conversations.warm_prefill
         return self.decision.remote_prefill

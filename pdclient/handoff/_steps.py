@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Generator
-from typing import TYPE_CHECKING, Any
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import httpx
 
@@ -173,6 +174,48 @@ Step = (
 )
 Flow = Generator[Step, Any, Any]
 
+T = TypeVar("T")
+
+
+class FlowRun(Generic[T]):
+    """A flow as a driver runs it, the one way both drivers and both decode streams do.
+
+    Iterating it gives the flow's steps; each next step resumes the flow with ``result``, set
+    by the driver for the step before, or throws in the exception that step raised inside
+    ``with run:`` (any exception, a cancel too: the flow decides what it means). When the
+    flow returns, the iteration ends and ``value`` is what it returned.
+    """
+
+    __slots__ = ("_failure", "_flow", "result", "value")
+
+    def __init__(self, flow: Generator[Any, Any, T]) -> None:
+        self._flow = flow
+        self._failure: BaseException | None = None
+        self.result: Any = None
+        self.value: T
+
+    def __iter__(self) -> FlowRun[T]:
+        return self
+
+    def __next__(self) -> Any:
+        result, failure = self.result, self._failure
+        self.result = self._failure = None
+        try:
+            return self._flow.send(result) if failure is None else self._flow.throw(failure)
+        except StopIteration as done:
+            self.value = done.value
+            raise
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, kind: type[BaseException] | None, failure: BaseException | None, traceback: TracebackType | None
+    ) -> bool:
+        self._failure = failure
+        return True
+
+
 __all__ = [
     "NEXT",
     "STREAM_ERRORS",
@@ -184,6 +227,7 @@ __all__ = [
     "Cut",
     "Discard",
     "Flow",
+    "FlowRun",
     "Open",
     "OpenDecode",
     "PeekFirstEvent",

@@ -1,5 +1,5 @@
 """The two drivers of a call's flow (``handoff.call_flow``, ``handoff.move``): they run its
-steps (``handoff._steps``) with blocking calls or with ``await``, and decide nothing.
+steps (``handoff.steps``) with blocking calls or with ``await``, and decide nothing.
 
 Each driver sends the flow a step's result, or throws the step's exception into it, until
 the flow returns. What only the async driver does is written here once, as a rule of its
@@ -19,24 +19,7 @@ import anyio
 import httpx
 
 from ..fleet import running_library
-from ..handoff import (
-    Await,
-    Close,
-    Concurrently,
-    Cut,
-    Discard,
-    Open,
-    OpenDecode,
-    PeekFirstEvent,
-    ReadRefusal,
-    ReadRequest,
-    Release,
-    SendPrefill,
-    Sleep,
-    Stream,
-    body_for,
-    open_decode,
-)
+from ..handoff import body_for, open_decode, steps
 from ._concurrent import AsyncDecodeInFlight, AsyncReplayed, DecodeInFlight, Replayed
 from ._leg_client import AsyncLegClient, LegClient
 from ._streams import AsyncDecodeStream, DecodeStream
@@ -50,19 +33,12 @@ class SyncDriver:
     def __init__(self, legs: LegClient) -> None:
         self.legs = legs
 
-    def drive(self, steps: Generator[Any, Any, T]) -> T:
-        result: Any = None
-        failure: BaseException | None = None
-        while True:
-            try:
-                step = steps.send(result) if failure is None else steps.throw(failure)
-            except StopIteration as done:
-                return done.value  # type: ignore[no-any-return]
-            result = failure = None
-            try:
-                result = _SYNC[type(step)](self, step)
-            except BaseException as exc:
-                failure = exc
+    def drive(self, flow: Generator[Any, Any, T]) -> T:
+        run = steps.FlowRun(flow)
+        for step in run:
+            with run:
+                run.result = _SYNC[type(step)](self, step)
+        return run.value
 
     def run(self, step: Any) -> Any:
         """One step's result (a decode body's steps other than its reads)."""
@@ -77,23 +53,23 @@ class SyncDriver:
             response.close()
         return response
 
-    def _open(self, step: Open) -> httpx.Response:
+    def _open(self, step: steps.Open) -> httpx.Response:
         watch = step.watch
         step.request.extensions["trace"] = lambda event, info: watch(event)
         return self.legs.send(step.request)
 
-    def _release(self, step: Release) -> None:
+    def _release(self, step: steps.Release) -> None:
         try:
             response = self.read(step.request)
             step.leg.end(response.status_code, None)
         except Exception as exc:
             step.leg.end(None, exc)
 
-    def _concurrently(self, step: Concurrently) -> Any:
+    def _concurrently(self, step: steps.Concurrently) -> Any:
         step.sent.in_flight = DecodeInFlight(self.legs.fresh_connections(), step.sent.request, step.watch)
         return self.drive(step.during())
 
-    def _peek(self, step: PeekFirstEvent) -> None:
+    def _peek(self, step: steps.PeekFirstEvent) -> None:
         stream = step.response.stream
         assert isinstance(stream, httpx.SyncByteStream)
         chunks = iter(stream)
@@ -104,7 +80,7 @@ class SyncDriver:
                 break
         step.response.stream = Replayed(read, chunks, stream)
 
-    def _read_refusal(self, step: ReadRefusal) -> bytes:
+    def _read_refusal(self, step: steps.ReadRefusal) -> bytes:
         try:
             return step.response.read()
         finally:
@@ -112,20 +88,20 @@ class SyncDriver:
 
 
 _SYNC: dict[type, Callable[[SyncDriver, Any], Any]] = {
-    ReadRequest: lambda driver, step: step.request.read(),
-    SendPrefill: lambda driver, step: driver.read(step.request),
-    Open: SyncDriver._open,
-    OpenDecode: lambda driver, step: driver.drive(open_decode(step.call)),
-    Stream: lambda driver, step: DecodeStream(body_for(step.response, step.call), driver),
-    Close: lambda driver, step: step.response.close(),
-    Release: SyncDriver._release,
-    Sleep: lambda driver, step: time.sleep(step.seconds),
-    Concurrently: SyncDriver._concurrently,
-    Await: lambda driver, step: step.sent.in_flight.result(),
-    Cut: lambda driver, step: step.sent.in_flight.cancel(),
-    Discard: lambda driver, step: step.sent.in_flight.discard(),
-    PeekFirstEvent: SyncDriver._peek,
-    ReadRefusal: SyncDriver._read_refusal,
+    steps.ReadRequest: lambda driver, step: step.request.read(),
+    steps.SendPrefill: lambda driver, step: driver.read(step.request),
+    steps.Open: SyncDriver._open,
+    steps.OpenDecode: lambda driver, step: driver.drive(open_decode(step.call)),
+    steps.Stream: lambda driver, step: DecodeStream(body_for(step.response, step.call), driver),
+    steps.Close: lambda driver, step: step.response.close(),
+    steps.Release: SyncDriver._release,
+    steps.Sleep: lambda driver, step: time.sleep(step.seconds),
+    steps.Concurrently: SyncDriver._concurrently,
+    steps.Await: lambda driver, step: step.sent.in_flight.result(),
+    steps.Cut: lambda driver, step: step.sent.in_flight.cancel(),
+    steps.Discard: lambda driver, step: step.sent.in_flight.discard(),
+    steps.PeekFirstEvent: SyncDriver._peek,
+    steps.ReadRefusal: SyncDriver._read_refusal,
 }
 
 
@@ -139,19 +115,12 @@ class AsyncDriver:
         on ``legs``' connections: the transport's copies share this driver, as they share the
         connections, so whichever closes them first waits for every such prefill."""
 
-    async def drive(self, steps: Generator[Any, Any, T]) -> T:
-        result: Any = None
-        failure: BaseException | None = None
-        while True:
-            try:
-                step = steps.send(result) if failure is None else steps.throw(failure)
-            except StopIteration as done:
-                return done.value  # type: ignore[no-any-return]
-            result = failure = None
-            try:
-                result = await _ASYNC[type(step)](self, step)
-            except BaseException as exc:
-                failure = exc
+    async def drive(self, flow: Generator[Any, Any, T]) -> T:
+        run = steps.FlowRun(flow)
+        for step in run:
+            with run:
+                run.result = await _ASYNC[type(step)](self, step)
+        return run.value
 
     async def run(self, step: Any) -> Any:
         return await _ASYNC[type(step)](self, step)
@@ -164,7 +133,7 @@ class AsyncDriver:
             await response.aclose()
         return response
 
-    async def _send_prefill(self, step: SendPrefill) -> httpx.Response:
+    async def _send_prefill(self, step: steps.SendPrefill) -> httpx.Response:
         return await (self._read_to_the_end(step.request) if step.outlive else self.read(step.request))
 
     async def _read_to_the_end(self, request: httpx.Request) -> httpx.Response:
@@ -196,7 +165,7 @@ class AsyncDriver:
         if self._outliving:
             await asyncio.wait(set(self._outliving), timeout=seconds)
 
-    async def _open(self, step: Open) -> httpx.Response:
+    async def _open(self, step: steps.Open) -> httpx.Response:
         watch = step.watch
 
         async def trace(event: str, info: object) -> None:
@@ -205,7 +174,7 @@ class AsyncDriver:
         step.request.extensions["trace"] = trace
         return await self.legs.send(step.request)
 
-    async def _release(self, step: Release) -> None:
+    async def _release(self, step: steps.Release) -> None:
         with anyio.CancelScope(shield=True):  # a cancelled caller still frees the blocks
             try:
                 response = await self.read(step.request)
@@ -213,7 +182,7 @@ class AsyncDriver:
             except Exception as exc:
                 step.leg.end(None, exc)
 
-    async def _concurrently(self, step: Concurrently) -> Any:
+    async def _concurrently(self, step: steps.Concurrently) -> Any:
         decode = step.sent.in_flight = AsyncDecodeInFlight(self.legs, step.sent.request, step.watch)
         async with anyio.create_task_group() as legs:
             legs.start_soon(decode.run)
@@ -223,7 +192,7 @@ class AsyncDriver:
                 decode.cancel()
                 raise
 
-    async def _peek(self, step: PeekFirstEvent) -> None:
+    async def _peek(self, step: steps.PeekFirstEvent) -> None:
         stream = step.response.stream
         assert isinstance(stream, httpx.AsyncByteStream)
         chunks = aiter(stream)
@@ -234,7 +203,7 @@ class AsyncDriver:
                 break
         step.response.stream = AsyncReplayed(read, chunks, stream)
 
-    async def _read_refusal(self, step: ReadRefusal) -> bytes:
+    async def _read_refusal(self, step: steps.ReadRefusal) -> bytes:
         try:
             return await step.response.aread()
         finally:
@@ -246,20 +215,20 @@ async def _now(value: T) -> T:
 
 
 _ASYNC: dict[type, Callable[[AsyncDriver, Any], Coroutine[Any, Any, Any]]] = {
-    ReadRequest: lambda driver, step: step.request.aread(),
-    SendPrefill: AsyncDriver._send_prefill,
-    Open: AsyncDriver._open,
-    OpenDecode: lambda driver, step: driver.drive(open_decode(step.call)),
-    Stream: lambda driver, step: _now(AsyncDecodeStream(body_for(step.response, step.call), driver)),
-    Close: lambda driver, step: step.response.aclose(),
-    Release: AsyncDriver._release,
-    Sleep: lambda driver, step: anyio.sleep(step.seconds),
-    Concurrently: AsyncDriver._concurrently,
-    Await: lambda driver, step: _now(step.sent.in_flight.result()),
-    Cut: lambda driver, step: _now(step.sent.in_flight.cancel()),
-    Discard: lambda driver, step: step.sent.in_flight.discard(),
-    PeekFirstEvent: AsyncDriver._peek,
-    ReadRefusal: AsyncDriver._read_refusal,
+    steps.ReadRequest: lambda driver, step: step.request.aread(),
+    steps.SendPrefill: AsyncDriver._send_prefill,
+    steps.Open: AsyncDriver._open,
+    steps.OpenDecode: lambda driver, step: driver.drive(open_decode(step.call)),
+    steps.Stream: lambda driver, step: _now(AsyncDecodeStream(body_for(step.response, step.call), driver)),
+    steps.Close: lambda driver, step: step.response.aclose(),
+    steps.Release: AsyncDriver._release,
+    steps.Sleep: lambda driver, step: anyio.sleep(step.seconds),
+    steps.Concurrently: AsyncDriver._concurrently,
+    steps.Await: lambda driver, step: _now(step.sent.in_flight.result()),
+    steps.Cut: lambda driver, step: _now(step.sent.in_flight.cancel()),
+    steps.Discard: lambda driver, step: step.sent.in_flight.discard(),
+    steps.PeekFirstEvent: AsyncDriver._peek,
+    steps.ReadRefusal: AsyncDriver._read_refusal,
 }
 
 __all__ = ["AsyncDriver", "SyncDriver"]

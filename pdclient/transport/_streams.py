@@ -9,11 +9,11 @@ Closing it closes the decode's response and ends the call.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import httpx
 
-from ..handoff import NEXT, Chunks, MovingBody, PlainBody
+from ..handoff import MovingBody, PlainBody, steps
 
 if TYPE_CHECKING:
     from ._drivers import AsyncDriver, SyncDriver
@@ -28,28 +28,19 @@ class DecodeStream(httpx.SyncByteStream):
     def __iter__(self) -> Iterator[bytes]:
         if self._body.drained:
             return
-        steps = self._body.steps()
+        run = steps.FlowRun(self._body.steps())
         chunks: Iterator[bytes] = iter(())
-        result: Any = None
-        failure: BaseException | None = None
-        while True:
-            try:
-                step = steps.send(result) if failure is None else steps.throw(failure)
-            except StopIteration:
-                return
-            result = failure = None
+        for step in run:
             if type(step) is bytes:
                 yield step
                 continue
-            try:
-                if step is NEXT:
-                    result = next(chunks, None)
-                elif type(step) is Chunks:
+            with run:
+                if step is steps.NEXT:
+                    run.result = next(chunks, None)
+                elif type(step) is steps.Chunks:
                     chunks = iter(step.response.stream)  # type: ignore[arg-type]
                 else:
-                    result = self._driver.run(step)
-            except BaseException as exc:
-                failure = exc
+                    run.result = self._driver.run(step)
 
     def close(self) -> None:
         if self._closed:
@@ -70,29 +61,20 @@ class AsyncDecodeStream(httpx.AsyncByteStream):
     async def __aiter__(self) -> AsyncIterator[bytes]:
         if self._body.drained:
             return
-        steps = self._body.steps()
+        run = steps.FlowRun(self._body.steps())
         chunks: AsyncIterator[bytes] | None = None
-        result: Any = None
-        failure: BaseException | None = None
-        while True:
-            try:
-                step = steps.send(result) if failure is None else steps.throw(failure)
-            except StopIteration:
-                return
-            result = failure = None
+        for step in run:
             if type(step) is bytes:
                 yield step
                 continue
-            try:
-                if step is NEXT:
+            with run:
+                if step is steps.NEXT:
                     assert chunks is not None
-                    result = await anext(chunks, None)
-                elif type(step) is Chunks:
+                    run.result = await anext(chunks, None)
+                elif type(step) is steps.Chunks:
                     chunks = aiter(step.response.stream)  # type: ignore[arg-type]
                 else:
-                    result = await self._driver.run(step)
-            except BaseException as exc:
-                failure = exc
+                    run.result = await self._driver.run(step)
 
     async def aclose(self) -> None:
         if self._closed:

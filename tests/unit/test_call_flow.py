@@ -8,6 +8,7 @@ decision can be read here without a transport.
 from __future__ import annotations
 
 import json
+from collections.abc import Generator
 from typing import Any
 
 import httpx
@@ -17,23 +18,14 @@ from pdclient import AsyncPDTransport, PDOptions, PDTransport
 from pdclient._observe import Observers
 from pdclient._trace import Outcome
 from pdclient.fleet import Fleet
-from pdclient.handoff import (
-    Call,
-    CallContext,
-    Open,
-    ReadRequest,
-    Release,
-    SendPrefill,
-    Sleep,
-    Step,
-    Stream,
-    call_flow,
-    dispatch,
-)
+from pdclient.handoff import Call, CallContext, call_flow, dispatch, steps
 from pdclient.handoff._effective import EffectiveOptions
+from pdclient.handoff._failure import error_response
 from pdclient.handoff._record import CallRecord
+from pdclient.handoff._steps import Open, ReadRequest, Release, SendPrefill, Sleep, Step, Stream
 from pdclient.pools import RetrySettings
 from pdclient.wire import _bodies as wire
+from pdclient.wire import error_body
 from tests.fake_vllm import prefill_json
 
 PREFILL = "http://p:8100/v1"
@@ -146,3 +138,52 @@ def test_the_dispatch_decisions_take_values_and_return_decisions() -> None:
     assert dispatch.prompt_drift(book, here, b"[1,2]", [1, 2]) is None
     drift = dispatch.prompt_drift(book, here, b"[1,2]", [1, 3])
     assert drift is not None and drift.reason == dispatch.PROMPT_DRIFT and book.is_sequential_only(here)
+
+
+def test_a_failed_calls_error_body_is_the_one_the_proxy_and_stream_error_events_use() -> None:
+    response = error_response(502, "the prefill leg failed", {"x-pd-failed-leg": "prefill"})
+
+    assert response.json() == {"error": error_body("pdclient: the prefill leg failed", 502)}
+    assert response.content == (
+        b'{"error":{"message":"pdclient: the prefill leg failed","type":"pdclient_error","code":502}}'
+    )
+    assert response.headers["content-type"] == "application/json"
+    assert response.headers["x-pd-failed-leg"] == "prefill"
+
+
+def test_the_decode_pools_own_admitted_list_says_which_endpoints_a_call_may_use(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    call = new_call(on_prefill_failure="decode")
+    pool = call.context.fleet.decode
+    assert pool is not None and call.decode_admitted()
+    assert call.decode.pin(DECODE, "conversation") == DECODE
+    call.decode.tried.clear()
+
+    # One rule of admission, the pool's: whatever it leaves out, the call does not go to.
+    monkeypatch.setattr(type(pool), "admitted", lambda self, exclude=(), members=None: [])
+    assert not call.decode_admitted()
+    assert call.decode.pin(DECODE, "conversation") is None
+
+
+def test_a_flow_run_sends_each_steps_result_or_throws_its_exception_and_keeps_the_return() -> None:
+    seen: list[Any] = []
+
+    def flow() -> Generator[str, Any, str]:
+        seen.append((yield "first"))
+        try:
+            yield "fails"
+        except KeyError as exc:
+            seen.append(exc)
+        seen.append((yield "unanswered"))
+        return "done"
+
+    run = steps.FlowRun(flow())
+    for step in run:
+        with run:
+            if step == "first":
+                run.result = 1
+            elif step == "fails":
+                raise KeyError("x")
+    assert seen[0] == 1 and isinstance(seen[1], KeyError) and seen[2] is None
+    assert run.value == "done"

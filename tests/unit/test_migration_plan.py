@@ -17,17 +17,8 @@ import pytest
 from pdclient import PDOptions
 from pdclient._observe import Observers
 from pdclient.fleet import Fleet
-from pdclient.handoff import (
-    RELEASE_TIMEOUT,
-    Call,
-    CallContext,
-    OpenDecode,
-    ReadRefusal,
-    Release,
-    SendPrefill,
-    Step,
-    move,
-)
+from pdclient.handoff import RELEASE_TIMEOUT, Call, CallContext, move
+from pdclient.handoff._steps import OpenDecode, ReadRefusal, Release, SendPrefill, Step
 from tests.fake_vllm import prefill_json
 
 PREFILL = "http://p:8100/v1"
