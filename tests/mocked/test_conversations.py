@@ -1,4 +1,4 @@
-"""``remote_prefill`` (issue 11) on the mocked pair: which calls skip the prefill, where they go, what is sent.
+"""``remote_prefill`` on the mocked pair: which calls skip the prefill, where they go, what is sent.
 
 The fake prefill answers one id per character of the request's messages as JSON
 (``ids_of_conversation``), so the client learns a chars-per-token ratio near 1 and a

@@ -1,4 +1,4 @@
-"""``remote_prefill="auto"`` on the real pair (issue 11): a follow-up turn goes decode-only and is cached.
+"""``remote_prefill="auto"`` on the real pair: a follow-up turn goes decode-only and is cached.
 
 The first turn of a conversation (a long, unique system message) goes through a P/D
 handoff; its follow-up (the answer sent back and a short question) goes decode-only to

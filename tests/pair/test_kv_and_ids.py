@@ -41,7 +41,7 @@ def _prefill_ids(pd: PDServers, question: str) -> list[int]:
 
 
 def test_decode_follows_forwarded_ids_not_messages(pd: PDServers, plain: openai.OpenAI) -> None:
-    """The probe of issue 3: decode gets messages B but the ids of prompt A; A's answer returns."""
+    """The forwarded-ids probe: decode gets messages B but the ids of prompt A; A's answer returns."""
     question_a = "What is the capital of Italy?"
     question_b = "List two kinds of fruit."
     answer_a = chat_text(plain, pd.model, question_a)

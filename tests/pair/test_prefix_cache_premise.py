@@ -1,4 +1,4 @@
-"""The premise of issue 11, kept by a test: after a P/D turn, the decode server holds the next turn.
+"""The premise of decode-only follow-ups, kept by a test: after a P/D turn, the decode server holds the next turn.
 
 The next turn of a conversation resends the previous messages, the answer the decode
 server streamed, and a short new message. Sent decode-only to that decode server, its
