@@ -42,17 +42,17 @@ def new_call(**options: Any) -> Call:
 def drive(call: Call, answer: dict[type, list[Any]]) -> tuple[list[Step], Any]:
     """Run the call's flow, answering each step with the next of ``answer[type]`` (an
     exception is thrown in, a callable is called with the step)."""
-    steps = call_flow(call)
+    run = steps.FlowRun(call_flow(call))
     seen: list[Step] = []
-    result: Any = None
-    while True:
-        try:
-            step = steps.throw(result) if isinstance(result, BaseException) else steps.send(result)
-        except StopIteration as done:
-            return seen, done.value
+    for step in run:
         seen.append(step)
         given = answer[type(step)].pop(0) if answer.get(type(step)) else None
         result = given(step) if callable(given) and not isinstance(given, type) else given
+        with run:  # as the drivers resume it: an exception is thrown into the flow
+            if isinstance(result, BaseException):
+                raise result
+            run.result = result
+    return seen, run.value
 
 
 def stream(step: Stream) -> httpx.ByteStream:

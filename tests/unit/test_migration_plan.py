@@ -18,7 +18,7 @@ from pdclient import PDOptions
 from pdclient._observe import Observers
 from pdclient.fleet import Fleet
 from pdclient.handoff import RELEASE_TIMEOUT, Call, CallContext, move
-from pdclient.handoff._steps import OpenDecode, ReadRefusal, Release, SendPrefill, Step
+from pdclient.handoff._steps import FlowRun, OpenDecode, ReadRefusal, Release, SendPrefill, Step
 from tests.fake_vllm import prefill_json
 
 PREFILL = "http://p:8100/v1"
@@ -54,16 +54,16 @@ def streaming_call(prompt: str, *, answered: bool = False) -> Call:
 def drive(call: Call, answers: dict[type, Any], seen: list[Step] | None = None) -> tuple[list[Step], Any]:
     """Run the move, answering each step from ``answers`` (an exception is thrown in)."""
     assert call.migration is not None
-    steps = move(call, call.migration, CUT, received=100)
+    run = FlowRun(move(call, call.migration, CUT, received=100))
     seen = [] if seen is None else seen
-    result: Any = None
-    while True:
-        try:
-            step = steps.throw(result) if isinstance(result, BaseException) else steps.send(result)
-        except StopIteration as done:
-            return seen, done.value
+    for step in run:
         seen.append(step)
         result = answers[type(step)]
+        with run:  # as the drivers resume it: an exception is thrown into the move
+            if isinstance(result, BaseException):
+                raise result
+            run.result = result
+    return seen, run.value
 
 
 def test_a_short_prompt_moves_to_the_other_decode_endpoint_in_one_step() -> None:
