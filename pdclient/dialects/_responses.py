@@ -31,9 +31,9 @@ from ._dialect import Dialect, merge_for
 _ROLES = frozenset({"system", "developer", "user", "assistant"})
 _INPUT_SIDE = ("input_tokens", "input_tokens_details")
 _STORED_STATE = ("previous_response_id", "conversation")
+"""State the decode server stored (``VLLM_ENABLE_RESPONSES_API_STORE=1``) that a call builds on."""
 _ECHOED_IDS = ("request_id", "previous_response_id")
 """Ids of the caller's that vLLM echoes in its answer (``request_id`` as the response's id)."""
-"""State the decode server stored (``VLLM_ENABLE_RESPONSES_API_STORE=1``) that a call builds on."""
 
 
 def conversation(fields: wire.Fields) -> list[Any] | None:
