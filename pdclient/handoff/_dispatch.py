@@ -117,6 +117,12 @@ def concurrent_decode(call: Call) -> ConcurrentDecode | None:
     plan = call.plan
     if plan is None or call.fallback_url is not None or mode_of(call) == SEQUENTIAL:
         return None
+    assert call.dialect is not None
+    if call.dialect.migration_refusal is not None:
+        # Its events carry no prompt ids to check the decode's rendering against, and vLLM's
+        # Responses route runs its engine request under the body's ``request_id`` (the
+        # caller's, or one of vLLM's), not the legs' id the decode's registration names.
+        return None
     if not call.decode_admitted():
         return None  # the prefill phase answers a decode outage
     try:
@@ -130,12 +136,6 @@ def concurrent_decode(call: Call) -> ConcurrentDecode | None:
     assert coordinates is not None
     if book.is_sequential_only(coordinates):
         return None  # a decode's prompt for this prefill server differed, or could not be checked
-    assert call.dialect is not None
-    if call.dialect.migration_refusal is not None:
-        # Its events carry no prompt ids to check the decode's rendering against, and vLLM's
-        # Responses route runs its engine request under the body's ``request_id`` (the
-        # caller's, or one of vLLM's), not the legs' id the decode's registration names.
-        return None
     try:
         base = call.decode.pick(call.route_for("decode"))
     except AllEndpointsOpen:
