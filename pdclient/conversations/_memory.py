@@ -61,7 +61,7 @@ import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..kv_events import unpack
@@ -348,12 +348,34 @@ class ConversationMemory:
             prompt_pulled=prompt_pulled,
             prompt_keys=prompt_keys,
         )
-        entry, packed = key_digest(key), _Packed(turn)
+        entry = key_digest(key)
+        if not prompt_keys:
+            turn = replace(
+                turn, prompt_keys=self._known_prefix(entry, messages, turn.digests[DIGEST_SIZE : 2 * DIGEST_SIZE])
+            )
+        packed = _Packed(turn)
         with self._lock:
             self._turns[entry] = packed
             self._turns.move_to_end(entry)
             while len(self._turns) > self.settings.max_conversations:
                 self._turns.popitem(last=False)
+
+    def _known_prefix(self, entry: bytes, messages: Sequence[object], shape: bytes) -> bytes:
+        """The chain keys of the remembered turn this call extends in the same ``shape``
+        (its prompt is this call's prefix: a decode-only turn knows no ids of its own);
+        none otherwise."""
+        with self._lock:
+            packed = self._turns.get(entry)
+        if packed is None:
+            return b""
+        previous = packed.turn()
+        if not previous.prompt_keys or len(messages) < previous.messages:
+            return b""
+        if previous.digests[DIGEST_SIZE : 2 * DIGEST_SIZE] != shape:
+            return b""
+        if messages_digest(messages[: previous.messages]) != previous.digests[:DIGEST_SIZE]:
+            return b""
+        return previous.prompt_keys
 
     def estimate(
         self,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from ._index import DEFAULT_MAX_BLOCKS, KVIndex
 from ._subscriber import KVEventSource, Subscriber
@@ -34,6 +34,12 @@ class KVEventFeeds:
         """The endpoint's index; None when it is not watched."""
         subscriber = self._subscribers.get(endpoint)
         return subscriber.index if subscriber is not None else None
+
+    def held_tokens(self, endpoint: str, keys: Sequence[int], block_size: int) -> int | None:
+        """How many leading tokens of the chain ``keys`` the endpoint holds; None when its
+        events do not say (not watched, or its view not current)."""
+        index = self.index(endpoint)
+        return index.cached_tokens(keys, block_size) if index is not None else None
 
     def sources(self) -> list[KVEventSource]:
         with self._lock:

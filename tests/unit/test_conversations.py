@@ -915,3 +915,16 @@ def test_prompt_keys_cost_eight_bytes_a_block() -> None:
     first_turn(plain)
     (bare,) = plain._turns.values()
     assert len(entry.packed) - len(bare.packed) == 8 * 10
+
+
+def test_a_decode_only_turn_keeps_the_known_prefix_of_the_turn_it_extends() -> None:
+    mem = memory()
+    turn2 = keyed_first_turn(mem)
+    mem.remember(key_of(turn2), turn2, Answer("A title.", completion_tokens=4), D1, prompt_tokens=1500)
+    turn3 = body(*turn2["messages"], {"role": "assistant", "content": "A title."}, USER)
+    estimate = mem.estimate(key_of(turn3), turn3, ADMITTED, held=held_by(0))
+    assert (estimate.cache_source, estimate.cached_tokens) == ("kv_events", 0)
+    # An edited conversation starts afresh: the old prefix is not its own.
+    edited = body(SYSTEM, FOLLOW_UP)
+    mem.remember(key_of(turn2), edited, Answer("x", completion_tokens=1), D1, prompt_tokens=900)
+    assert mem._turns[next(iter(mem._turns))].turn().prompt_keys == b""

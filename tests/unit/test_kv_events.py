@@ -11,7 +11,19 @@ from typing import Any
 import msgspec
 import pytest
 
-from pdclient.kv_events import KVIndex, View, chain_keys, decode_batch, pack, unpack
+from pdclient import PDConfigError
+from pdclient.kv_events import (
+    KVEventSource,
+    KVIndex,
+    View,
+    chain_keys,
+    check_setting,
+    decode_batch,
+    pack,
+    source_for,
+    source_from_discovery,
+    unpack,
+)
 
 
 # The shapes of vllm/distributed/kv_events.py (0.32), all fields: an array-like batch of
@@ -205,3 +217,35 @@ def test_pack_round_trip() -> None:
 def test_bad_bound() -> None:
     with pytest.raises(ValueError, match="max_blocks"):
         KVIndex(max_blocks=0)
+
+
+# -- the setting ----------------------------------------------------------------------
+
+D = "http://decode-1:8200/v1"
+
+
+def test_a_template_or_a_port_names_the_endpoints_host() -> None:
+    assert source_for(check_setting(5557) or "", D) == KVEventSource(D, "tcp://decode-1:5557", None, "")
+    both = check_setting("tcp://{host}:5557,tcp://{host}:5558") or ""
+    assert source_for(both, D) == KVEventSource(D, "tcp://decode-1:5557", "tcp://decode-1:5558", "")
+
+
+@pytest.mark.parametrize(
+    "value", ["http://{host}:5557", "tcp://{hots}:1", 0, 70000, 1.5, "tcp://a:1,tcp://b:2,tcp://c:3"]
+)
+def test_a_bad_setting_is_named(value: object) -> None:
+    with pytest.raises(PDConfigError, match="kv_events"):
+        check_setting(value)
+
+
+def test_discovery_reads_vllms_answer_on_the_endpoints_host() -> None:
+    # GET /kv_event_sources, as vLLM 0.32 answered on the real pair.
+    answer = (
+        '{"0": {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:30625",'
+        ' "replay_endpoint": "tcp://*:30626", "buffer_steps": 10000, "hwm": 100000,'
+        ' "max_queue_size": 100000, "topic": "kv"}}'
+    )
+    assert source_from_discovery(D, answer) == KVEventSource(D, "tcp://decode-1:30625", "tcp://decode-1:30626", "kv")
+    assert source_from_discovery(D, "{}") is None
+    with pytest.raises(ValueError):
+        source_from_discovery(D, "[]")
