@@ -11,8 +11,10 @@ from typing import Any
 import msgspec
 import pytest
 
-from pdclient import PDConfigError
+from pdclient import PDConfigError, PDOptions
+from pdclient.fleet import Fetch, Fetched, KVEventWatch
 from pdclient.kv_events import (
+    KVEventFeeds,
     KVEventSource,
     KVIndex,
     View,
@@ -24,6 +26,8 @@ from pdclient.kv_events import (
     source_from_discovery,
     unpack,
 )
+from pdclient.pools import BreakerSettings, EndpointPool
+from pdclient.routing import LeastOutstanding
 
 
 # The shapes of vllm/distributed/kv_events.py (0.32), all fields: an array-like batch of
@@ -249,3 +253,57 @@ def test_discovery_reads_vllms_answer_on_the_endpoints_host() -> None:
     assert source_from_discovery(D, "{}") is None
     with pytest.raises(ValueError):
         source_from_discovery(D, "[]")
+
+
+# -- the fleet's watch and the option --------------------------------------------------
+
+VLLM_SOURCES = '{"0": {"endpoint": "tcp://*:30625", "replay_endpoint": "tcp://*:30626", "topic": "kv"}}'
+
+
+def test_the_watch_discovers_each_member_once_and_subscribes() -> None:
+    pool = EndpointPool("decode", ("http://127.0.0.1:8200/v1",), LeastOutstanding(), BreakerSettings(), lambda: 0.0)
+    feeds = KVEventFeeds()
+    watch = KVEventWatch(lambda: pool.endpoints, "discover", feeds)
+    try:
+        (job,) = watch.due(0.0)
+        assert isinstance(job.action, Fetch) and job.action.url == "http://127.0.0.1:8200/kv_event_sources"
+        assert watch.due(0.0) == []  # not again while out
+        watch.apply(job, Fetched(200, VLLM_SOURCES), 0.0)
+        assert feeds.sources() == [
+            KVEventSource("http://127.0.0.1:8200/v1", "tcp://127.0.0.1:30625", "tcp://127.0.0.1:30626", "kv")
+        ]
+        assert watch.due(100.0) == []  # watched: never asked again
+    finally:
+        feeds.close()
+
+
+def test_a_member_that_publishes_nothing_is_asked_again_later() -> None:
+    pool = EndpointPool("decode", ("http://127.0.0.1:8200/v1",), LeastOutstanding(), BreakerSettings(), lambda: 0.0)
+    feeds = KVEventFeeds()
+    watch = KVEventWatch(lambda: pool.endpoints, "discover", feeds)
+    (job,) = watch.due(0.0)
+    watch.apply(job, Fetched(200, "{}"), 0.0)
+    assert feeds.sources() == [] and watch.due(1.0) == [] and len(watch.due(10.0)) == 1
+
+
+def test_a_template_subscribes_without_asking() -> None:
+    pool = EndpointPool("decode", ("http://10.0.0.7:8200/v1",), LeastOutstanding(), BreakerSettings(), lambda: 0.0)
+    feeds = KVEventFeeds()
+    try:
+        assert KVEventWatch(lambda: pool.endpoints, "tcp://{host}:5557", feeds).due(0.0) == []
+        assert [s.publisher for s in feeds.sources()] == ["tcp://10.0.0.7:5557"]
+    finally:
+        feeds.close()
+
+
+def test_the_option_is_checked_at_construction() -> None:
+    with pytest.raises(PDConfigError, match="kv_events"):
+        PDOptions(prefill_base_url="http://p/v1", decode_base_url="http://d/v1", kv_events="udp://{host}:1")
+    options = PDOptions(prefill_base_url="http://p/v1", decode_base_url="http://d/v1", kv_events=5557)
+    assert options.kv_events == "tcp://{host}:5557"
+
+
+def test_without_pyzmq_the_option_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "zmq", None)
+    with pytest.raises(PDConfigError, match=r"pdclient\[kv-events\]"):
+        PDOptions(prefill_base_url="http://p/v1", decode_base_url="http://d/v1", kv_events="discover")
