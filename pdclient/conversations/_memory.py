@@ -421,6 +421,9 @@ class ConversationMemory:
             return self._fresh(messages, tools, Match.RESHAPED, tenant)
         if len(messages) < turn.messages or messages_digest(messages[: turn.messages]) != prompt_held:
             return self._fresh(messages, tools, Match.EDITED, tenant)
+        answered_at = turn.endpoint
+        if held is not None and turn.prompt_keys:
+            turn = replace(turn, endpoint=self._best_holder(turn, admitted, home, held))
         if turn.endpoint not in admitted:
             return self._fresh(messages, tools, Match.ENDPOINT_UNAVAILABLE, tenant)
         answered = len(messages) > turn.messages and as_answer_digest(messages[turn.messages]) == answer_held
@@ -432,12 +435,29 @@ class ConversationMemory:
             known = (turn.messages, turn.prompt_tokens) if turn.prompt_tokens is not None else None
             return self._from_history(messages, tools, turn.endpoint, turn.chars_per_token, known, tenant=tenant)
         estimate = self._extension(turn, messages, answered, tenant)
-        return self._with_events(estimate, turn, held)
+        return self._with_events(estimate, turn, held, moved=turn.endpoint != answered_at)
 
-    def _with_events(self, estimate: Estimate, turn: _Turn, held: HeldTokens | None) -> Estimate:
+    def _best_holder(self, turn: _Turn, admitted: Collection[str], home: str | None, held: HeldTokens) -> str:
+        """The admitted decode endpoint whose events say it holds most of the turn's known
+        prefix; ties go to the endpoint that answered the turn, then to ``home``. The
+        turn's own endpoint when no events say anything of any."""
+        keys = unpack(turn.prompt_keys)
+        block = self.settings.block_size
+        counts = {endpoint: held(endpoint, keys, block) for endpoint in admitted}
+        known = {endpoint: tokens for endpoint, tokens in counts.items() if tokens is not None}
+        if not known or max(known.values()) == 0:
+            return turn.endpoint
+        most = max(known.values())
+        for preferred in (turn.endpoint, home):
+            if preferred is not None and known.get(preferred) == most:
+                return preferred
+        return min(endpoint for endpoint, tokens in known.items() if tokens == most)
+
+    def _with_events(self, estimate: Estimate, turn: _Turn, held: HeldTokens | None, *, moved: bool) -> Estimate:
         """The estimate corrected by what the endpoint's events say it holds of the turn's
         known prefix: less than all of it is the exact cached count; all of it confirms
-        the estimate (whose answer blocks no event can name without the answer's ids)."""
+        the estimate (whose answer blocks no event can name without the answer's ids),
+        unless the call ``moved`` to an endpoint other than the one that computed the answer."""
         if held is None or not turn.prompt_keys:
             return estimate
         keys = unpack(turn.prompt_keys)
@@ -446,7 +466,7 @@ class ConversationMemory:
         if tokens is None:
             return estimate
         cached = estimate.cached_tokens
-        if tokens < len(keys) * block:
+        if moved or tokens < len(keys) * block:
             cached = (min(tokens, estimate.total_tokens - 1) // block) * block
         total = estimate.total_tokens
         return Estimate(total, total - cached, estimate.endpoint, estimate.match, estimate.adds_media, "kv_events")
