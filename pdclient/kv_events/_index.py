@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from ._chain import ROOT, block_key
+from ._chain import ROOT, chain_keys
 from ._events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, EventBatch, decode_batch
 
 DEFAULT_MAX_BLOCKS = 1 << 18
@@ -236,17 +236,11 @@ class KVIndex:
             parent = self._key_of.get(_short(event.parent_block_hash))
         if parent is None:
             return
-        ids = event.token_ids
-        for i, block_hash in enumerate(event.block_hashes):
-            block_ids = ids[i * size : (i + 1) * size]
-            if len(block_ids) < size:
-                return
-            key = block_key(parent, block_ids)
+        for block_hash, key in zip(event.block_hashes, chain_keys(event.token_ids, size, parent), strict=False):
             short = _short(block_hash)
             self._key_of.pop(short, None)
             self._key_of[short] = key
             self._held.add(key)
-            parent = key
         while len(self._key_of) > self.max_blocks:
             oldest = next(iter(self._key_of))
             self._held.discard(self._key_of.pop(oldest))

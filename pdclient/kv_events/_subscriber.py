@@ -26,7 +26,10 @@ HEARTBEAT_TIMEOUT_MS = 1500
 REPLAY_TIMEOUT_S = 5.0
 """A replay not ended within this is given up, and asked again ``RETRY_S`` later."""
 RETRY_S = 2.0
-_POLL_MS = 100
+SUBSCRIBE_SETTLE_S = 0.2
+"""Seconds from a (re)connect to the replay request: ZMQ delivers the subscription to the
+publisher asynchronously, so messages sent meanwhile are dropped (the slow joiner)."""
+_POLL_MS = 50
 _MAX_HELD = 100_000
 """Live messages kept while a replay runs (vLLM's default ``hwm``); beyond, a new replay."""
 _END_SEQ = -1
@@ -99,6 +102,7 @@ class Subscriber:
         replay_deadline: float | None = None
         held: list[tuple[int, bytes]] = []
         connected = False
+        replay_at: float | None = None
         next_retry = 0.0
         poller = zmq.Poller()
         poller.register(sub, zmq.POLLIN)
@@ -137,7 +141,9 @@ class Subscriber:
                     event = zmq.utils.monitor.recv_monitor_message(monitor)
                     if event["event"] == zmq.EVENT_CONNECTED:
                         connected = True
-                        ask_replay()
+                        # After the subscription has reached the publisher: a message it
+                        # sends before then is dropped, and only a replay asked later has it.
+                        replay_at = time.monotonic() + SUBSCRIBE_SETTLE_S
                     elif event["event"] == zmq.EVENT_DISCONNECTED:
                         connected = False
                         self.index.mark_behind("the publisher disconnected or went silent")
@@ -175,6 +181,10 @@ class Subscriber:
                         self.messages += 1
                         self.index.feed_replayed(seq, frames[3])
                 now = time.monotonic()
+                if replay_at is not None and now >= replay_at:
+                    replay_at = None
+                    if self.source.replay is not None:
+                        ask_replay()
                 if replay_deadline is not None and now > replay_deadline:
                     self.index.abort_replay(f"no replay from {self.source.replay} within {REPLAY_TIMEOUT_S} s")
                     replay_deadline, next_retry = None, now + RETRY_S
