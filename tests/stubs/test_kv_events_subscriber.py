@@ -5,6 +5,7 @@ an end marker (seq -1)."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -14,6 +15,7 @@ import pytest
 
 zmq = pytest.importorskip("zmq")
 
+from pdclient import AsyncPDChatClient, PDChatClient  # noqa: E402
 from pdclient.kv_events import KVEventSource, KVIndex, Subscriber, View, chain_keys  # noqa: E402
 from tests.unit.test_kv_events import BS, IDS, KEYS, AllBlocksCleared, BlockRemoved, batch, stored  # noqa: E402
 
@@ -172,3 +174,28 @@ def test_events_per_second_one_subscriber_keeps_up_with(publisher: Publisher) ->
         print(f"\n2000 BlockStored batches applied in {elapsed * 1000:.0f} ms", end="")
     finally:
         sub.close()
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+async def test_both_clients_subscribe_in_their_fleets_background(publisher: Publisher, asynchronous: bool) -> None:
+    """Each pool member gets one subscription, started by the fleet's background work,
+    whichever driver runs it (the endpoints need not answer: a template asks nothing)."""
+    template = f"tcp://{{host}}:{publisher.pub_port},tcp://{{host}}:{publisher.replay_port}"
+    urls = {"prefill_base_url": "http://127.0.0.1:1/v1", "decode_base_url": "http://127.0.0.1:2/v1"}
+    publisher.publish(batch(stored([1, 2], None, IDS[:8])))
+    if asynchronous:
+        async with AsyncPDChatClient(**urls, api_key="x", kv_events=template) as client:
+            client.pd_fleet.start()
+            feeds = client.pd_fleet.kv_events
+            assert feeds is not None
+            deadline = time.monotonic() + 5
+            while feeds.held_tokens(urls["decode_base_url"], KEYS, BS) != 8:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.02)
+    else:
+        with PDChatClient(**urls, api_key="x", kv_events=template) as client:
+            client.pd_fleet.start()
+            feeds = client.pd_fleet.kv_events
+            assert feeds is not None
+            wait_for(lambda: feeds.held_tokens(urls["decode_base_url"], KEYS, BS) == 8)
+    assert {s.endpoint for s in feeds.sources()} == set()  # closed with its client
