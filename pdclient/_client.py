@@ -84,6 +84,7 @@ class _PDClient:
         load_signals: ScrapeSettings | bool | openai.NotGiven | None = _NOT_GIVEN,
         health_checks: HealthSettings | bool | openai.NotGiven | None = _NOT_GIVEN,
         discovery: DiscoverySettings | bool | openai.NotGiven | None = _NOT_GIVEN,
+        kv_events: str | int | openai.NotGiven | None = _NOT_GIVEN,
         max_decode_migrations: int | openai.NotGiven = _NOT_GIVEN,
         migrate_non_streamed: bool | openai.NotGiven = _NOT_GIVEN,
         remote_prefill: str | openai.NotGiven = _NOT_GIVEN,

@@ -21,6 +21,7 @@ from ._errors import PDConfigError
 from ._observe import PDObserver
 from .conversations import ConversationSettings
 from .fleet import DiscoverySettings, HealthSettings, ScrapeSettings
+from .kv_events import check_setting, import_zmq
 from .pools import DECODE_ENV, PREFILL_ENV, BreakerSettings, RetrySettings, URLArg, resolve_urls
 from .routing import POLICIES, RoutingPolicy, legs_of, wants_load_signals
 from .wire import (
@@ -153,6 +154,13 @@ class PDOptions:
     discovery: DiscoverySettings | bool | None = None
     """Re-resolve base URLs that are DNS names into one member per address, in the
     background (``DiscoverySettings``; True: the defaults). Off by default."""
+    kv_events: str | int | None = None
+    """Read every server's KV events (vLLM's ``--kv-events-config``, ZMQ; the
+    ``pdclient[kv-events]`` extra), so ``auto`` knows what a decode endpoint still holds of
+    a conversation instead of estimating it (``PDTrace.cache_source``): ``"discover"`` (ask
+    each server's ``GET /kv_event_sources``), an address template on the endpoint's host
+    (``"tcp://{host}:5557"``, with the replay socket after a comma:
+    ``"tcp://{host}:5557,tcp://{host}:5558"``) or a port. None (the default): off."""
     max_decode_migrations: int = 1
     """How many times one streamed call may move to another decode endpoint after its stream
     broke, continuing the answer token for token (pdclient/migration/); 0 turns it off."""
@@ -206,6 +214,9 @@ class PDOptions:
                 raise PDConfigError(f"observers: {observer!r} is not a PDObserver (subclass pdclient.PDObserver)")
         set_(self, "observers", tuple(self.observers))
         _check_fleet_options(self)
+        set_(self, "kv_events", check_setting(self.kv_events))
+        if self.kv_events is not None:
+            import_zmq()
         check_migrations(self.max_decode_migrations, "max_decode_migrations")
         _check_type("migrate_non_streamed", self.migrate_non_streamed, bool)
         check_remote_prefill(self.remote_prefill, "remote_prefill")

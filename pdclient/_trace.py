@@ -121,6 +121,12 @@ class PDTrace(BaseModel):
     """``auto``: the prompt's estimated length in tokens."""
     estimated_uncached_tokens: int | None = None
     """``auto``: of those, the tokens estimated not in the decode endpoint's prefix cache."""
+    cache_source: str | None = None
+    """``auto``: what said how much of the prompt the decode endpoint holds: ``"kv_events"``
+    (its own KV events about the conversation's known ids, ``PDOptions.kv_events``) or
+    ``"estimate"`` (pdclient's memory and estimate alone)."""
+    cached_tokens: int | None = None
+    """``auto``: the prompt's tokens the decision counted as cached on the decode endpoint."""
     prefill_warm_up_url: str | None = None
     """``auto``, decode-only: the prefill endpoint the prompt was queued to, off the caller's
     path, to keep its prefix cache up with the conversation (``fleet._warm``)."""

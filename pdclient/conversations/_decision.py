@@ -47,10 +47,17 @@ class Estimate:
     """The call's new messages carry a part other than text (an image, audio, video, a
     file, ...): its tokens are what the server's encoder makes of it, which nothing in the
     request tells (``uncached_tokens`` counts the part's JSON, a URL's ~35 tokens)."""
+    cache_source: str = "estimate"
+    """What said how much is cached: ``"kv_events"``, the decode endpoint's own KV events
+    (``pdclient.kv_events``) about the conversation's known token ids, or ``"estimate"``,
+    the memory's estimate alone (no events, a view not current, no ids known)."""
 
     @property
     def cached_tokens(self) -> int:
         return self.total_tokens - self.uncached_tokens
+
+
+CACHE_SOURCES = ("kv_events", "estimate")
 
 
 class Reason(str, enum.Enum):

@@ -41,6 +41,13 @@ with its own last prompt's ratio (its language, its style). The ratio is one per
 learned from that tenant's calls only, and bounded (``_Ratio``): no caller's calls move
 another's estimates, and none moves its own far.
 
+With ``pdclient.kv_events`` on, a turn also keeps the chain keys of its prompt's token ids
+(8 bytes a 128-id block: 2 KB more for a 32k-token prompt), and an estimate asks the
+endpoint's index how much of that known prefix it still holds (``HeldTokens``): a
+conversation the decode server evicted, or lost to a reset or a restart, is uncached by its
+own word (``Estimate.cache_source`` ``"kv_events"``), where the estimate alone would call it
+cached. The answer's blocks are still estimated (the decode leg's ids are not kept yet).
+
 A history the memory did not see answered (another replica's turns, or the caller's own
 invention) is taken as cached on the call's word only up to ``unseen_history_tokens``.
 """
@@ -53,10 +60,11 @@ import sys
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
+from ..kv_events import unpack
 from ._answer import Answer
 from ._decision import Estimate, Match
 from ._digests import (
@@ -101,6 +109,8 @@ class _Turn:
     prompt_pulled: bool
     """The decode endpoint pulled the prompt's KV from a prefill (a P/D turn): only the
     prompt's whole blocks count as cached, not the answer's."""
+    prompt_keys: bytes = b""
+    """The chain keys (``kv_events.chain_keys``, packed) of the prompt's known token ids."""
 
 
 _NUMBERS = struct.Struct("<Iqqqqd?")
@@ -135,11 +145,12 @@ class _Packed:
             math.nan if turn.chars_per_token is None else turn.chars_per_token,
             turn.prompt_pulled,
         )
-        self.packed = turn.digests + numbers
+        self.packed = turn.digests + numbers + turn.prompt_keys
         self.endpoint = sys.intern(str(turn.endpoint))
 
     def turn(self) -> _Turn:
-        digests, numbers = self.packed[: 3 * DIGEST_SIZE], self.packed[3 * DIGEST_SIZE :]
+        end = 3 * DIGEST_SIZE + _NUMBERS.size
+        digests, numbers, keys = self.packed[: 3 * DIGEST_SIZE], self.packed[3 * DIGEST_SIZE : end], self.packed[end:]
         messages, prompt_tokens, cached_floor, answer_tokens, answer_chars, ratio, pulled = _NUMBERS.unpack(numbers)
         return _Turn(
             digests=digests,
@@ -151,6 +162,7 @@ class _Packed:
             chars_per_token=None if math.isnan(ratio) else ratio,
             endpoint=self.endpoint,
             prompt_pulled=pulled,
+            prompt_keys=keys,
         )
 
 
@@ -204,6 +216,11 @@ class _Ratio:
         self.chars[self.next], self.tokens[self.next] = kept, float(tokens)
         self.next = (self.next + 1) % len(self.chars)
         self.seen += 1
+
+
+HeldTokens = Callable[[str, Sequence[int], int], "int | None"]
+"""How many leading tokens of a chain of keys (in blocks of the given size) an endpoint
+holds, by its KV events; None when they do not say (``kv_events.KVEventFeeds.held_tokens``)."""
 
 
 class ConversationMemory:
@@ -298,6 +315,7 @@ class ConversationMemory:
         prompt_tokens: int | None,
         cached_floor: int = 0,
         prompt_pulled: bool = False,
+        prompt_keys: bytes = b"",
     ) -> None:
         """Record a turn the decode endpoint answered: the next turn's prefix.
 
@@ -305,6 +323,7 @@ class ConversationMemory:
         ``prompt_token_ids``, or ``usage.prompt_tokens``); None when no server said, and
         then ``cached_floor`` is what is known to be cached (the estimate's cached tokens).
         ``prompt_pulled``: the turn was a P/D handoff (the decode server pulled the prompt's KV).
+        ``prompt_keys``: the packed chain keys of the prompt's ids, in ``block_size`` blocks.
         """
         messages = body.get("messages")
         if not isinstance(messages, list):
@@ -327,13 +346,36 @@ class ConversationMemory:
             chars_per_token=own_ratio,
             endpoint=decode_endpoint,
             prompt_pulled=prompt_pulled,
+            prompt_keys=prompt_keys,
         )
-        entry, packed = key_digest(key), _Packed(turn)
+        entry = key_digest(key)
+        if not prompt_keys:
+            turn = replace(
+                turn, prompt_keys=self._known_prefix(entry, messages, turn.digests[DIGEST_SIZE : 2 * DIGEST_SIZE])
+            )
+        packed = _Packed(turn)
         with self._lock:
             self._turns[entry] = packed
             self._turns.move_to_end(entry)
             while len(self._turns) > self.settings.max_conversations:
                 self._turns.popitem(last=False)
+
+    def _known_prefix(self, entry: bytes, messages: Sequence[object], shape: bytes) -> bytes:
+        """The chain keys of the remembered turn this call extends in the same ``shape``
+        (its prompt is this call's prefix: a decode-only turn knows no ids of its own);
+        none otherwise."""
+        with self._lock:
+            packed = self._turns.get(entry)
+        if packed is None:
+            return b""
+        previous = packed.turn()
+        if not previous.prompt_keys or len(messages) < previous.messages:
+            return b""
+        if previous.digests[DIGEST_SIZE : 2 * DIGEST_SIZE] != shape:
+            return b""
+        if messages_digest(messages[: previous.messages]) != previous.digests[:DIGEST_SIZE]:
+            return b""
+        return previous.prompt_keys
 
     def estimate(
         self,
@@ -343,6 +385,7 @@ class ConversationMemory:
         home: str | None = None,
         *,
         tenant: str | None = None,
+        held: HeldTokens | None = None,
     ) -> Estimate:
         """The call's estimated total and uncached tokens on the decode endpoint holding it.
 
@@ -378,6 +421,9 @@ class ConversationMemory:
             return self._fresh(messages, tools, Match.RESHAPED, tenant)
         if len(messages) < turn.messages or messages_digest(messages[: turn.messages]) != prompt_held:
             return self._fresh(messages, tools, Match.EDITED, tenant)
+        answered_at = turn.endpoint
+        if held is not None and turn.prompt_keys:
+            turn = replace(turn, endpoint=self._best_holder(turn, admitted, home, held))
         if turn.endpoint not in admitted:
             return self._fresh(messages, tools, Match.ENDPOINT_UNAVAILABLE, tenant)
         answered = len(messages) > turn.messages and as_answer_digest(messages[turn.messages]) == answer_held
@@ -388,7 +434,42 @@ class ConversationMemory:
             # after it is estimated from its text.
             known = (turn.messages, turn.prompt_tokens) if turn.prompt_tokens is not None else None
             return self._from_history(messages, tools, turn.endpoint, turn.chars_per_token, known, tenant=tenant)
-        return self._extension(turn, messages, answered, tenant)
+        estimate = self._extension(turn, messages, answered, tenant)
+        return self._with_events(estimate, turn, held, moved=turn.endpoint != answered_at)
+
+    def _best_holder(self, turn: _Turn, admitted: Collection[str], home: str | None, held: HeldTokens) -> str:
+        """The admitted decode endpoint whose events say it holds most of the turn's known
+        prefix; ties go to the endpoint that answered the turn, then to ``home``. The
+        turn's own endpoint when no events say anything of any."""
+        keys = unpack(turn.prompt_keys)
+        block = self.settings.block_size
+        counts = {endpoint: held(endpoint, keys, block) for endpoint in admitted}
+        known = {endpoint: tokens for endpoint, tokens in counts.items() if tokens is not None}
+        if not known or max(known.values()) == 0:
+            return turn.endpoint
+        most = max(known.values())
+        for preferred in (turn.endpoint, home):
+            if preferred is not None and known.get(preferred) == most:
+                return preferred
+        return min(endpoint for endpoint, tokens in known.items() if tokens == most)
+
+    def _with_events(self, estimate: Estimate, turn: _Turn, held: HeldTokens | None, *, moved: bool) -> Estimate:
+        """The estimate corrected by what the endpoint's events say it holds of the turn's
+        known prefix: less than all of it is the exact cached count; all of it confirms
+        the estimate (whose answer blocks no event can name without the answer's ids),
+        unless the call ``moved`` to an endpoint other than the one that computed the answer."""
+        if held is None or not turn.prompt_keys:
+            return estimate
+        keys = unpack(turn.prompt_keys)
+        block = self.settings.block_size
+        tokens = held(turn.endpoint, keys, block)
+        if tokens is None:
+            return estimate
+        cached = estimate.cached_tokens
+        if moved or tokens < len(keys) * block:
+            cached = (min(tokens, estimate.total_tokens - 1) // block) * block
+        total = estimate.total_tokens
+        return Estimate(total, total - cached, estimate.endpoint, estimate.match, estimate.adds_media, "kv_events")
 
     def _from_history(
         self,

@@ -23,10 +23,12 @@ from ._coordinates import CoordinateBook, Coordinates
 from ._discovery import DiscoverySettings, DnsDiscovery, is_address, members_of, request_overrides
 from ._fleet import Fleet
 from ._health import HealthProber, HealthSettings, ProbeState, step, verdict
+from ._kv_events import KVEventWatch
 from ._load import LoadScraper, ScrapeSettings, ServerLoad, parse_metrics, server_url
 from ._warm import WARM_UP_TIMEOUT, PrefillWarmer
 
 __all__ = [
+    "KVEventWatch",
     "Background",
     "BackgroundTask",
     "BackgroundThread",

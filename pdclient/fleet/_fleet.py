@@ -20,12 +20,14 @@ from typing import Protocol
 import httpx
 
 from ..conversations import ConversationMemory, ConversationSettings
+from ..kv_events import KVEventFeeds
 from ..pools import BreakerSettings, EndpointPool
 from ..routing import RoutingPolicy, make_policy
 from ._background import Background, Core, Fetch, system_resolver
 from ._coordinates import CoordinateBook
 from ._discovery import DiscoverySettings, DnsDiscovery, is_address
 from ._health import HealthProber, HealthSettings
+from ._kv_events import KVEventWatch
 from ._load import LoadScraper, ScrapeSettings
 from ._warm import PrefillWarmer
 
@@ -40,6 +42,7 @@ _FLEET_FIELDS = (
     "health_checks",
     "discovery",
     "conversations",
+    "kv_events",
 )
 
 
@@ -66,6 +69,9 @@ class FleetOptions(Protocol):
     @property
     def health_checks(self) -> HealthSettings | bool | None: ...
 
+    @property
+    def kv_events(self) -> str | int | None: ...
+
     def policy_for(self, leg: str) -> str | RoutingPolicy: ...
 
     def load_settings_for(self, leg: str) -> ScrapeSettings | None: ...
@@ -81,10 +87,14 @@ class Fleet:
         """Each prefill endpoint's NIXL coordinates, from its last answer (concurrent dispatch)."""
         self.memory = ConversationMemory(options.conversations)
         """The conversations this fleet's decode endpoints answered (``remote_prefill="auto"``)."""
-        self.background = _background(options, self.pools, asynchronous)
+        self.kv_events = KVEventFeeds() if options.kv_events else None
+        """Each endpoint's KV index, from its server's events (``PDOptions.kv_events``)."""
+        self.background = _background(options, self.pools, asynchronous, self.kv_events)
         """The pools' background work, or None when no feature needs any."""
         if self.background is not None:  # a client dropped unclosed does not leave its driver running
             weakref.finalize(self, self.background.close, wait=False).atexit = False
+        if self.kv_events is not None:
+            weakref.finalize(self, self.kv_events.close).atexit = False
         self.warmer = PrefillWarmer()
         """Prefill warm-ups waiting to be posted (``remote_prefill="auto"``, ``fleet._warm``)."""
         self._warming: Background | None = None
@@ -123,6 +133,8 @@ class Fleet:
     def _stopped(self) -> list[Background]:
         with self._lock:
             self._closed = True
+        if self.kv_events is not None:
+            self.kv_events.close()
         return [b for b in (self.background, self._warming) if b is not None]
 
     def close(self) -> None:
@@ -139,7 +151,9 @@ def _policy(options: FleetOptions, leg: str) -> RoutingPolicy:
     return make_policy(options.policy_for(leg), load_signals=options.load_settings_for(leg) is not None)
 
 
-def _background(options: FleetOptions, pools: tuple[EndpointPool, ...], asynchronous: bool) -> Background | None:
+def _background(
+    options: FleetOptions, pools: tuple[EndpointPool, ...], asynchronous: bool, feeds: KVEventFeeds | None
+) -> Background | None:
     """The cores the options turn on, in one ``Background``; None when every feature is off."""
     discovery = options.discovery if isinstance(options.discovery, DiscoverySettings) else None
     health = options.health_checks if isinstance(options.health_checks, HealthSettings) else None
@@ -153,6 +167,8 @@ def _background(options: FleetOptions, pools: tuple[EndpointPool, ...], asynchro
         scrape = options.load_settings_for(pool.leg)
         if scrape is not None:
             cores.append(LoadScraper(lambda pool=pool: pool.endpoints, scrape, leg=pool.leg))  # type: ignore[misc]
+        if feeds is not None and isinstance(options.kv_events, str):
+            cores.append(KVEventWatch(lambda pool=pool: pool.endpoints, options.kv_events, feeds))  # type: ignore[misc]
     if not cores:
         return None
     resolver = (discovery.resolver if discovery is not None else None) or system_resolver

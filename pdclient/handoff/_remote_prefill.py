@@ -16,6 +16,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import orjson
+
 from .. import wire
 from .._options import DEFAULT_ROUTING, PDOptions
 from .._trace import Outcome
@@ -26,10 +28,12 @@ from ..conversations import (
     ConversationSettings,
     Decision,
     Estimate,
+    HeldTokens,
     Match,
     Reason,
     decide_remote_prefill,
 )
+from ..kv_events import chain_keys, pack
 from ..pools import AllEndpointsOpen, EndpointPool
 from ..routing import RouteDecision, RouteRequest, conversation_routing, policy_decision
 from ._leg import Leg
@@ -107,11 +111,13 @@ class ConversationTurn:
     """One chat call's turn of its conversation, as the memory sees it: the fields it reads
     (once), the estimate, what the servers' own counts teach it, and the answer to remember."""
 
-    __slots__ = ("_body", "collector", "memory", "plan")
+    __slots__ = ("_body", "collector", "held", "memory", "plan")
 
-    def __init__(self, plan: wire.Plan, memory: ConversationMemory) -> None:
+    def __init__(self, plan: wire.Plan, memory: ConversationMemory, held: HeldTokens | None = None) -> None:
         self.plan = plan
         self.memory = memory
+        self.held = held
+        """What the endpoints' KV events say they hold (``Fleet.kv_events``), None without them."""
         self.collector = AnswerCollector(stream=plan.stream)
         """The answer the caller receives, from the decode body's bytes (``CallerBody``)."""
         self._body: dict[str, Any] | None = None
@@ -131,17 +137,28 @@ class ConversationTurn:
         """What the call would cost on the decode endpoint holding it, among those ``admitted``."""
         # The rendezvous endpoint holds the conversation only when no load moved it there.
         held = home.endpoint.url if home is not None and home.rule == "key" else None
-        return self.memory.estimate(self.plan.affinity_key, self.body(), admitted, held, tenant=self.plan.tenant)
+        return self.memory.estimate(
+            self.plan.affinity_key, self.body(), admitted, held, tenant=self.plan.tenant, held=self.held
+        )
 
     def learn(self, prompt_tokens: int) -> None:
         """The chars-per-token ratio ``auto``'s estimates of the caller's tenant use, from a server's own count."""
         self.memory.learn(self.body(), prompt_tokens, tenant=self.plan.tenant)
 
-    def remember(self, decision: Decision, endpoint: str, *, decode_only: bool, prefill_tokens: int | None) -> None:
+    def remember(
+        self,
+        decision: Decision,
+        endpoint: str,
+        *,
+        decode_only: bool,
+        prefill_tokens: int | None,
+        prefill_ids: bytes | None = None,
+    ) -> None:
         """A whole answer of a call that went as planned: the next turn's prefix on ``endpoint``.
 
         ``prefill_tokens``: the prompt's length as the prefill's ids counted it (None: the
-        decode's ``usage.prompt_tokens``, when it reported one)."""
+        decode's ``usage.prompt_tokens``, when it reported one). ``prefill_ids``: those ids'
+        JSON array, kept as chain keys when the endpoints' KV events are read."""
         collector = self.collector
         answer = collector.answer()
         if answer is None:
@@ -162,7 +179,15 @@ class ConversationTurn:
             prompt_tokens=prompt_tokens,
             cached_floor=floor,
             prompt_pulled=not decode_only,
+            prompt_keys=self._prompt_keys(prefill_ids),
         )
+
+    def _prompt_keys(self, ids: bytes | None) -> bytes:
+        """The chain keys of the prompt's ids, packed; none without KV events or ids."""
+        if self.held is None or ids is None:
+            return b""
+        token_ids = orjson.loads(ids)
+        return pack(chain_keys(token_ids, self.memory.settings.block_size))
 
 
 class RemotePrefill:
@@ -202,7 +227,8 @@ class RemotePrefill:
         if self.stored_state is not None:
             return False  # the state is where it was stored, never on a prefill server
         if mode != "always" and plan.messages is not None:  # a conversation, in chat messages
-            self.conversation = ConversationTurn(plan, fleet.memory)
+            held = fleet.kv_events.held_tokens if fleet.kv_events is not None else None
+            self.conversation = ConversationTurn(plan, fleet.memory, held)
             self.home = conversation_home(fleet.decode, options, decode_route())
         estimate = None
         if mode == "auto" and self.conversation is not None:
@@ -241,5 +267,7 @@ class RemotePrefill:
         turn, decision = self.conversation, self.decision
         if turn is None or decision is None or outcome not in (Outcome.DISAGGREGATED, Outcome.DECODE_ONLY):
             return
-        counted = prefill.count if prefill is not None and prefill.ids is not None else None
-        turn.remember(decision, endpoint, decode_only=outcome is Outcome.DECODE_ONLY, prefill_tokens=counted)
+        ids = prefill.ids if prefill is not None else None
+        counted = prefill.count if prefill is not None and ids is not None else None
+        decode_only = outcome is Outcome.DECODE_ONLY
+        turn.remember(decision, endpoint, decode_only=decode_only, prefill_tokens=counted, prefill_ids=ids)

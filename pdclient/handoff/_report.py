@@ -60,6 +60,8 @@ def trace_of(call: Call) -> PDTrace:
         conversation=estimate.match.value if estimate is not None else None,
         estimated_prompt_tokens=estimate.total_tokens if estimate is not None else None,
         estimated_uncached_tokens=estimate.uncached_tokens if estimate is not None else None,
+        cache_source=estimate.cache_source if estimate is not None else None,
+        cached_tokens=estimate.cached_tokens if estimate is not None else None,
         prefill_warm_up_url=call.remote.warm_up_url,
         dispatch=call.record.dispatch,
         dispatch_fallback=call.record.dispatch_fallback,

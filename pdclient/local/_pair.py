@@ -18,12 +18,14 @@ from typing import Any
 import httpx
 
 from .._errors import PDConfigError, PDSetupError
+from ..kv_events import KVEventSource
 from ..wire import PREFILL_KV_TRANSFER_PARAMS
 from . import _prepare
 from ._clients import PairAccess
 from ._cpu_isa import cpu_isa_env, cpu_isa_from_env
-from ._ports import PortClaim, claim_ports
+from ._ports import HOST, PortClaim, claim_ports
 from ._server import (
+    KV_EVENTS_TOPIC,
     NIXL_CONNECTORS,
     SERVED_MODEL_NAME,
     ServerStartError,
@@ -180,6 +182,8 @@ class LocalPD(PairAccess):
             ``"avx512"``: without AVX-512 bf16 and AMX), whatever this one has: the same
             model answers differently on such CPUs (``local._cpu_isa``). Default
             ``$PDCLIENT_SERVER_CPU_ISA``, else this CPU's own.
+        kv_events: start every server with ``--kv-events-config`` (ZMQ, a publisher and
+            a replay port each, chosen like the others): ``kv_event_sources()`` says where.
         warmup: run a KV handoff from every prefill to every decode server before
             returning, so the NIXL handshake (1-35 s measured here, once per pair of
             servers) is not paid by the first real calls.
@@ -202,6 +206,7 @@ class LocalPD(PairAccess):
         cpus: Sequence[int | None] | None = AUTO,
         responses_store: bool = False,
         cpu_isa: str | None = AUTO,
+        kv_events: bool = False,
     ) -> None:
         if prefill_servers < 1 or decode_servers < 1:
             raise PDConfigError(
@@ -237,6 +242,8 @@ class LocalPD(PairAccess):
         self.decodes: list[VLLMServer] = []
         """The decode servers, likewise."""
         self.start_stats: StartStats | None = None
+        self._kv_events = kv_events
+        self._kv_event_ports: list[tuple[int, int]] = []
         self._claims: list[PortClaim] = []
 
     @property
@@ -313,6 +320,7 @@ class LocalPD(PairAccess):
                         cpu=self._cpus[len(servers)],
                         # Each NIXL agent listens on its own side channel for the handshake.
                         nixl_side_channel_port=side_channel,
+                        kv_event_ports=self._kv_event_ports[len(servers)] if self._kv_events else None,
                         max_model_len=self._max_model_len,
                         extra_args=self._extra_args,
                         env=self._server_env,
@@ -344,14 +352,17 @@ class LocalPD(PairAccess):
         explicit = {0: self._prefill_port, n_prefill: self._decode_port}
         nixl = [self._kv_connector in NIXL_CONNECTORS] * n_prefill
         nixl += [self._decode_kv_connector in NIXL_CONNECTORS] * n_decode
-        needed = sum(1 for i in range(n_prefill + n_decode) if explicit.get(i) is None) + sum(nixl)
+        total = n_prefill + n_decode
+        events = 2 * total if self._kv_events else 0
+        needed = sum(1 for i in range(total) if explicit.get(i) is None) + sum(nixl) + events
         avoid = {port for port in explicit.values() if port is not None}
         self._claims = claim_ports(needed, avoid=avoid)
         free = iter(claim.port for claim in self._claims)
         plan: list[tuple[int, int | None]] = []
-        for i in range(n_prefill + n_decode):
+        for i in range(total):
             port = explicit.get(i) or next(free)
             plan.append((port, next(free) if nixl[i] else None))
+        self._kv_event_ports = [(next(free), next(free)) for _ in range(events // 2)]
         return plan
 
     def _pairs(self) -> list[tuple[VLLMServer, VLLMServer]]:
@@ -469,6 +480,22 @@ class LocalPD(PairAccess):
         """Every decode server's OpenAI base URL, ending in /v1."""
         self._running()
         return [srv.base_url + "/v1" for srv in self.decodes]
+
+    def kv_event_sources(self) -> list[KVEventSource]:
+        """Where each server publishes its KV events (``kv_events=True``), prefills first."""
+        servers = self._running()
+        if not self._kv_events:
+            raise PDConfigError("this LocalPD publishes no KV events; start it with LocalPD(kv_events=True)")
+        return [
+            KVEventSource(
+                endpoint=srv.base_url + "/v1",
+                publisher=f"tcp://{HOST}:{srv.kv_event_ports[0]}",
+                replay=f"tcp://{HOST}:{srv.kv_event_ports[1]}",
+                topic=KV_EVENTS_TOPIC,
+            )
+            for srv in servers
+            if srv.kv_event_ports is not None
+        ]
 
     @property
     def model(self) -> str:

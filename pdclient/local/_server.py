@@ -104,6 +104,9 @@ def _tail(path: Path, lines: int = 25) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+KV_EVENTS_TOPIC = "kv"
+
+
 class VLLMServer:
     """A ``vllm.entrypoints.openai.api_server`` child process on ``HOST:port``."""
 
@@ -119,6 +122,7 @@ class VLLMServer:
         kv_connector: str | None,
         cpu: int | None,
         nixl_side_channel_port: int | None = None,
+        kv_event_ports: tuple[int, int] | None = None,
         max_model_len: int = 2048,
         extra_args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
@@ -130,6 +134,8 @@ class VLLMServer:
         self.name = name
         self.port = port
         self.nixl_side_channel_port = nixl_side_channel_port
+        self.kv_event_ports = kv_event_ports
+        """(publisher, replay) ports of its KV events, or None when it publishes none."""
         self.log_path = log_path
         self.kv_connector = kv_connector
         self._workdir = workdir
@@ -153,6 +159,17 @@ class VLLMServer:
         ]  # fmt: skip
         if kv_connector is not None:
             self.argv += ["--kv-transfer-config", json.dumps(KV_CONNECTORS[kv_connector])]
+        if kv_event_ports is not None:
+            publisher, replay = kv_event_ports
+            # "*": vLLM binds an address with a wildcard, and connects to one with a host.
+            config = {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": f"tcp://*:{publisher}",
+                "replay_endpoint": f"tcp://*:{replay}",
+                "topic": KV_EVENTS_TOPIC,
+            }
+            self.argv += ["--kv-events-config", json.dumps(config)]
         self.argv += list(extra_args)
 
         push = kv_connector is not None and KV_CONNECTORS[kv_connector] is NIXL_PUSH_KV_TRANSFER_CONFIG

@@ -193,6 +193,18 @@ def _urls(value: object, source: str) -> tuple[str, ...]:
     return tuple(i.strip() for i in items if i.strip())
 
 
+def _kv_events(value: object, source: str) -> str | int | None:
+    """``off``/``none``: None; a number: a port; else the text (PDOptions checks it)."""
+    if value is None or isinstance(value, int):
+        return value
+    if not isinstance(value, str):
+        raise PDConfigError(f"{source}: expected 'discover', a port or an address template, got {value!r}")
+    text = value.strip()
+    if text.lower() in ("off", "none", ""):
+        return None
+    return int(text) if text.isdigit() else text
+
+
 _SPECIAL: Mapping[str, dict[str, Any]] = {
     "prefill": {"parse": _urls, "env": PREFILL_ENV, "metavar": "URL", "multiple": True, "default": ()},
     "decode": {"parse": _urls, "env": DECODE_ENV, "metavar": "URL", "multiple": True, "default": ()},
@@ -211,6 +223,7 @@ _SPECIAL: Mapping[str, dict[str, Any]] = {
     "reuse_secret": {"parse": _key, "env": SECRET_ENV, "metavar": "SECRET", "secret": True},
     "remote_prefill": {"parse": _str, "choices": REMOTE_PREFILL_MODES},
     "dispatch": {"parse": _str, "choices": DISPATCH_MODES},
+    "kv_events": {"parse": _kv_events, "metavar": "discover|PORT|ADDRESS"},
     "conversation_max_uncached_ratio": {"metavar": "RATIO"},
     "conversation_initial_chars_per_token": {"metavar": "RATIO"},
 }
@@ -239,6 +252,9 @@ _CLIENT_HELP: Mapping[str, str] = {
     "migrate_non_streamed": "non-streamed calls may move too (their decode leg streams; ~1.4x the decode API's CPU)",
     "remote_prefill": "always: every chat/completions call is a P/D handoff; never: decode-only; auto: a chat call "
     "extending a remembered conversation goes decode-only to the decode endpoint holding it when little is uncached",
+    "kv_events": "read every server's KV events (vLLM --kv-events-config; pdclient[kv-events]): 'discover' "
+    "(GET /kv_event_sources), a port, or 'tcp://{host}:PUB[,tcp://{host}:REPLAY]'; auto then knows what a "
+    "decode server holds",
     "dispatch": "sequential: the prefill, then the decode; concurrent: both at once (vLLM's NixlPushConnector "
     "on both servers); auto: concurrent where the prefill's answers say push mode (the first call per prefill "
     "endpoint is sequential)",

@@ -334,3 +334,15 @@ def test_a_nan_grace_period_stops_the_start(monkeypatch: pytest.MonkeyPatch) -> 
     with pytest.raises(PDConfigError, match=message):
         parse("--prefill", P, "--decode", D1)
     assert parse("--prefill", P, "--decode", D1, "--grace-period", "0").grace_period == 0.0  # no drain: allowed
+
+
+def test_kv_events_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert parse("--prefill", P, "--decode", D1).options.kv_events is None
+    assert parse("--prefill", P, "--decode", D1, "--kv-events", "discover").options.kv_events == "discover"
+    assert parse("--prefill", P, "--decode", D1, "--kv-events", "5557").options.kv_events == "tcp://{host}:5557"
+    both = "tcp://{host}:5557,tcp://{host}:5558"
+    assert parse("--prefill", P, "--decode", D1, "--kv-events", both).options.kv_events == both
+    monkeypatch.setenv("PDCLIENT_SERVE_KV_EVENTS", "off")
+    assert parse("--prefill", P, "--decode", D1).options.kv_events is None
+    with pytest.raises(PDConfigError, match="kv_events"):
+        parse("--prefill", P, "--decode", D1, "--kv-events", "udp://{host}:1")

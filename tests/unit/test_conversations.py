@@ -22,6 +22,7 @@ from pdclient.conversations import (
     decide_remote_prefill,
     rendered_chars,
 )
+from pdclient.kv_events import pack
 from pdclient.wire import Kind, SSEFramer, affinity_key, event_json
 
 D1 = "http://decode-1:8200/v1"
@@ -850,3 +851,109 @@ def test_a_remembered_prompt_anchors_the_turns_answered_elsewhere_since() -> Non
     # A replica that saw none of it reads 1019 ids' worth of text as fewer (4 chars per token).
     unseen = warm_memory().estimate("k", body(*later), ADMITTED, home=D2)
     assert unseen.total_tokens < estimate.total_tokens
+
+
+# -- the servers' own KV events ---------------------------------------------------------
+
+KEYS_1328 = pack(list(range(1, 1328 // 128 + 1)))  # the first turn's prompt: 10 whole blocks
+
+
+def held_by(tokens: int | None, asked: list[tuple[str, int]] | None = None) -> Any:
+    def held(endpoint: str, keys: Any, block_size: int) -> int | None:
+        if asked is not None:
+            asked.append((endpoint, len(keys)))
+        return tokens
+
+    return held
+
+
+def keyed_first_turn(mem: ConversationMemory) -> dict[str, Any]:
+    turn1 = body(SYSTEM, USER)
+    answer = Answer(STORY, completion_tokens=150)
+    mem.remember(key_of(turn1), turn1, answer, D1, prompt_tokens=1328, prompt_keys=KEYS_1328)
+    return body(SYSTEM, USER, {"role": "assistant", "content": STORY}, FOLLOW_UP)
+
+
+def test_a_follow_up_whose_prefix_the_events_say_is_gone_is_wholly_uncached() -> None:
+    mem = memory()
+    turn2 = keyed_first_turn(mem)
+    asked: list[tuple[str, int]] = []
+    estimate = mem.estimate(key_of(turn2), turn2, ADMITTED, held=held_by(0, asked))
+    assert (D1, 10) in asked
+    assert estimate.cache_source == "kv_events"
+    assert estimate.cached_tokens == 0 and estimate.endpoint == D1
+    assert decide_remote_prefill("auto", estimate, ConversationSettings()).remote_prefill
+
+
+def test_events_that_hold_part_of_the_prefix_count_that_part() -> None:
+    mem = memory()
+    turn2 = keyed_first_turn(mem)
+    estimate = mem.estimate(key_of(turn2), turn2, ADMITTED, held=held_by(384))
+    assert (estimate.cache_source, estimate.cached_tokens) == ("kv_events", 384)
+
+
+def test_events_that_hold_the_whole_prefix_confirm_the_estimate() -> None:
+    mem = memory()
+    turn2 = keyed_first_turn(mem)
+    estimate = mem.estimate(key_of(turn2), turn2, ADMITTED, held=held_by(1280))
+    assert (estimate.cache_source, estimate.cached_tokens) == ("kv_events", 1408)  # the answer's blocks too
+
+
+def test_without_an_answer_from_the_events_the_estimator_decides() -> None:
+    mem = memory()
+    turn2 = keyed_first_turn(mem)
+    for held in (held_by(None), None):
+        estimate = mem.estimate(key_of(turn2), turn2, ADMITTED, held=held)
+        assert (estimate.cache_source, estimate.cached_tokens) == ("estimate", 1408)
+
+
+def test_prompt_keys_cost_eight_bytes_a_block() -> None:
+    mem = memory()
+    keyed_first_turn(mem)
+    (entry,) = mem._turns.values()
+    plain = memory()
+    first_turn(plain)
+    (bare,) = plain._turns.values()
+    assert len(entry.packed) - len(bare.packed) == 8 * 10
+
+
+def test_a_decode_only_turn_keeps_the_known_prefix_of_the_turn_it_extends() -> None:
+    mem = memory()
+    turn2 = keyed_first_turn(mem)
+    mem.remember(key_of(turn2), turn2, Answer("A title.", completion_tokens=4), D1, prompt_tokens=1500)
+    turn3 = body(*turn2["messages"], {"role": "assistant", "content": "A title."}, USER)
+    estimate = mem.estimate(key_of(turn3), turn3, ADMITTED, held=held_by(0))
+    assert (estimate.cache_source, estimate.cached_tokens) == ("kv_events", 0)
+    # An edited conversation starts afresh: the old prefix is not its own.
+    edited = body(SYSTEM, FOLLOW_UP)
+    mem.remember(key_of(turn2), edited, Answer("x", completion_tokens=1), D1, prompt_tokens=900)
+    assert mem._turns[next(iter(mem._turns))].turn().prompt_keys == b""
+
+
+def held_at(tokens: dict[str, int | None]) -> Any:
+    return lambda endpoint, keys, block_size: tokens.get(endpoint)
+
+
+def test_a_follow_up_goes_where_the_events_say_most_of_its_prefix_is() -> None:
+    mem = memory()
+    turn2 = keyed_first_turn(mem)
+    estimate = mem.estimate(key_of(turn2), turn2, ADMITTED, held=held_at({D1: 0, D2: 1280}))
+    # Only the known prefix counts there: the answer was computed on D1.
+    assert (estimate.endpoint, estimate.cached_tokens, estimate.cache_source) == (D2, 1280, "kv_events")
+
+
+def test_a_follow_up_whose_endpoint_left_goes_where_its_prefix_is() -> None:
+    mem = memory()
+    turn2 = keyed_first_turn(mem)
+    estimate = mem.estimate(key_of(turn2), turn2, {D2}, held=held_at({D2: 640}))
+    assert (estimate.endpoint, estimate.cached_tokens, estimate.match) == (D2, 640, Match.EXTENDS_ANSWER)
+
+
+def test_ties_stay_with_the_endpoint_that_answered_then_the_home() -> None:
+    mem = memory()
+    turn2 = keyed_first_turn(mem)
+    estimate = mem.estimate(key_of(turn2), turn2, ADMITTED, held=held_at({D1: 1280, D2: 1280}))
+    assert (estimate.endpoint, estimate.cached_tokens) == (D1, 1408)
+    d3 = "http://decode-3:8200/v1"
+    estimate = mem.estimate(key_of(turn2), turn2, {D2, d3}, D2, held=held_at({D2: 640, d3: 640}))
+    assert estimate.endpoint == D2

@@ -133,3 +133,14 @@ def test_cpus_need_one_entry_per_server() -> None:
         LocalPD(decode_servers=2, cpus=(0, 1))
     with pytest.raises(PDConfigError, match="at least one server of each role"):
         LocalPD(prefill_servers=0)
+
+
+def test_kv_events_get_two_ports_a_server_distinct_from_the_others() -> None:
+    pd = LocalPD(kv_events=True)
+    try:
+        plan = pd._plan_ports()
+        used = [p for pair in plan for p in pair if p is not None]
+        events = [p for pair in pd._kv_event_ports for p in pair]
+        assert len(events) == 4 and len(set(used + events)) == len(used) + 4
+    finally:
+        pd.stop()

@@ -1,0 +1,128 @@
+"""Decisions from the servers' own KV events, on a real pair started with them on.
+
+One pair for the module (``LocalPD(kv_events=True)``, with ``VLLM_SERVER_DEV_MODE=1`` for
+``POST /reset_prefix_cache``); a client reads both servers' events (``kv_events="discover"``).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from pdclient import Outcome, PDChatClient, PDTrace
+from pdclient.conversations import decide_remote_prefill
+from pdclient.kv_events import KVIndex
+from pdclient.local import LocalPD
+from pdclient.wire import Kind, affinity_key
+
+from .helpers import GREEDY
+
+BLOCK = 128  # vLLM's CPU block size, the memory's default
+
+
+@pytest.fixture(scope="module")
+def events_pair() -> Iterator[LocalPD]:
+    with LocalPD(kv_events=True, server_env={"VLLM_SERVER_DEV_MODE": "1"}) as pd:
+        yield pd
+
+
+def wait_for(check: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def decode_index(client: PDChatClient, pd: LocalPD) -> KVIndex:
+    feeds = client.pd_fleet.kv_events
+    assert feeds is not None
+    wait_for(lambda: feeds.index(pd.decode_urls[0]) is not None, "the decode's subscription")
+    index = feeds.index(pd.decode_urls[0])
+    assert index is not None
+    return index
+
+
+def conversation() -> list[dict[str, Any]]:
+    system = f"Conversation {uuid.uuid4().hex}. " + "Notes: the robot paints in the morning and sleeps at noon. " * 40
+    return [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "Tell me a short story about the robot in the notes."},
+    ]
+
+
+def test_a_turn_after_the_decodes_reset_is_a_handoff_by_its_events(events_pair: LocalPD) -> None:
+    pd = events_pair
+    traces: list[PDTrace] = []
+    with PDChatClient(
+        prefill_base_url=pd.prefill_urls,
+        decode_base_url=pd.decode_urls,
+        api_key="EMPTY",
+        remote_prefill="auto",
+        kv_events="discover",
+        on_trace=traces.append,
+    ) as client:
+        client.pd_fleet.start()
+        index = decode_index(client, pd)
+        wait_for(lambda: index.synced, "the decode's view to catch up")
+        turn1 = conversation()
+        first = client.chat.completions.create(model=pd.model, messages=turn1, **GREEDY)  # type: ignore[arg-type]
+        assert traces[0].outcome is Outcome.DISAGGREGATED
+        prompt_tokens = first.usage.prompt_tokens if first.usage else 0
+        # The decode server announces the blocks it pulled over NIXL as its own (BlockStored).
+        held_keys = client.pd_fleet.memory._turns[next(reversed(client.pd_fleet.memory._turns))].turn().prompt_keys
+        assert len(held_keys) == 8 * (prompt_tokens // BLOCK)
+        turn2 = [
+            *turn1,
+            {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "user", "content": "Give it a title."},
+        ]
+        second = client.chat.completions.create(model=pd.model, messages=turn2, **GREEDY)  # type: ignore[arg-type]
+        t2 = traces[1]
+        assert (t2.outcome, t2.cache_source) == (Outcome.DECODE_ONLY, "kv_events")
+        # Never more cached than the decode server itself found (its usage, the truth).
+        truth = second.usage.prompt_tokens_details.cached_tokens if second.usage else None  # type: ignore[union-attr]
+        assert truth is not None and t2.cached_tokens is not None and t2.cached_tokens <= truth
+        print(f"\nturn 2: decided cached {t2.cached_tokens}, the decode server found {truth} cached", end="")
+
+        root = pd.decode_urls[0].removesuffix("/v1")
+        assert httpx.post(root + "/reset_prefix_cache", timeout=30).json() == {"success": True}
+        # vLLM publishes a reset's AllBlocksCleared with its next engine step: any call does.
+        httpx.post(
+            pd.decode_urls[0] + "/chat/completions",
+            json={"model": pd.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+            timeout=60,
+        ).raise_for_status()
+        turn3 = [
+            *turn2,
+            {"role": "assistant", "content": second.choices[0].message.content},
+            {"role": "user", "content": "And a moral?"},
+        ]
+        memory = client.pd_fleet.memory
+        key = affinity_key(Kind.CHAT, turn3, None, None)
+        body = {"model": pd.model, "messages": turn3}
+        admitted = [e.url for e in client.pd_fleet.decode.admitted()]
+        wait_for(
+            lambda: memory.estimate(key, body, admitted, held=client.pd_fleet.kv_events.held_tokens).cached_tokens == 0,  # type: ignore[union-attr]
+            "the reset in the decode's events",
+        )
+        # The estimator alone, on the same memory: the conversation would still be cached.
+        alone = decide_remote_prefill("auto", memory.estimate(key, body, admitted), client.pd_options.conversations)
+        assert (alone.remote_prefill, alone.estimate.cache_source) == (False, "estimate")  # type: ignore[union-attr]
+        client.chat.completions.create(model=pd.model, messages=turn3, **GREEDY)  # type: ignore[arg-type]
+        t3 = traces[2]
+        assert (t3.outcome, t3.remote_prefill_reason, t3.cache_source, t3.cached_tokens) == (
+            Outcome.DISAGGREGATED,
+            "uncached_at_or_above_threshold",
+            "kv_events",
+            0,
+        )
+        print(
+            f"; turn 3 after the reset: estimator alone {alone.estimate.cached_tokens} cached (decode-only), "  # type: ignore[union-attr]
+            f"events 0 (a handoff)",
+            end="",
+        )
