@@ -134,19 +134,24 @@ _DIGITS = b"0123456789"
 
 def read_prefill(kind: Kind, content: bytes) -> PrefillResult:
     """The prefill's ids and KV transfer parameters, trusting nothing about its shape."""
-    compact = _read_compact(kind, content)
+    # vLLM writes the ids' key before the ids, and nothing before them holds such a key: the
+    # first one is found without a scan over the ids; the last one if the first is not the field.
+    first = content.find(_IDS_KEY)
+    compact = _read_compact(kind, content, first)
+    if compact is None and first >= 0 and (last := content.rfind(_IDS_KEY)) != first:
+        compact = _read_compact(kind, content, last)
     return compact if compact is not None else _read_parsed(kind, content)
 
 
-def _read_compact(kind: Kind, content: bytes) -> PrefillResult | None:
+def _read_compact(kind: Kind, content: bytes, at: int) -> PrefillResult | None:
     """The fast path, for the compact JSON vLLM writes; None when it cannot vouch for the result.
 
-    The id array is cut out of the body and the rest (a few KB) is decoded, which checks
-    that the array cut out is the very field the contract names. The array itself is
-    checked on its bytes: digits and commas only, and as many ids as the prefill's own
-    ``usage.prompt_tokens`` (which also rules out an empty item). No id becomes a Python object.
+    The id array (the value of the key at ``at``) is cut out of the body and the rest (a few
+    KB) is decoded, which checks that the array cut out is the very field the contract names.
+    The array itself is checked on its bytes: digits and commas only, and as many ids as the
+    prefill's own ``usage.prompt_tokens`` (which also rules out an empty item). No id becomes
+    a Python object.
     """
-    at = content.rfind(_IDS_KEY)
     start = at + len(_IDS_KEY)
     end = content.find(b"]", start)
     if at < 0 or content[start : start + 1] != b"[" or end < 0:

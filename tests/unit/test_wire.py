@@ -225,6 +225,15 @@ def test_read_prefill_takes_the_top_level_ids_not_a_lookalike() -> None:
     assert read_prefill(Kind.CHAT, content.encode()).ids == b"[1]"
 
 
+def test_read_prefill_cuts_the_ids_out_when_a_lookalike_follows_them() -> None:
+    """The top-level ids come first in the body and a nested key spelling the field after
+    them: the ids are still cut out of the bytes, not parsed, so the KV transfer parameters
+    pass on as the server wrote them."""
+    kv = b'{"remote_host": "h", "prompt_token_ids": [9]}'
+    content = b'{"prompt_token_ids":[5,6],"kv_transfer_params":' + kv + b"}"
+    assert read_prefill(Kind.CHAT, content) == PrefillResult(b"[5,6]", 2, kv)
+
+
 def test_read_prefill_accepts_json_that_is_not_compact() -> None:
     spaced = json.dumps({"prompt_token_ids": [1, 2, 3], "kv_transfer_params": NIXL_PARAMS}, indent=2).encode()
     parsed = read_prefill(Kind.CHAT, spaced)
