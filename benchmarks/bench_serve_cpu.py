@@ -1,6 +1,7 @@
 """`pdclient serve`'s own CPU per call, in process, against another git revision's.
 
     python benchmarks/bench_serve_cpu.py --against a085222     # this checkout vs a085222
+    python benchmarks/bench_serve_cpu.py --against ../main     # vs another checkout, as it is
 
 What the proxy's Python costs per call, without the noise a loaded machine puts on a
 latency benchmark: each tree's app (``create_app``, its metrics and its INFO log line
@@ -144,7 +145,11 @@ def worktree(revision: str) -> Iterator[Path]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--against", required=True, help="the git revision to compare with (a commit, a tag, main)")
+    parser.add_argument(
+        "--against",
+        required=True,
+        help="the git revision to compare with (a commit, a tag, main), or a checkout's directory",
+    )
     parser.add_argument("--calls", type=int, default=2000, help="calls per round")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--cpu", type=int, default=max(os.sched_getaffinity(0)), help="the core both apps run on")
@@ -153,7 +158,9 @@ def main() -> None:
     if args.child:
         _child(args.calls, args.cpu)
         return
-    with worktree(args.against) as other:
+    given = Path(args.against)
+    checkout = contextlib.nullcontext(given.resolve()) if given.is_dir() else worktree(args.against)
+    with checkout as other:
         trees = {"this checkout": REPO, args.against: other}
         child_args = ["--child", "--calls", str(args.calls), "--cpu", str(args.cpu), "--against", "-"]
         command = [sys.executable, str(Path(__file__).resolve()), *child_args]

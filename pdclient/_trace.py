@@ -159,9 +159,12 @@ class PDTrace(BaseModel):
     def to_headers(self) -> dict[str, str]:
         """The fields known when the decode response starts, as ``x-pd-*`` headers (ASCII)."""
         headers: dict[str, str] = {}
-        for name, value in self.model_dump(exclude=_NOT_IN_HEADERS, mode="json").items():
+        # Read field by field, not through model_dump: every call builds these for its
+        # response, and pydantic's dump was the larger part of a proxy call's trace work.
+        for name, header in _HEADER_NAMES:
+            value = getattr(self, name)
             if value is not None:
-                headers[HEADER_PREFIX + name.replace("_", "-")] = header_value(value)
+                headers[header] = header_value(value.value if isinstance(value, enum.Enum) else value)
         return headers
 
     @classmethod
@@ -183,11 +186,20 @@ class PDTrace(BaseModel):
                     fields.pop(str(error["loc"][0]), None)
 
 
+_HEADER_NAMES = tuple(
+    (name, HEADER_PREFIX + name.replace("_", "-")) for name in PDTrace.model_fields if name not in _NOT_IN_HEADERS
+)
+"""Each header field and its header, in the fields' order."""
+
+
 def header_value(value: object) -> str:
     """A header value any HTTP stack accepts: ASCII, one line; other characters escaped."""
     if isinstance(value, float):
         return f"{value:.3f}"
     if isinstance(value, bool):
         return "true" if value else "false"
-    text = " ".join(str(value).split())  # no CR/LF: a header value cannot start a new header
+    text = str(value)
+    if text.isascii() and text.isprintable() and "  " not in text and text.strip(" ") == text:
+        return text  # already one line of single-spaced ASCII: most values (ids, URLs, numbers)
+    text = " ".join(text.split())  # no CR/LF: a header value cannot start a new header
     return text.encode("ascii", "backslashreplace").decode("ascii")

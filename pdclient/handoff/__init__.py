@@ -8,6 +8,7 @@ from . import _dispatch as dispatch
 from . import _steps as steps
 from ._call import Call, CallContext, Phase
 from ._decode_body import Body, MovingBody, PlainBody, body_for
+from ._effective import EffectiveOptions
 from ._failure import PREFILL_FAILURES, PrefillRedirected
 from ._flow import call_flow, open_decode
 from ._leg import Leg
@@ -21,6 +22,7 @@ from ._leg_requests import (
     request_with_content,
 )
 from ._move import Move, move
+from ._record import CallRecord
 from ._release import RELEASE_TIMEOUT, release_leg, release_request
 from ._remote_prefill import (
     ConversationTurn,
@@ -46,8 +48,10 @@ __all__ = [
     "STORED_STATE",
     "Call",
     "CallContext",
+    "CallRecord",
     "CallerBody",
     "ConversationTurn",
+    "EffectiveOptions",
     "Leg",
     "LegRequests",
     "Move",

@@ -104,17 +104,34 @@ def _ms(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
 
 
-class TextFormatter(logging.Formatter):
+class _Formatter(logging.Formatter):
+    """A ``logging.Formatter`` that renders each second's time stamp once: a busy proxy logs
+    a line per call, and ``time.strftime`` on every line was a tenth of the line's cost."""
+
+    _second: tuple[int, str | None, str] = (-1, None, "")
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        second, fmt, stamp = self._second
+        if second != int(record.created) or fmt != datefmt:
+            second = int(record.created)
+            stamp = time.strftime(datefmt or self.default_time_format, self.converter(record.created))
+            self._second = (second, datefmt, stamp)  # one assignment: formatters may be shared by threads
+        return stamp if datefmt or not self.default_msec_format else self.default_msec_format % (stamp, record.msecs)
+
+
+class TextFormatter(_Formatter):
     """``logging.Formatter`` whose messages are ``shown``: a traceback keeps its lines, a
     message is one line."""
 
     def formatMessage(self, record: logging.LogRecord) -> str:
-        escaped = copy.copy(record)  # the record itself is shared with other handlers
-        escaped.message = shown(record.message)
-        return super().formatMessage(escaped)
+        message = shown(record.message)
+        if message is not record.message:  # most messages need nothing escaped: no copy then
+            record = copy.copy(record)  # the record itself is shared with other handlers
+            record.message = message
+        return super().formatMessage(record)
 
 
-class JSONFormatter(logging.Formatter):
+class JSONFormatter(_Formatter):
     """One JSON object per line: time, level, logger, message, and a call line's fields."""
 
     def format(self, record: logging.LogRecord) -> str:

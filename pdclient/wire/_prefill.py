@@ -134,19 +134,24 @@ _DIGITS = b"0123456789"
 
 def read_prefill(kind: Kind, content: bytes) -> PrefillResult:
     """The prefill's ids and KV transfer parameters, trusting nothing about its shape."""
-    compact = _read_compact(kind, content)
+    # vLLM writes the ids' key before the ids, and nothing before them holds such a key: the
+    # first one is found without a scan over the ids; the last one if the first is not the field.
+    first = content.find(_IDS_KEY)
+    compact = _read_compact(kind, content, first)
+    if compact is None and first >= 0 and (last := content.rfind(_IDS_KEY)) != first:
+        compact = _read_compact(kind, content, last)
     return compact if compact is not None else _read_parsed(kind, content)
 
 
-def _read_compact(kind: Kind, content: bytes) -> PrefillResult | None:
+def _read_compact(kind: Kind, content: bytes, at: int) -> PrefillResult | None:
     """The fast path, for the compact JSON vLLM writes; None when it cannot vouch for the result.
 
-    The id array is cut out of the body and the rest (a few KB) is decoded, which checks
-    that the array cut out is the very field the contract names. The array itself is
-    checked on its bytes: digits and commas only, and as many ids as the prefill's own
-    ``usage.prompt_tokens`` (which also rules out an empty item). No id becomes a Python object.
+    The id array (the value of the key at ``at``) is cut out of the body and the rest (a few
+    KB) is decoded, which checks that the array cut out is the very field the contract names.
+    The array itself is checked on its bytes: digits and commas only, and as many ids as the
+    prefill's own ``usage.prompt_tokens`` (which also rules out an empty item). No id becomes
+    a Python object.
     """
-    at = content.rfind(_IDS_KEY)
     start = at + len(_IDS_KEY)
     end = content.find(b"]", start)
     if at < 0 or content[start : start + 1] != b"[" or end < 0:
@@ -208,15 +213,16 @@ def _count_token_ids(array: bytes, expected: int | None) -> int:
     against the server's own count, or, without one, is looked for. vLLM writes ids
     compactly; anything else goes to the exact, parsing path.
     """
-    inner = array[1:-1]
-    if not inner or inner[:1] == b"," or inner[-1:] == b",":
+    if len(array) < 3 or array[1:2] == b"," or array[-2:-1] == b",":
+        return 0  # empty, or an empty first or last item
+    # One pass over the array's bytes (its brackets kept: no copy of the ids); what is left is
+    # compared with what it must be, in place of a second pass to find any other byte.
+    kept = array.translate(None, _DIGITS)
+    if kept != b"[" + b"," * (len(kept) - 2) + b"]":
         return 0
-    commas = inner.translate(None, _DIGITS)
-    if commas.translate(None, b","):
-        return 0
-    count = len(commas) + 1
+    count = len(kept) - 1
     if expected is None:
-        return 0 if b",," in inner else count
+        return 0 if b",," in array else count
     return count if count == expected else 0
 
 
@@ -224,4 +230,4 @@ def with_prompt_ids(kv_params: bytes | None, ids: bytes) -> bytes:
     """The prefill's ``kv_transfer_params`` object with ``"prompt_token_ids": ids`` appended."""
     if kv_params is None or kv_params.strip() == b"{}":
         return b'{"prompt_token_ids":' + ids + b"}"
-    return kv_params.rstrip()[:-1] + b',"prompt_token_ids":' + ids + b"}"
+    return b"".join((kv_params.rstrip()[:-1], b',"prompt_token_ids":', ids, b"}"))  # the ids copied once

@@ -91,3 +91,17 @@ def test_every_logged_message_is_one_line() -> None:
     assert text.format(record).endswith("request a\\nb: \\x00")
     assert json.loads(as_json.format(record))["message"] == "request a\\nb: \\x00"
     assert record.getMessage() == "request a\nb: \x00"  # the record itself, as other handlers get it
+
+
+def test_time_stamps_are_those_of_logging_formatter() -> None:
+    """Within a second and across seconds, with and without milliseconds: the proxy's
+    formatters stamp each line as the standard library's would."""
+    text, as_json = proxy_formatters()
+    fmt = "%(asctime)s %(levelname)s %(name)s [%(process)d]: %(message)s"
+    standard = logging.Formatter(fmt)
+    for created in (1_700_000_000.125, 1_700_000_000.875, 1_700_000_001.5, 1_700_000_000.25, 1_800_000_000.0):
+        record = logging.LogRecord("pdclient.serve", logging.INFO, __file__, 1, "call %s", ("x",), None)
+        record.created, record.msecs = created, (created - int(created)) * 1000
+        assert text.format(record) == standard.format(record)
+        expected = standard.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}"
+        assert json.loads(as_json.format(record))["time"] == expected

@@ -14,17 +14,13 @@ from typing import Any
 import httpx
 import pytest
 
-from pdclient import AsyncPDTransport, PDOptions, PDTransport
+from pdclient import AsyncPDTransport, Outcome, PDOptions, PDTransport, wire
 from pdclient._observe import Observers
-from pdclient._trace import Outcome
 from pdclient.fleet import Fleet
-from pdclient.handoff import Call, CallContext, call_flow, dispatch, steps
-from pdclient.handoff._effective import EffectiveOptions
+from pdclient.handoff import Call, CallContext, CallRecord, EffectiveOptions, call_flow, dispatch, steps
+from pdclient.handoff import steps as handoff_steps
 from pdclient.handoff._failure import error_response
-from pdclient.handoff._record import CallRecord
-from pdclient.handoff._steps import Open, ReadRequest, Release, SendPrefill, Sleep, Step, Stream
 from pdclient.pools import RetrySettings
-from pdclient.wire import _bodies as wire
 from pdclient.wire import error_body
 from tests.fake_vllm import prefill_json
 
@@ -39,11 +35,11 @@ def new_call(**options: Any) -> Call:
     return Call(context, httpx.Request("POST", f"{DECODE}/chat/completions", json=BODY))
 
 
-def drive(call: Call, answer: dict[type, list[Any]]) -> tuple[list[Step], Any]:
+def drive(call: Call, answer: dict[type, list[Any]]) -> tuple[list[handoff_steps.Step], Any]:
     """Run the call's flow, answering each step with the next of ``answer[type]`` (an
     exception is thrown in, a callable is called with the step)."""
     run = steps.FlowRun(call_flow(call))
-    seen: list[Step] = []
+    seen: list[handoff_steps.Step] = []
     for step in run:
         seen.append(step)
         given = answer[type(step)].pop(0) if answer.get(type(step)) else None
@@ -55,7 +51,7 @@ def drive(call: Call, answer: dict[type, list[Any]]) -> tuple[list[Step], Any]:
     return seen, run.value
 
 
-def stream(step: Stream) -> httpx.ByteStream:
+def stream(step: handoff_steps.Stream) -> httpx.ByteStream:
     return httpx.ByteStream(b"")
 
 
@@ -64,15 +60,20 @@ def test_a_sequential_handoff_is_its_prefill_then_its_decode() -> None:
     steps, response = drive(
         call,
         {
-            SendPrefill: [httpx.Response(200, json=prefill_json(BODY))],
-            Open: [httpx.Response(200, headers={"content-type": "text/event-stream"})],
-            Stream: [stream],
+            handoff_steps.SendPrefill: [httpx.Response(200, json=prefill_json(BODY))],
+            handoff_steps.Open: [httpx.Response(200, headers={"content-type": "text/event-stream"})],
+            handoff_steps.Stream: [stream],
         },
     )
-    assert [type(s) for s in steps] == [ReadRequest, SendPrefill, Open, Stream]
+    assert [type(s) for s in steps] == [
+        handoff_steps.ReadRequest,
+        handoff_steps.SendPrefill,
+        handoff_steps.Open,
+        handoff_steps.Stream,
+    ]
     assert response.status_code == 200 and call.record.dispatch == "sequential"
     prefill, decode = steps[1], steps[2]
-    assert isinstance(prefill, SendPrefill) and isinstance(decode, Open)
+    assert isinstance(prefill, handoff_steps.SendPrefill) and isinstance(decode, handoff_steps.Open)
     assert prefill.request.url.host == "p" and decode.request.url.host == "d" and not prefill.outlive
 
 
@@ -81,23 +82,35 @@ def test_a_busy_prefill_is_tried_again_after_a_sleep_step() -> None:
     steps, response = drive(
         call,
         {
-            SendPrefill: [httpx.Response(503), httpx.Response(200, json=prefill_json(BODY))],
-            Open: [httpx.Response(200, headers={"content-type": "text/event-stream"})],
-            Stream: [stream],
+            handoff_steps.SendPrefill: [httpx.Response(503), httpx.Response(200, json=prefill_json(BODY))],
+            handoff_steps.Open: [httpx.Response(200, headers={"content-type": "text/event-stream"})],
+            handoff_steps.Stream: [stream],
         },
     )
-    assert [type(s) for s in steps] == [ReadRequest, SendPrefill, Sleep, SendPrefill, Open, Stream]
+    assert [type(s) for s in steps] == [
+        handoff_steps.ReadRequest,
+        handoff_steps.SendPrefill,
+        handoff_steps.Sleep,
+        handoff_steps.SendPrefill,
+        handoff_steps.Open,
+        handoff_steps.Stream,
+    ]
     sleep = steps[2]
-    assert isinstance(sleep, Sleep) and 0.5 <= sleep.seconds <= 1.0 and response.status_code == 200
+    assert isinstance(sleep, handoff_steps.Sleep) and 0.5 <= sleep.seconds <= 1.0 and response.status_code == 200
 
 
 def test_a_decode_that_never_opens_releases_the_prefill_before_the_error_goes_on() -> None:
     steps = call_flow(new_call())
     seen = [next(steps), steps.send(None), steps.send(httpx.Response(200, json=prefill_json(BODY)))]
     seen.append(steps.throw(KeyboardInterrupt()))  # a Ctrl-C while the decode's headers are awaited
-    assert [type(s) for s in seen] == [ReadRequest, SendPrefill, Open, Release]
+    assert [type(s) for s in seen] == [
+        handoff_steps.ReadRequest,
+        handoff_steps.SendPrefill,
+        handoff_steps.Open,
+        handoff_steps.Release,
+    ]
     release = seen[-1]
-    assert isinstance(release, Release) and release.leg.name == "release"
+    assert isinstance(release, handoff_steps.Release) and release.leg.name == "release"
     assert json.loads(release.request.content)["kv_transfer_params"]["do_remote_prefill"] is True
     with pytest.raises(KeyboardInterrupt):
         steps.send(None)  # the release sent: the interrupt goes on

@@ -18,7 +18,7 @@ import pytest
 
 from pdclient.local import LocalPD
 from pdclient.local._server import ServerStartError, VLLMServer, free_port, wait_all_ready
-from pdclient.pools._retry import RetrySettings
+from pdclient.pools import RetrySettings
 
 LISTENER_DIED = (
     "Exception in thread nixl_handshake_listener:\n"

@@ -225,6 +225,24 @@ def test_read_prefill_takes_the_top_level_ids_not_a_lookalike() -> None:
     assert read_prefill(Kind.CHAT, content.encode()).ids == b"[1]"
 
 
+def test_read_prefill_cuts_the_ids_out_when_a_lookalike_follows_them() -> None:
+    """The top-level ids come first in the body and a nested key spelling the field after
+    them: the ids are still cut out of the bytes, not parsed, so the KV transfer parameters
+    pass on as the server wrote them."""
+    kv = b'{"remote_host": "h", "prompt_token_ids": [9]}'
+    content = b'{"prompt_token_ids":[5,6],"kv_transfer_params":' + kv + b"}"
+    assert read_prefill(Kind.CHAT, content) == PrefillResult(b"[5,6]", 2, kv)
+
+
+def test_read_prefill_counts_compact_ids_with_or_without_the_servers_count() -> None:
+    assert read_prefill(Kind.CHAT, b'{"prompt_token_ids":[10,2,33]}') == PrefillResult(b"[10,2,33]", 3, None)
+    assert read_prefill(Kind.CHAT, b'{"prompt_token_ids":[7]}') == PrefillResult(b"[7]", 1, None)
+    counted = b'{"prompt_token_ids":[1,2],"usage":{"prompt_tokens":2}}'
+    assert read_prefill(Kind.CHAT, counted) == PrefillResult(b"[1,2]", 2, None)
+    miscounted = read_prefill(Kind.CHAT, b'{"prompt_token_ids":[1,2],"usage":{"prompt_tokens":3}}')
+    assert miscounted.ids == b"[1,2]" and miscounted.count == 2  # the exact path's own count
+
+
 def test_read_prefill_accepts_json_that_is_not_compact() -> None:
     spaced = json.dumps({"prompt_token_ids": [1, 2, 3], "kv_transfer_params": NIXL_PARAMS}, indent=2).encode()
     parsed = read_prefill(Kind.CHAT, spaced)
@@ -253,7 +271,18 @@ def test_read_prefill_rejects_what_is_not_ids(ids: object, problem: str) -> None
 
 @pytest.mark.parametrize(
     "content",
-    [b"[1,2]", b"null", b"{not json", b'{"prompt_token_ids":[1,,2]}', b"\xff"],
+    [
+        b"[1,2]",
+        b"null",
+        b"{not json",
+        b'{"prompt_token_ids":[1,,2]}',
+        b'{"prompt_token_ids":[1,2,]}',
+        b'{"prompt_token_ids":[,1]}',
+        b'{"prompt_token_ids":[1,-2]}',
+        b'{"prompt_token_ids":[[1],2]}',
+        b'{"prompt_token_ids":[]}',
+        b"\xff",
+    ],
 )
 def test_read_prefill_rejects_what_is_not_a_response(content: bytes) -> None:
     parsed = read_prefill(Kind.CHAT, content)
