@@ -166,6 +166,11 @@ def tool_rates(output: str) -> dict[str, float]:
     return rates
 
 
+def failed_requests(output: str) -> int:
+    """Requests the tool gave up on: rejected (not HTTP 200, or a stream without content), timed out, raised."""
+    return len(re.findall(r"- (?:Request rejected|Timeout|Exception) during conversation", output))
+
+
 def counter_delta(before: str, after: str, name: str, by: Sequence[str]) -> dict[str, float]:
     """How much counter ``name`` grew between two /metrics scrapes, summed by the labels ``by``."""
 
@@ -322,6 +327,7 @@ class Run:
     index: int
     seed: int
     exit_code: int
+    failed: int
     rates: dict[str, float]
     summary: dict[str, Any]
     prefill_requests: float
@@ -385,6 +391,7 @@ class Bench:
         prefill_after, decode_after = scrape(self.prefill), scrape(self.decode)
         result = Run(
             arm=arm, round=rnd, index=index, seed=seed, exit_code=done.returncode,
+            failed=failed_requests(done.stdout + done.stderr),
             rates=tool_rates(done.stdout) if stats else {}, summary=run_summary(stats),
             prefill_requests=sum(counter_delta(prefill_before, prefill_after, "vllm:request_success", ()).values()),
             decode_prompt_tokens=counter_delta(
@@ -480,7 +487,7 @@ def report(runs: Sequence[Run], arms: Sequence[str], skipped: Mapping[str, str])
         cpu = f", proxy CPU {r.proxy_cpu_s:.2f} s" if r.proxy_cpu_s is not None else ""
         decided = f", decisions [{decisions}]" if decisions else ""
         lines.append(
-            f"  {r.arm:<16} round {r.round}: {r.summary['requests']} requests (exit {r.exit_code}), "
+            f"  {r.arm:<16} round {r.round}: {r.summary['requests']} requests, {r.failed} failed (exit {r.exit_code}), "
             f"prefill {r.prefill_requests:.0f}, decode [{tokens}]{cpu}{decided}"
         )
     for arm, why in skipped.items():
@@ -561,7 +568,7 @@ def run_all(args: argparse.Namespace) -> int:
                 run = bench.run(arm, urls[arm], procs[arm], rnd, len(runs), total)
                 runs.append(run)
                 log(
-                    f"round {rnd + 1}/{args.rounds} {arm}: {run.summary['requests']} requests, "
+                    f"round {rnd + 1}/{args.rounds} {arm}: {run.summary['requests']} requests ({run.failed} failed), "
                     f"TTFT p50 {run.summary['ttft_p50_ms'] or float('nan'):.0f} ms "
                     f"({time.monotonic() - started_at:.0f} s)"
                 )

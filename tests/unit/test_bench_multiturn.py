@@ -88,3 +88,13 @@ def test_the_decode_only_share_counts_pdclients_decisions_not_to_hand_off() -> N
     decisions = {"true uncached_at_or_above_threshold": 45.0, "false mostly_cached": 15.0}
     assert mt.decode_only_share(decisions) == 0.25
     assert mt.decode_only_share({}) is None
+
+
+def test_failed_requests_are_counted_from_the_tools_log() -> None:
+    out = (
+        "[WARNING] - Client 0 - Request rejected during conversation ID CONV_ID_2 (turn: 1)\n"
+        "[ERROR] - Client 1 - Timeout during conversation ID CONV_ID_3 (turn: 3). Base timeout is 120s\n"
+        "[ERROR] - Client 1 - Exception during conversation ID CONV_ID_5 (turn: 1)\n"
+        "[INFO] - Client 0 is done (num_successes=8, num_failures=1)\n"
+    )
+    assert mt.failed_requests(out) == 3
