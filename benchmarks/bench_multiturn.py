@@ -22,7 +22,11 @@ started once, and the arms in front of it, all started once: ``pdclient serve`` 
 ``pdclient serve --remote-prefill always``, vllm-router 0.1.17 (``--vllm-pd-disaggregation
 --kv-connector nixl``), vLLM's ``disagg_proxy_multiturn.py`` (bidirectional KV per
 conversation; the tool sends it ``--send-conversation-id``, which it needs), and the decode
-server alone. Each round runs every arm once, the order rotated per round.
+server alone. Each round runs every arm once, the order rotated per round. The multi-turn
+proxy runs as a plain P/D proxy here: it reads the decode's block ids from a
+``kv_transfer_params`` field of the streamed chunks, which vLLM 0.32's chat stream does not
+have (not even with ``bidirectional_kv_xfer`` on the servers: checked), so every turn is a
+"cache MISS" in its log; the run logs how many hits it saw.
 
 Per run: the tool's own summary (runtime, requests/s) and, from its per-request output,
 TTFT p50/p99 (first turns and follow-ups apart), TPOT p50, latency p50/p99; the prefill
