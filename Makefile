@@ -14,7 +14,8 @@ VENV_OPENAI2 = $(shell tools/venv.sh requirements-openai2.txt)
 PYTEST = -m pytest -ra -p no:cacheprovider
 
 .PHONY: test install system-packages install-openai2 lint typecheck test-client test-pair-avx2 test-openai2 test-server-patch test-fast demo \
-        bench-client-overhead bench-decode-ttft bench-proxies bench-dispatch bench-serve-cpu bench-migration bench-conversations
+        bench-client-overhead bench-decode-ttft bench-proxies bench-dispatch bench-serve-cpu bench-migration bench-conversations \
+        bench-multiturn
 
 # Every tier, in the order a failure is cheapest to find (docs/ARCHITECTURE.md, "Tests").
 test: lint typecheck test-client test-pair-avx2 test-openai2 test-server-patch
@@ -100,3 +101,10 @@ bench-migration: install
 # (~30 min at 6 rounds on this loaded machine; its timings want the cores to themselves).
 bench-conversations: install
 	$(VENV)/bin/python benchmarks/bench_conversations.py $(ARGS)
+
+# vLLM's own multi-turn benchmark (from the vLLM sdist, unchanged) against pdclient serve (auto, always),
+# vllm-router, vLLM's multi-turn P/D proxy and the decode alone, on one LocalPD pair it starts
+# (~30 min at 3 rounds; its timings want the cores to themselves). ARGS="--workload long",
+# ARGS="--quick" (1 round, 6 conversations), ARGS='--serve-args="--some-flag 1"' for both pdclient arms.
+bench-multiturn: install
+	$(VENV)/bin/python benchmarks/bench_multiturn.py $(ARGS)

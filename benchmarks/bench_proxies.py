@@ -157,14 +157,25 @@ def root(url: str) -> str:
 
 
 def pdclient_serve(
-    prefill: str, decode: str, logs: Path, workers: int = 1, tree: Path | None = None, name: str | None = None
+    prefill: str,
+    decode: str,
+    logs: Path,
+    workers: int = 1,
+    tree: Path | None = None,
+    name: str | None = None,
+    remote_prefill: str = "always",
+    extra_args: Sequence[str] = (),
 ) -> contextlib.AbstractContextManager[Proc]:
-    """``pdclient serve`` from this checkout, or from ``tree`` (another revision's checkout)."""
+    """``pdclient serve`` from this checkout, or from ``tree`` (another revision's checkout).
+
+    ``remote_prefill`` defaults to always, as the routers do: every call a handoff (the
+    stubs' calls repeat one prompt). ``extra_args`` go to ``pdclient serve`` as they are.
+    """
     port = free_port()
     command = [
         sys.executable, "-m", "pdclient", "serve", "--prefill", prefill, "--decode", decode,
         "--port", str(port), "--workers", str(workers), "--log-level", "info",
-        "--remote-prefill", "always",  # as the routers: every call a handoff (the stubs' calls repeat one prompt)
+        "--remote-prefill", remote_prefill, *extra_args,
     ]  # fmt: skip
     name = name or ("pdclient serve" if workers == 1 else f"pdclient serve x{workers}")
     base = f"http://127.0.0.1:{port}"
