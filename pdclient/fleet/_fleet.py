@@ -20,6 +20,7 @@ from typing import Protocol
 import httpx
 
 from ..conversations import ConversationMemory, ConversationSettings
+from ..costs import CostModel
 from ..pools import BreakerSettings, EndpointPool
 from ..routing import RoutingPolicy, make_policy
 from ._background import Background, Core, Fetch, system_resolver
@@ -81,6 +82,8 @@ class Fleet:
         """Each prefill endpoint's NIXL coordinates, from its last answer (concurrent dispatch)."""
         self.memory = ConversationMemory(options.conversations)
         """The conversations this fleet's decode endpoints answered (``remote_prefill="auto"``)."""
+        self.costs = CostModel()
+        """What each route costs, learnt from this fleet's calls (``auto``'s decisions)."""
         self.background = _background(options, self.pools, asynchronous)
         """The pools' background work, or None when no feature needs any."""
         if self.background is not None:  # a client dropped unclosed does not leave its driver running

@@ -13,12 +13,13 @@ holds one call's part in all this, from the decision to the answer remembered.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .. import wire
 from .._options import DEFAULT_ROUTING, PDOptions
-from .._trace import Outcome
+from .._trace import CostDecision, Outcome
 from ..conversations import (
     SHAPE_FIELDS,
     AnswerCollector,
@@ -30,6 +31,7 @@ from ..conversations import (
     Reason,
     decide_remote_prefill,
 )
+from ..costs import CostModel, DispatchChoice
 from ..pools import AllEndpointsOpen, EndpointPool
 from ..routing import RouteDecision, RouteRequest, conversation_routing, policy_decision
 from ._leg import Leg
@@ -60,12 +62,34 @@ def conversation_home(pool: EndpointPool, options: PDOptions, route: RouteReques
         return None
 
 
+def running_streams(pool: EndpointPool, url: str | None, now: float) -> int:
+    """The streams running on the decode endpoint ``url``: this process's calls in flight
+    there, or the server's own count when a fresh load sample says more (other processes')."""
+    for endpoint in pool.endpoints:
+        if endpoint.url == url:
+            load = endpoint.load
+            counted = int(load.running) if load is not None and load.fresh(now) else 0
+            return max(endpoint.in_flight, counted)
+    return 0
+
+
 def remote_prefill_decision(
-    mode: str, estimate: Estimate | None, settings: ConversationSettings, home: RouteDecision | None
+    mode: str,
+    estimate: Estimate | None,
+    settings: ConversationSettings,
+    home: RouteDecision | None,
+    fleet: Fleet | None = None,
 ) -> Decision:
-    """``decide_remote_prefill``, its decode endpoint the conversation's home when the memory
-    names none: every replica sends this conversation's turns to the same decode endpoint."""
-    decision = decide_remote_prefill(mode, estimate, settings)
+    """``decide_remote_prefill`` on the costs ``fleet`` learnt (``Fleet.costs``) for the
+    decode endpoint holding the conversation, its decode endpoint the conversation's home
+    when the memory names none: every replica sends this conversation's turns to the same
+    decode endpoint."""
+    costs = None
+    if mode == "auto" and estimate is not None and fleet is not None:
+        held = estimate.endpoint or (home.endpoint.url if home is not None else None)
+        streams = running_streams(fleet.decode, held, time.monotonic())
+        costs = fleet.costs.predict(held, estimate.uncached_tokens, streams)
+    decision = decide_remote_prefill(mode, estimate, settings, costs)
     if decision.decode_endpoint is None and home is not None:
         decision = dataclasses.replace(decision, decode_endpoint=home.endpoint.url)
     return decision
@@ -207,7 +231,7 @@ class RemotePrefill:
         estimate = None
         if mode == "auto" and self.conversation is not None:
             estimate = self.conversation.estimate([e.url for e in fleet.decode.admitted()], self.home)
-        self.decision = remote_prefill_decision(mode, estimate, options.conversations, self.home)
+        self.decision = remote_prefill_decision(mode, estimate, options.conversations, self.home, fleet)
         self.warms = not self.decision.remote_prefill and mode == "auto" and options.conversations.warm_prefill
         return self.decision.remote_prefill
 
@@ -243,3 +267,56 @@ class RemotePrefill:
             return
         counted = prefill.count if prefill is not None and prefill.ids is not None else None
         turn.remember(decision, endpoint, decode_only=outcome is Outcome.DECODE_ONLY, prefill_tokens=counted)
+
+    def learn_costs(self, costs: CostModel, outcome: Outcome, timings: CallTimings) -> None:
+        """What a whole streamed call teaches the cost model: its time to first token on the
+        route it took, against the tokens computed for it (the decode's own count of what it
+        found uncached where it says, else the estimate, else the prefill's prompt length)."""
+        if timings.first_token_ms is None:
+            return
+        estimate = self.decision.estimate if self.decision is not None else None
+        tokens = estimate.uncached_tokens if estimate is not None else None
+        if outcome is Outcome.DECODE_ONLY and self.stored_state is None:
+            collector = self.conversation.collector if self.conversation is not None else None
+            if collector is not None and collector.prompt_tokens is not None and collector.cached_tokens is not None:
+                tokens = collector.prompt_tokens - collector.cached_tokens
+            if tokens is not None:
+                costs.decode_only(timings.decode_url, tokens, timings.first_token_ms)
+        elif outcome is Outcome.DISAGGREGATED and timings.prefill_url and timings.dispatch is not None:
+            if tokens is None:
+                tokens = timings.prompt_tokens
+            if tokens is not None:
+                costs.handoff(timings.prefill_url, timings.dispatch, tokens, timings.first_token_ms)
+
+    def trace(self, dispatch: str | None, choice: DispatchChoice | None) -> CostDecision | None:
+        """The call's ``PDTrace.decision``: the route, why, and each route's predicted cost."""
+        decision = self.decision
+        if decision is None:
+            return None
+        costs = decision.costs
+        return CostDecision(
+            route="handoff" if decision.remote_prefill else "decode_only",
+            reason=decision.reason.value,
+            decode_only_ms=costs.decode_only_ms if costs is not None else None,
+            handoff_ms=costs.handoff_ms if costs is not None else None,
+            stall_ms=costs.stall_ms if costs is not None else None,
+            streams=costs.streams if costs is not None else None,
+            dispatch=dispatch,
+            dispatch_reason=choice.reason.value if choice is not None else None,
+            sequential_ms=choice.sequential_ms if choice is not None else None,
+            concurrent_ms=choice.concurrent_ms if choice is not None else None,
+        )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CallTimings:
+    """What a call's end tells the cost model (``RemotePrefill.learn_costs``)."""
+
+    first_token_ms: float | None
+    """From the call's start to the decode's first byte, for a streamed call (None: not
+    streamed, whose first byte is the whole answer)."""
+    decode_url: str
+    prefill_url: str | None
+    dispatch: str | None
+    prompt_tokens: int | None
+    """The prompt's length as the prefill counted it (None: no prefill, or no ids)."""
