@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..costs import CostModel, RouteCosts
@@ -73,6 +74,9 @@ class Reason(str, enum.Enum):
     """The handoff's predicted time to first token is no higher (a tie spares the decode's streams)."""
     DECODE_ONLY_FASTER = "decode_only_faster"
     """Decode-only's predicted time to first token is the lower, within the stall budget."""
+    PROBE = "probe"
+    """Decode-only although predicted the slower, within the stall budget: its trial on that
+    decode endpoint (``costs.CostModel.probe_due``), so that its time is measured, not assumed."""
 
 
 @dataclass(frozen=True)
@@ -88,7 +92,11 @@ class Decision:
 
 
 def decide_remote_prefill(
-    mode: str, estimate: Estimate | None, settings: ConversationSettings, costs: RouteCosts | None = None
+    mode: str,
+    estimate: Estimate | None,
+    settings: ConversationSettings,
+    costs: RouteCosts | None = None,
+    probe: Callable[[], bool] | None = None,
 ) -> Decision:
     """Whether a call gets a remote prefill.
 
@@ -104,6 +112,9 @@ def decide_remote_prefill(
     a handoff whatever its count: an image is hundreds to thousands of tokens, and the
     vision encoder's work with them, that only the server can count, and a decode-only
     call would make the decode server do it all while its other streams stall.
+    ``probe``: asked only when nothing but the predicted time stands in the way of
+    decode-only, for a call whose compute would be within the budget even if streams ran;
+    True sends the call decode-only all the same, as a trial (``Reason.PROBE``).
     """
     endpoint = estimate.endpoint if estimate is not None else None
     if mode == "always":
@@ -127,4 +138,7 @@ def decide_remote_prefill(
         return Decision(True, Reason.STALL_OVER_BUDGET, endpoint, estimate, costs)
     if costs.decode_only_ms < costs.handoff_ms:
         return Decision(False, Reason.DECODE_ONLY_FASTER, endpoint, estimate, costs)
+    # A trial only of a call whose compute would be within the budget had streams been running.
+    if endpoint is not None and costs.compute_ms <= settings.max_decode_stall_ms and probe is not None and probe():
+        return Decision(False, Reason.PROBE, endpoint, estimate, costs)
     return Decision(True, Reason.HANDOFF_FASTER, endpoint, estimate, costs)

@@ -1,5 +1,5 @@
 """``CostLine``: a time that grows with a token count (``ms = fixed + per_token * tokens``),
-fitted to the last samples of live traffic, with a prior until there are enough.
+fitted to the last samples of live traffic, with a prior's slope until there are enough.
 
 The fit is Theil-Sen (the median of the slopes between pairs of samples, then the median
 intercept): one call queued behind a long prompt, or one answered from a warm cache,
@@ -44,8 +44,9 @@ class Line:
 
 
 class CostLine:
-    """A ``Line`` learnt from (tokens, ms) samples: the prior until ``min_samples``, then
-    the Theil-Sen fit of the last ``window`` (bounded memory). Not thread-safe on its own:
+    """A ``Line`` learnt from (tokens, ms) samples: the prior's slope with the samples'
+    median step until ``min_samples`` (and pairs far enough apart), then the Theil-Sen fit
+    of the last ``window`` (bounded memory). Not thread-safe on its own:
     ``CostModel`` holds the lock."""
 
     __slots__ = ("_fitted", "_samples", "min_samples", "prior")
@@ -72,7 +73,7 @@ class CostLine:
 
     def _fit(self) -> Line:
         samples = list(self._samples)
-        if len(samples) < self.min_samples:
+        if not samples:
             return self.prior
         slopes = [
             (b_ms - a_ms) / (b_tokens - a_tokens)
@@ -80,12 +81,18 @@ class CostLine:
             for b_tokens, b_ms in samples[i + 1 :]
             if abs(b_tokens - a_tokens) >= _MIN_SPREAD_TOKENS
         ]
-        # Too little spread in the counts (every turn alike) to see a slope: the prior's,
-        # and the step is what the samples leave over.
-        slope = statistics.median(slopes) if len(slopes) >= self.min_samples else self.prior.ms_per_token
+        # Too few samples, or too little spread in their counts (every turn alike), to see a
+        # slope: the prior's, and the step is what the samples leave over.
+        enough = len(samples) >= self.min_samples and len(slopes) >= self.min_samples
+        slope = statistics.median(slopes) if enough else self.prior.ms_per_token
         slope = min(max(slope, 0.0), _MAX_MS_PER_TOKEN)
         fixed = statistics.median(ms - slope * tokens for tokens, ms in samples)
-        return Line(max(fixed, 0.0), slope, len(samples))
+        if fixed < 0:
+            # The samples are faster than the slope allows at any step (a prior's slope, on a
+            # server quicker than it assumes): their own median time per token, no step.
+            rates = [ms / tokens for tokens, ms in samples if tokens > 0]
+            slope, fixed = (min(slope, statistics.median(rates)) if rates else slope), 0.0
+        return Line(fixed, slope, len(samples))
 
 
 __all__ = ["CostLine", "Line"]

@@ -29,7 +29,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from ._dispatch_choice import DispatchChoice, DispatchChooser
+from ._dispatch_choice import PROBE_EVERY, DispatchChoice, DispatchChooser
 from ._line import CostLine, Line
 from ._priors import CostPriors
 
@@ -47,6 +47,8 @@ class RouteCosts:
     """Its time to first token through a P/D handoff."""
     stall_ms: float
     """What the decode-only route would make the decode server's running streams wait (0: none run)."""
+    compute_ms: float
+    """The decode server's compute for the call's uncached tokens: the stall, were streams running."""
     streams: int
     """The streams counted running on that decode endpoint."""
 
@@ -57,6 +59,8 @@ class CostModel:
     def __init__(self, priors: CostPriors | None = None) -> None:
         self.priors = priors or CostPriors()
         self._decode: OrderedDict[str, CostLine] = OrderedDict()
+        self._asked: dict[str, int] = {}
+        """Per decode endpoint, the calls that asked whether decode-only is due a trial."""
         self._handoff = self._new_line(self.priors.handoff)
         self._dispatch = DispatchChooser(self.priors)
         self._lock = threading.Lock()
@@ -69,7 +73,7 @@ class CostModel:
         if line is None:
             line = self._decode[endpoint] = self._new_line(self.priors.decode_prefill)
             while len(self._decode) > _MAX_ENDPOINTS:
-                self._decode.popitem(last=False)
+                self._asked.pop(self._decode.popitem(last=False)[0], None)
         self._decode.move_to_end(endpoint)
         return line
 
@@ -112,8 +116,20 @@ class CostModel:
             decode = self._decode_line(decode_endpoint).line() if decode_endpoint else self.priors.decode_prefill
             handoff = self._handoff.line()
         tokens = max(0, uncached_tokens)
-        stall = decode.ms_per_token * tokens if streams > 0 else 0.0
-        return RouteCosts(decode.at(tokens), handoff.at(tokens), stall, max(0, streams))
+        compute = decode.ms_per_token * tokens
+        return RouteCosts(
+            decode.at(tokens), handoff.at(tokens), compute if streams > 0 else 0.0, compute, max(0, streams)
+        )
+
+    def probe_due(self, decode_endpoint: str) -> bool:
+        """Whether a call that would go decode-only on ``decode_endpoint`` but for its predicted
+        time goes anyway, as a trial: every other such call while the endpoint has too few
+        decode-only timings, then one in ``PROBE_EVERY``. Counted, not drawn: a prior, or a
+        line gone stale, never keeps decode-only from being measured."""
+        with self._lock:
+            line = self._decode_line(decode_endpoint)
+            asked = self._asked[decode_endpoint] = self._asked.get(decode_endpoint, 0) + 1
+            return asked % (2 if len(line) < self.priors.min_samples else PROBE_EVERY) == 1
 
     def choose_dispatch(self, prefill_endpoint: str, prefill_tokens: int, now: float) -> DispatchChoice:
         """Sequential or concurrent for a handoff on ``prefill_endpoint`` (``DispatchChooser``)."""

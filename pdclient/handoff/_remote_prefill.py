@@ -13,6 +13,7 @@ holds one call's part in all this, from the decision to the answer remembered.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -84,12 +85,14 @@ def remote_prefill_decision(
     decode endpoint holding the conversation, its decode endpoint the conversation's home
     when the memory names none: every replica sends this conversation's turns to the same
     decode endpoint."""
-    costs = None
+    costs, probe = None, None
     if mode == "auto" and estimate is not None and fleet is not None:
         held = estimate.endpoint or (home.endpoint.url if home is not None else None)
         streams = running_streams(fleet.decode, held, time.monotonic())
         costs = fleet.costs.predict(held, estimate.uncached_tokens, streams)
-    decision = decide_remote_prefill(mode, estimate, settings, costs)
+        if held is not None:
+            probe = functools.partial(fleet.costs.probe_due, held)
+    decision = decide_remote_prefill(mode, estimate, settings, costs, probe)
     if decision.decode_endpoint is None and home is not None:
         decision = dataclasses.replace(decision, decode_endpoint=home.endpoint.url)
     return decision

@@ -545,7 +545,7 @@ def test_decide_with_the_ratio_condition_off_sends_short_new_prompts_decode_only
 
 
 def costs(decode_only_ms: float, handoff_ms: float, stall_ms: float = 0.0, streams: int = 0) -> RouteCosts:
-    return RouteCosts(decode_only_ms, handoff_ms, stall_ms, streams)
+    return RouteCosts(decode_only_ms, handoff_ms, stall_ms, stall_ms, streams)
 
 
 @pytest.mark.parametrize(
@@ -572,6 +572,27 @@ def test_the_stall_budget_and_a_fixed_cap_are_the_operators() -> None:
     capped = ConversationSettings(threshold_tokens=256)
     decision = decide_remote_prefill("auto", estimate_of(5000, 300), capped, cheap)
     assert (decision.remote_prefill, decision.reason) == (True, Reason.UNCACHED_AT_OR_ABOVE_THRESHOLD)
+
+
+def test_a_probe_tries_decode_only_only_within_the_budget() -> None:
+    asked: list[bool] = []
+
+    def due() -> bool:
+        asked.append(True)
+        return True
+
+    slower = RouteCosts(300.0, 100.0, 0.0, 100.0, 0)
+    decision = decide_remote_prefill("auto", estimate_of(5000, 100), SETTINGS, slower, due)
+    assert (decision.remote_prefill, decision.reason) == (False, Reason.PROBE)
+    # A compute beyond the budget (were streams to start) is never a trial, nor asked for one.
+    long = RouteCosts(900.0, 300.0, 0.0, 800.0, 0)
+    assert decide_remote_prefill("auto", estimate_of(5000, 800), SETTINGS, long, due).reason is Reason.HANDOFF_FASTER
+    faster = RouteCosts(50.0, 300.0, 0.0, 40.0, 0)
+    assert (
+        decide_remote_prefill("auto", estimate_of(5000, 40), SETTINGS, faster, due).reason is Reason.DECODE_ONLY_FASTER
+    )
+    assert len(asked) == 1
+    assert decide_remote_prefill("auto", estimate_of(5000, 100), SETTINGS, slower, lambda: False).remote_prefill
 
 
 def test_media_and_a_missing_estimate_are_handoffs_whatever_the_costs() -> None:

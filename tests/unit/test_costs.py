@@ -22,11 +22,12 @@ from pdclient.costs import (
 D1, P1 = "http://d1/v1", "http://p1/v1"
 
 
-def test_a_line_is_its_prior_until_it_has_enough_samples() -> None:
+def test_a_line_takes_the_prior_slope_until_it_has_enough_samples() -> None:
     line = CostLine(Line(10.0, 1.0), min_samples=4)
+    assert line.line() == Line(10.0, 1.0)
     for tokens in (100, 200, 300):
         line.add(tokens, 50 + 2 * tokens)
-    assert line.line() == Line(10.0, 1.0)
+    assert line.line() == Line(250.0, 1.0, 3)  # the step the samples leave over at the prior's slope
     line.add(400, 850)
     assert line.line() == Line(50.0, 2.0, 4)
 
@@ -48,6 +49,22 @@ def test_a_line_of_alike_counts_keeps_the_prior_slope_and_learns_the_step() -> N
     for ms in (400.0, 410.0, 390.0, 405.0, 395.0):
         line.add(300, ms)
     assert line.line() == Line(100.0, 1.0, 5)
+
+
+def test_a_line_faster_than_its_prior_slope_allows_takes_its_own_rate() -> None:
+    """A GPU's decode-only calls: a few ms for hundreds of tokens, where the prior says 1 ms a token."""
+    line = CostLine(Line(10.0, 1.0))
+    line.add(300, 6.0)
+    assert line.line() == Line(0.0, 0.02, 1)
+
+
+def test_decode_only_is_probed_every_other_call_until_timed_then_rarely() -> None:
+    model = CostModel()
+    assert [model.probe_due(D1) for _ in range(6)] == [True, False] * 3
+    for tokens in (100, 200, 300, 400):
+        model.decode_only(D1, tokens, 5.0)
+    later = [model.probe_due(D1) for _ in range(3 * PROBE_EVERY)]
+    assert later.count(True) == 3
 
 
 def test_a_line_keeps_a_bounded_window() -> None:
