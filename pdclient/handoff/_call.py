@@ -503,13 +503,13 @@ class Call:
         that moved its stream, or went to a fallback server, says nothing of either route."""
         if self.plan is None or self.fallback_url is not None or self.migration_moved():
             return
-        result = self.prefill_result
+        handoff = self.record.outcome is Outcome.DISAGGREGATED and self.plan.stream
         timings = CallTimings(
             first_token_ms=self.record.first_byte_ms if self.plan.stream else None,
             decode_url=decode_url,
             prefill_url=self.prefill.url or None,
             dispatch=self.record.dispatch,
-            prompt_tokens=result.count if result is not None and result.ids is not None else None,
+            handoff_tokens=self.remote.handoff_tokens(self.plan, self.context.fleet.memory) if handoff else 0,
         )
         self.remote.learn_costs(self.context.fleet.costs, self.record.outcome, timings)
 

@@ -141,8 +141,7 @@ def concurrent_decode(call: Call) -> ConcurrentDecode | None:
     if book.is_sequential_only(coordinates):
         return None  # a decode's prompt for this prefill server differed, or could not be checked
     if mode_of(call) == "auto":
-        estimate = call.remote.decision.estimate if call.remote.decision is not None else None
-        tokens = estimate.uncached_tokens if estimate is not None else 0
+        tokens = call.remote.handoff_tokens(plan, call.context.fleet.memory)
         choice = call.context.fleet.costs.choose_dispatch(prefill_url, tokens, time.monotonic())
         call.record.dispatch_choice = choice
         if choice.mode == SEQUENTIAL:

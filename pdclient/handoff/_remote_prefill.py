@@ -31,6 +31,7 @@ from ..conversations import (
     Match,
     Reason,
     decide_remote_prefill,
+    rendered_chars,
 )
 from ..costs import CostModel, DispatchChoice
 from ..pools import AllEndpointsOpen, EndpointPool
@@ -198,7 +199,7 @@ class RemotePrefill:
     a decode-only call whose conversation's endpoint is out of reach becomes a handoff after
     all; a whole answer is remembered at the call's end."""
 
-    __slots__ = ("conversation", "decision", "home", "stored_state", "warm_up_url", "warms")
+    __slots__ = ("_tokens", "conversation", "decision", "home", "stored_state", "warm_up_url", "warms")
 
     def __init__(self) -> None:
         self.decision: Decision | None = None
@@ -213,6 +214,7 @@ class RemotePrefill:
         """The prefill endpoint this decode-only call's prompt was queued to (``fleet._warm``)."""
         self.warms = False
         """Whether the decode-only call's prompt is to be queued for a prefill endpoint (``warm_up``)."""
+        self._tokens: int | None = None
 
     def decide(
         self,
@@ -271,25 +273,39 @@ class RemotePrefill:
         counted = prefill.count if prefill is not None and prefill.ids is not None else None
         turn.remember(decision, endpoint, decode_only=outcome is Outcome.DECODE_ONLY, prefill_tokens=counted)
 
+    def handoff_tokens(self, plan: wire.Plan, memory: ConversationMemory) -> int:
+        """The tokens a handoff's prefill computes, as the costs count them: the estimate's
+        uncached tokens, else the prompt's text read with the tenant's learned ratio. Read
+        once: the dispatch choice and what the call teaches count alike (the prefill's own
+        count is known only after the choice)."""
+        if self._tokens is None:
+            estimate = self.decision.estimate if self.decision is not None else None
+            if estimate is not None:
+                self._tokens = estimate.uncached_tokens
+            elif plan.messages is not None:
+                chars = rendered_chars(plan.messages, wire.field_value(plan.fields, "tools"))
+                self._tokens = memory.tokens_for(chars, len(plan.messages) + 1, tenant=plan.tenant)
+            else:  # completions: the prompt field's length as sent, unparsed (it may be long)
+                self._tokens = memory.tokens_for(len(plan.fields.get("prompt") or b""), 0, tenant=plan.tenant)
+        return self._tokens
+
     def learn_costs(self, costs: CostModel, outcome: Outcome, timings: CallTimings) -> None:
         """What a whole streamed call teaches the cost model: its time to first token on the
-        route it took, against the tokens computed for it (the decode's own count of what it
-        found uncached where it says, else the estimate, else the prefill's prompt length)."""
+        route it took, against the tokens computed for it (a decode-only call: the decode's
+        own count of what it found uncached where it says, else the estimate; a handoff:
+        ``handoff_tokens``)."""
         if timings.first_token_ms is None:
             return
-        estimate = self.decision.estimate if self.decision is not None else None
-        tokens = estimate.uncached_tokens if estimate is not None else None
         if outcome is Outcome.DECODE_ONLY and self.stored_state is None:
+            estimate = self.decision.estimate if self.decision is not None else None
+            tokens = estimate.uncached_tokens if estimate is not None else None
             collector = self.conversation.collector if self.conversation is not None else None
             if collector is not None and collector.prompt_tokens is not None and collector.cached_tokens is not None:
                 tokens = collector.prompt_tokens - collector.cached_tokens
             if tokens is not None:
                 costs.decode_only(timings.decode_url, tokens, timings.first_token_ms)
         elif outcome is Outcome.DISAGGREGATED and timings.prefill_url and timings.dispatch is not None:
-            if tokens is None:
-                tokens = timings.prompt_tokens
-            if tokens is not None:
-                costs.handoff(timings.prefill_url, timings.dispatch, tokens, timings.first_token_ms)
+            costs.handoff(timings.prefill_url, timings.dispatch, timings.handoff_tokens, timings.first_token_ms)
 
     def trace(self, dispatch: str | None, choice: DispatchChoice | None) -> CostDecision | None:
         """The call's ``PDTrace.decision``: the route, why, and each route's predicted cost."""
@@ -321,5 +337,5 @@ class CallTimings:
     decode_url: str
     prefill_url: str | None
     dispatch: str | None
-    prompt_tokens: int | None
-    """The prompt's length as the prefill counted it (None: no prefill, or no ids)."""
+    handoff_tokens: int
+    """``RemotePrefill.handoff_tokens`` (0 for a decode-only call: not read)."""

@@ -16,7 +16,8 @@ from tests.stubserver import Fault, Received, StubServer
 from tests.twins import Twin
 
 MESSAGES: Any = [{"role": "user", "content": "Say hello."}]
-CALLS = 20
+CALLS = 28
+"""Enough for both modes' 4 timings, and settled calls after, on a loaded machine."""
 
 
 def _push_params(request_id: str, n_ids: int) -> dict[str, Any]:
@@ -56,7 +57,7 @@ def delays(prefill_s: float, sequential_s: float, concurrent_s: float) -> Callab
     return hook
 
 
-async def run(mode: str, pair: tuple[StubServer, StubServer]) -> list[PDTrace]:
+async def run(mode: str, pair: tuple[StubServer, StubServer], remote_prefill: str = "auto") -> list[PDTrace]:
     prefill, decode = pair
     traces: list[PDTrace] = []
     twin = Twin(
@@ -65,6 +66,7 @@ async def run(mode: str, pair: tuple[StubServer, StubServer]) -> list[PDTrace]:
         decode_base_url=decode.url,
         retries=RetrySettings(backoff_initial=0.001, backoff_max=0.01),
         dispatch="auto",
+        remote_prefill=remote_prefill,
         on_trace=traces.append,
     )
     for _ in range(CALLS):
@@ -82,23 +84,29 @@ def ttft(trace: PDTrace) -> float:
     return trace.prefill_ms + trace.decode_first_byte_ms
 
 
+@pytest.mark.parametrize("remote_prefill", ["auto", "always"])
 async def test_auto_settles_on_concurrent_where_it_hides_a_gpu_handover(
-    mode: str, pair: tuple[StubServer, StubServer]
+    mode: str, pair: tuple[StubServer, StubServer], remote_prefill: str
 ) -> None:
     """A GPU pair's regime: a prefill of ~40 ms and a handover of ~150 ms (the decode's
-    admission and the KV's arrival) that a decode sent with its prefill overlaps."""
-    pair[0].fault_hook = pair[1].fault_hook = delays(0.04, 0.15, 0.15)
-    traces = await run(mode, pair)
+    admission, its block allocation, the KV's move) after it, which a decode sent with its
+    prefill does while the prefill computes: its first token comes ~20 ms after the
+    prefill's end. With or without an estimate (``always`` makes none), the choice predicts
+    at the token count the timings were learnt at."""
+    pair[0].fault_hook = pair[1].fault_hook = delays(0.04, 0.15, 0.06)
+    traces = await run(mode, pair, remote_prefill)
     assert traces[0].dispatch == "sequential" and traces[0].decision is not None
-    settled = traces[-8:]
-    assert [t.dispatch for t in settled].count("concurrent") >= 7, [t.decision for t in settled]
+    settled = traces[-8:]  # one may be a probe of the other mode
+    assert [t.dispatch for t in settled].count("concurrent") >= 7, [t.decision for t in traces]
     last = settled[-1].decision
     assert last is not None and last.dispatch_reason == "concurrent_faster"
     assert last.concurrent_ms is not None and last.sequential_ms is not None
-    assert last.concurrent_ms < 0.9 * last.sequential_ms
+    assert last.concurrent_ms < 0.6 * last.sequential_ms
     concurrent = statistics.median(ttft(t) for t in traces if t.dispatch == "concurrent")
     sequential = statistics.median(ttft(t) for t in traces if t.dispatch == "sequential")
-    assert concurrent < 0.9 * sequential
+    assert concurrent < 0.6 * sequential, (concurrent, sequential)
+    assert 0.5 * sequential < last.sequential_ms < 2 * sequential
+    assert 0.5 * concurrent < last.concurrent_ms < 2 * concurrent
 
 
 async def test_auto_settles_on_sequential_where_the_waiting_decode_costs_more(
@@ -109,7 +117,7 @@ async def test_auto_settles_on_sequential_where_the_waiting_decode_costs_more(
     pair[0].fault_hook = pair[1].fault_hook = delays(0.04, 0.01, 0.1)
     traces = await run(mode, pair)
     settled = traces[-8:]
-    assert [t.dispatch for t in settled].count("sequential") >= 7, [t.decision for t in settled]
+    assert [t.dispatch for t in settled].count("sequential") >= 7, [t.decision for t in traces]
     last = settled[-1].decision
     assert last is not None and last.dispatch_reason == "sequential_faster"
     assert last.concurrent_ms is not None and last.sequential_ms is not None
@@ -170,7 +178,7 @@ def test_auto_hands_off_follow_ups_once_it_learns_the_decode_prefills_slowly(
     it is timed too (``probe``), and its 300 ms then hand the rest off."""
     traces = conversations(chat_pair, ["And then?"] * 12, decode_only_s=0.3, handover_s=0.01)
     reasons = [t.remote_prefill_reason for t in traces]
-    assert reasons[:8:2] == ["probe"] * 4, reasons
+    assert reasons[:8].count("probe") >= 3 and reasons[:8].count("handoff_faster") >= 3, reasons
     assert reasons[8:] == ["handoff_faster"] * 4, reasons
     last = traces[-1].decision
     assert last is not None and last.decode_only_ms is not None and last.handoff_ms is not None
