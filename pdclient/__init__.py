@@ -10,7 +10,7 @@ from ._client import AsyncPDChatClient, PDChatClient
 from ._errors import PDConfigError, PDError, PDSetupError
 from ._observe import CallView, LegView, PDObserver
 from ._options import PDOptions
-from ._trace import Outcome, PDTrace
+from ._trace import CostDecision, Outcome, PDTrace
 from .conversations import ConversationSettings
 from .fleet import DiscoverySettings, HealthSettings, ScrapeSettings
 from .pools import BreakerSettings, RetrySettings
@@ -26,6 +26,7 @@ __all__ = [
     "CacheAware",
     "CallView",
     "ConversationSettings",
+    "CostDecision",
     "DiscoverySettings",
     "HealthSettings",
     "LegView",

@@ -62,7 +62,36 @@ class Migration(BaseModel):
         return redact_url(value)  # as PDTrace's: a record is shown
 
 
-_NOT_IN_HEADERS = {"decode_first_byte_ms", "migrations", "leg_request_id"}
+class CostDecision(BaseModel):
+    """Why ``auto`` sent a call its way, and what each way was predicted to cost
+    (``pdclient.costs``): the remote prefill's decision and the handoff's dispatch."""
+
+    model_config = ConfigDict(frozen=True)
+
+    route: str
+    """``decode_only`` or ``handoff``."""
+    reason: str
+    """As ``PDTrace.remote_prefill_reason``."""
+    decode_only_ms: float | None = None
+    """The predicted time to first token decode-only (None: not predicted, ``always``/``never``)."""
+    handoff_ms: float | None = None
+    """The predicted time to first token through a P/D handoff."""
+    stall_ms: float | None = None
+    """What decode-only would make the decode server's running streams wait."""
+    streams: int | None = None
+    """The streams counted running on the decode endpoint when it decided."""
+    dispatch: str | None = None
+    """A handoff's dispatch, ``sequential`` or ``concurrent`` (None: no prefill leg)."""
+    dispatch_reason: str | None = None
+    """Why ``dispatch="auto"`` chose it: ``learning``, ``concurrent_faster``,
+    ``sequential_faster``, ``probe``, ``coordinates_unstable`` (``costs.DispatchReason``);
+    None when the mode was not ``auto``, or no coordinates allowed concurrency."""
+    sequential_ms: float | None = None
+    concurrent_ms: float | None = None
+    """``dispatch="auto"``: the predicted time to first token of each mode on the prefill endpoint."""
+
+
+_NOT_IN_HEADERS = {"decode_first_byte_ms", "migrations", "leg_request_id", "decision"}
 
 
 class PDTrace(BaseModel):
@@ -109,9 +138,10 @@ class PDTrace(BaseModel):
     None for calls that are never split (refused before planning, pass-through)."""
     remote_prefill_reason: str | None = None
     """Why, machine-readable: ``mode_always``, ``mode_never``, ``no_estimate`` (not a chat
-    call), ``uncached_at_or_above_threshold``, ``uncached_ratio_at_or_above``, ``adds_media``
-    (the turn adds an image, audio, a file: only the server's encoder knows its tokens),
-    ``mostly_cached`` (``conversations.Reason``); ``stored_state`` (a Responses call on a
+    call), ``uncached_at_or_above_threshold`` (an operator's fixed cap), ``uncached_ratio_at_or_above``,
+    ``adds_media`` (the turn adds an image, audio, a file: only the server's encoder knows
+    its tokens), ``stall_over_budget``, ``handoff_faster``, ``decode_only_faster``
+    (``conversations.Reason``; ``decision`` has the predicted costs); ``stored_state`` (a Responses call on a
     ``previous_response_id`` or ``conversation``: decode-only, where that state is)."""
     conversation: str | None = None
     """How an ``auto`` chat call related to the conversation remembered under its key:
@@ -144,6 +174,9 @@ class PDTrace(BaseModel):
     migrations: tuple[Migration, ...] = ()
     """Each time the decode stream broke and the answer continued on another decode endpoint
     (``max_decode_migrations``), in order. Not in the response headers: known only later."""
+    decision: CostDecision | None = None
+    """Why the call went decode-only or through a handoff, sequential or concurrent, with
+    each route's predicted cost: one place to read both ``auto`` decisions. Not in the response headers."""
     leg_request_id: str | None = None
     """The ``x-request-id`` both legs carried (the servers' logs name the call by it; a moved
     stream's continuation adds ``-m<n>``): random per call, never the caller's. Not in the

@@ -19,13 +19,19 @@ Metrics (``namespace`` prefix, ``pdclient`` by default; times in seconds):
                                                   ``decode_only`` is decode-only by decision,
                                                   ``prefill_failed`` a prefill failure's fallback)
 ``pdclient_remote_prefill_decisions_total`` counter  chat/completions calls by ``route``, ``remote_prefill``
-                                                  (true, false) and ``reason`` (``PDTrace.remote_prefill_reason``)
+                                                  (true, false) and ``reason`` (``PDTrace.remote_prefill_reason``:
+                                                  ``auto``'s are decode_only_faster, handoff_faster,
+                                                  stall_over_budget, and the rules before the costs)
 ``pdclient_dispatch_total``            counter    calls with a prefill leg by ``route``, ``dispatch`` (sequential,
                                                   concurrent: how the legs went out, ``PDOptions.dispatch``) and
                                                   ``fallback`` (``PDTrace.dispatch_fallback``, empty when none):
                                                   ``fallback="prompt_drift"`` counts decodes that rendered another
                                                   prompt than their prefill (the servers' templates differ),
                                                   ``prompt_unchecked`` those that gave no prompt ids to compare
+``pdclient_dispatch_decisions_total``  counter    ``dispatch="auto"``'s choices on the cost model, by ``route``,
+                                                  ``dispatch`` and ``reason`` (``PDTrace.decision.dispatch_reason``:
+                                                  learning, concurrent_faster, sequential_faster, probe,
+                                                  coordinates_unstable)
 ``pdclient_calls_in_flight``           gauge      calls started and not yet finished, by ``route``
 ``pdclient_call_duration_seconds``     histogram  call start to end (the whole stream), by ``route``
 ``pdclient_time_to_first_token_seconds`` histogram  call start to the decode's first body byte
@@ -159,6 +165,11 @@ class PrometheusObserver(PDObserver):
             "How a call's two legs went out (dispatch), and why a concurrent decode went out again (fallback).",
             ["route", "dispatch", "fallback"],
         )
+        self.dispatch_decisions = counter(
+            "dispatch_decisions",
+            "dispatch=auto's choice of sequential or concurrent on the cost model, and why.",
+            ["route", "dispatch", "reason"],
+        )
         self.in_flight = gauge(
             "calls_in_flight", "P/D calls started and not yet finished.", ["route"], multiprocess_mode="livesum"
         )
@@ -264,6 +275,9 @@ class PrometheusObserver(PDObserver):
             self._labelled(self.remote_prefill_decisions, route, remote, trace.remote_prefill_reason or "").inc()
         if trace.dispatch is not None:
             self._labelled(self.dispatch, route, trace.dispatch, trace.dispatch_fallback or "").inc()
+        chose = trace.decision.dispatch_reason if trace.decision is not None else None
+        if chose is not None and trace.dispatch is not None:
+            self._labelled(self.dispatch_decisions, route, trace.dispatch, chose).inc()
         self._labelled(self.call_duration, route).observe(time.perf_counter() - call.started)
         if trace.forwarded_tokens:
             self._labelled(self.forwarded_tokens, route).inc(trace.forwarded_tokens)

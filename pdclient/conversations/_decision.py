@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..costs import CostModel, RouteCosts
 from ..wire import REMOTE_PREFILL_MODES
 from ._settings import ConversationSettings
+
+_PRIORS = CostModel()
+"""Predicts from the priors alone, for a decision asked without costs."""
 
 
 class Match(str, enum.Enum):
@@ -67,9 +72,18 @@ class Reason(str, enum.Enum):
     MODE_NEVER = "mode_never"
     NO_ESTIMATE = "no_estimate"
     UNCACHED_AT_OR_ABOVE_THRESHOLD = "uncached_at_or_above_threshold"
+    """The operator's fixed cap (``threshold_tokens``, off by default)."""
     UNCACHED_RATIO_AT_OR_ABOVE = "uncached_ratio_at_or_above"
     ADDS_MEDIA = "adds_media"
-    MOSTLY_CACHED = "mostly_cached"
+    STALL_OVER_BUDGET = "stall_over_budget"
+    """Decode-only would make the decode's running streams wait longer than ``max_decode_stall_ms``."""
+    HANDOFF_FASTER = "handoff_faster"
+    """The handoff's predicted time to first token is no higher (a tie spares the decode's streams)."""
+    DECODE_ONLY_FASTER = "decode_only_faster"
+    """Decode-only's predicted time to first token is the lower, within the stall budget."""
+    PROBE = "probe"
+    """Decode-only although predicted the slower, within the stall budget: its trial on that
+    decode endpoint (``costs.CostModel.probe_due``), so that its time is measured, not assumed."""
 
 
 @dataclass(frozen=True)
@@ -80,20 +94,34 @@ class Decision:
     """Where the decode leg should go when it is admitted: the endpoint holding the
     conversation. Also on the P/D path, where it pulls only the blocks it lacks."""
     estimate: Estimate | None = None
+    costs: RouteCosts | None = None
+    """``auto``: each route's predicted cost, on which it decided (None: decided before costs)."""
 
 
-def decide_remote_prefill(mode: str, estimate: Estimate | None, settings: ConversationSettings) -> Decision:
+def decide_remote_prefill(
+    mode: str,
+    estimate: Estimate | None,
+    settings: ConversationSettings,
+    costs: RouteCosts | None = None,
+    probe: Callable[[], bool] | None = None,
+) -> Decision:
     """Whether a call gets a remote prefill.
 
     ``always``: every call (pdclient's behaviour before conversations were remembered). ``never``: none, every
-    call decode-only. ``auto``: decode-only when the uncached tokens are fewer than
-    ``threshold_tokens`` and less than ``max_uncached_ratio`` of the prompt, as Dynamo's
-    conditional disaggregation does (both conditions); llm-d's prefix-based decider and
-    vllm-router's design use the absolute count alone. A call whose new messages add
-    media (``Estimate.adds_media``) is a handoff whatever its count: an image is hundreds
-    to thousands of tokens, and the vision encoder's work with them, that only the server
-    can count, and a decode-only call would make the decode server do it all while its
-    other streams stall.
+    call decode-only. ``auto``: the route with the lower predicted time to first token
+    (``costs``, from ``costs.CostModel``; the model's priors when None, with no streams
+    running), but a handoff whenever decode-only would stall the decode's running streams
+    longer than ``max_decode_stall_ms``: the reason to disaggregate at all. Also a handoff:
+    a call with ``max_uncached_ratio`` of its prompt uncached, as Dynamo's conditional
+    disaggregation (a conversation's first turn: nothing of it is anywhere), and one at or
+    above ``threshold_tokens`` when an operator sets that fixed cap (llm-d's and
+    vllm-router's rule). A call whose new messages add media (``Estimate.adds_media``) is
+    a handoff whatever its count: an image is hundreds to thousands of tokens, and the
+    vision encoder's work with them, that only the server can count, and a decode-only
+    call would make the decode server do it all while its other streams stall.
+    ``probe``: asked only when nothing but the predicted time stands in the way of
+    decode-only, for a call whose compute would be within the budget even if streams ran;
+    True sends the call decode-only all the same, as a trial (``Reason.PROBE``).
     """
     endpoint = estimate.endpoint if estimate is not None else None
     if mode == "always":
@@ -106,9 +134,18 @@ def decide_remote_prefill(mode: str, estimate: Estimate | None, settings: Conver
         return Decision(True, Reason.NO_ESTIMATE, None, None)
     if estimate.adds_media:
         return Decision(True, Reason.ADDS_MEDIA, endpoint, estimate)
-    if estimate.uncached_tokens >= settings.threshold_tokens:
-        return Decision(True, Reason.UNCACHED_AT_OR_ABOVE_THRESHOLD, endpoint, estimate)
+    if costs is None:
+        costs = _PRIORS.predict(None, estimate.uncached_tokens, streams=0)
+    if settings.threshold_tokens is not None and estimate.uncached_tokens >= settings.threshold_tokens:
+        return Decision(True, Reason.UNCACHED_AT_OR_ABOVE_THRESHOLD, endpoint, estimate, costs)
     total = max(estimate.total_tokens, 1)
     if estimate.uncached_tokens / total >= settings.max_uncached_ratio:
-        return Decision(True, Reason.UNCACHED_RATIO_AT_OR_ABOVE, endpoint, estimate)
-    return Decision(False, Reason.MOSTLY_CACHED, endpoint, estimate)
+        return Decision(True, Reason.UNCACHED_RATIO_AT_OR_ABOVE, endpoint, estimate, costs)
+    if costs.stall_ms > settings.max_decode_stall_ms:
+        return Decision(True, Reason.STALL_OVER_BUDGET, endpoint, estimate, costs)
+    if costs.decode_only_ms < costs.handoff_ms:
+        return Decision(False, Reason.DECODE_ONLY_FASTER, endpoint, estimate, costs)
+    # A trial only of a call whose compute would be within the budget had streams been running.
+    if endpoint is not None and costs.compute_ms <= settings.max_decode_stall_ms and probe is not None and probe():
+        return Decision(False, Reason.PROBE, endpoint, estimate, costs)
+    return Decision(True, Reason.HANDOFF_FASTER, endpoint, estimate, costs)

@@ -11,10 +11,20 @@ from .._errors import PDConfigError
 class ConversationSettings:
     """How conversations are remembered and when ``auto`` skips the remote prefill."""
 
-    threshold_tokens: int = 256
-    """``auto`` sends a call decode-only when its estimated uncached tokens are fewer than this..."""
+    max_decode_stall_ms: float = 150.0
+    """``auto``: a call goes decode-only only if the decode server's running streams would
+    wait at most this long while it computes the call's uncached tokens (``costs.RouteCosts``).
+    The default keeps their time per output token within ~10 % of always-P/D's on the
+    workload measured here (vLLM's multi-turn benchmark on the CPU pair: ~44 ms a token,
+    ~40-token answers, about one other turn's prefill during each answer): 10 % of 44 ms
+    over 39 gaps is ~170 ms of stall per answer, rounded down. Longer answers or a faster
+    decode step change that budget in proportion; 0 sends no call decode-only while streams run."""
+    threshold_tokens: int | None = None
+    """``auto``: when set, a call with at least this many estimated uncached tokens is a
+    handoff whatever the costs say (the fixed rule vllm-router's and llm-d's deciders use)."""
     max_uncached_ratio: float = 0.7
-    """...and they are less than this fraction of its prompt (Dynamo's default ratio)."""
+    """``auto``: a call with at least this fraction of its prompt uncached is a handoff
+    (Dynamo's default ratio): a conversation's first turn, whose prefix is nowhere."""
     block_size: int = 128
     """The decode servers' KV block size. vLLM's CPU default; GPU servers default to 16.
     Too large only counts a few more tokens as uncached."""
@@ -43,7 +53,14 @@ class ConversationSettings:
     def __post_init__(self) -> None:
         if not isinstance(self.warm_prefill, bool):
             raise PDConfigError(f"conversations.warm_prefill must be a bool, got {self.warm_prefill!r}")
-        for name in ("threshold_tokens", "ratio_warmup", "overhead_tokens_per_message", "unseen_history_tokens"):
+        if self.threshold_tokens is not None:
+            value = self.threshold_tokens
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise PDConfigError(f"conversations.threshold_tokens must be an int >= 0 or None, got {value!r}")
+        stall = self.max_decode_stall_ms
+        if isinstance(stall, bool) or not isinstance(stall, int | float) or not 0 <= stall < float("inf"):
+            raise PDConfigError(f"conversations.max_decode_stall_ms must be a finite number >= 0, got {stall!r}")
+        for name in ("ratio_warmup", "overhead_tokens_per_message", "unseen_history_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise PDConfigError(f"conversations.{name} must be an int >= 0, got {value!r}")

@@ -20,6 +20,7 @@ from typing import Protocol
 import httpx
 
 from ..conversations import ConversationMemory, ConversationSettings
+from ..costs import CostModel
 from ..kv_events import KVEventFeeds
 from ..pools import BreakerSettings, EndpointPool
 from ..routing import RoutingPolicy, make_policy
@@ -89,6 +90,8 @@ class Fleet:
         """The conversations this fleet's decode endpoints answered (``remote_prefill="auto"``)."""
         self.kv_events = KVEventFeeds() if options.kv_events else None
         """Each endpoint's KV index, from its server's events (``PDOptions.kv_events``)."""
+        self.costs = CostModel()
+        """What each route costs, learnt from this fleet's calls (``auto``'s decisions)."""
         self.background = _background(options, self.pools, asynchronous, self.kv_events)
         """The pools' background work, or None when no feature needs any."""
         if self.background is not None:  # a client dropped unclosed does not leave its driver running

@@ -78,7 +78,7 @@ from ._leg_requests import (
     streams_upload,
 )
 from ._record import CallRecord
-from ._remote_prefill import HandoffInstead, RemotePrefill
+from ._remote_prefill import CallTimings, HandoffInstead, RemotePrefill
 from ._report import log_end, trace_of
 from ._to_caller import CallerBody, caller_response, id_tags_for, usage_merge_for
 
@@ -270,7 +270,9 @@ class Call:
         cpu_start = time.thread_time()
         self.prefill_result = self.dialect.read_prefill(response.content)
         if self.prefill.url:  # every prefill answer, either dispatch mode: where its server's NIXL agent is
-            self.context.fleet.coordinates.learn(self.prefill.url, self.prefill_result.kv_transfer_params)
+            learnt = self.context.fleet.coordinates.learn(self.prefill.url, self.prefill_result.kv_transfer_params)
+            if learnt is not None:  # two changes in a while make dispatch="auto" sequential
+                self.context.fleet.costs.coordinates(self.prefill.url, learnt.engine_id, time.monotonic())
         self.record.cpu_seconds += time.thread_time() - cpu_start
         if self.remote.conversation is not None and self.prefill_result.ids is not None:
             self.remote.conversation.learn(self.prefill_result.count)  # the servers' own count
@@ -421,6 +423,7 @@ class Call:
 
     def first_byte(self) -> None:
         self.record.decode_first_byte_ms = (time.perf_counter() - self.decode.sent_at) * 1000
+        self.record.first_byte_ms = self._elapsed_ms()
         self.observers.first_byte(self)
 
     def decode_streamed(self, reads: int) -> None:
@@ -476,6 +479,7 @@ class Call:
         self.phase = Phase.ENDED
         if self.decode.endpoint is not None and self.decode.status == 200 and self.record.error is None:
             self.remote.remember(self.record.outcome, self.decode.endpoint.url, self.prefill_result)
+            self._learn_costs(self.decode.endpoint.url)
         trace = self.trace()
         if self.kind is not None:
             log_end(trace)
@@ -493,6 +497,24 @@ class Call:
             response = error_response(answer, message or error, self.trace().to_headers())
         self.end()
         return response
+
+    def _learn_costs(self, decode_url: str) -> None:
+        """The call's time to first token, for the cost model ``auto`` decides on. A call
+        that moved its stream, or went to a fallback server, says nothing of either route."""
+        if self.plan is None or self.fallback_url is not None or self.migration_moved():
+            return
+        handoff = self.record.outcome is Outcome.DISAGGREGATED and self.plan.stream
+        timings = CallTimings(
+            first_token_ms=self.record.first_byte_ms if self.plan.stream else None,
+            decode_url=decode_url,
+            prefill_url=self.prefill.url or None,
+            dispatch=self.record.dispatch,
+            handoff_tokens=self.remote.handoff_tokens(self.plan, self.context.fleet.memory) if handoff else 0,
+        )
+        self.remote.learn_costs(self.context.fleet.costs, self.record.outcome, timings)
+
+    def migration_moved(self) -> bool:
+        return self.migration is not None and bool(self.migration.records())
 
     def trace(self) -> PDTrace:
         return trace_of(self)

@@ -16,10 +16,13 @@ What is learnt, and when a call goes concurrent (``PDOptions.dispatch``):
 - Every prefill answer (sequential or concurrent) records its endpoint's coordinates in
   the fleet's ``CoordinateBook``, keyed by the endpoint's URL; an answer without them
   forgets the endpoint.
-- ``"auto"``: concurrent when the endpoint's last answer gave coordinates and said
-  ``transfer_mode: "push"``; ``"concurrent"``: when it gave coordinates and did not say
-  ``"pull"`` (for servers that do not report their mode). Otherwise, and for the first
-  call to an endpoint, sequential.
+- ``"auto"``: where the endpoint's last answer gave coordinates and said
+  ``transfer_mode: "push"``, the cost model decides (``costs.DispatchChooser``): each
+  mode's time to first token is learnt on that endpoint, concurrent is taken where it is
+  predicted the faster, the other mode is probed once in a while, and two coordinate
+  changes in 5 min make the endpoint sequential for 10. ``"concurrent"``: whenever the
+  answer gave coordinates and did not say ``"pull"`` (for servers that do not report their
+  mode). Otherwise, and for the first call to an endpoint, sequential.
 - After the prefill answers, its coordinates are compared with those the decode was sent:
   a prefill server restarted since (a new engine id) or a retry on another endpoint never
   WRITEs into that decode's blocks, so the decode is cancelled and sent again sequentially
@@ -59,6 +62,7 @@ The transports (``transport._transport``) run the two legs; this module decides 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -136,6 +140,12 @@ def concurrent_decode(call: Call) -> ConcurrentDecode | None:
     assert coordinates is not None
     if book.is_sequential_only(coordinates):
         return None  # a decode's prompt for this prefill server differed, or could not be checked
+    if mode_of(call) == "auto":
+        tokens = call.remote.handoff_tokens(plan, call.context.fleet.memory)
+        choice = call.context.fleet.costs.choose_dispatch(prefill_url, tokens, time.monotonic())
+        call.record.dispatch_choice = choice
+        if choice.mode == SEQUENTIAL:
+            return None
     try:
         base = call.decode.pick(call.route_for("decode"))
     except AllEndpointsOpen:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .._trace import Outcome
+from ..costs import DispatchChoice
 
 
 @dataclass(slots=True)
@@ -19,6 +20,8 @@ class CallRecord:
     """How the call degraded, for people (the failure policy's note, a concurrent decode's fall-back)."""
     dispatch: str | None = None
     """How the legs went out, ``sequential`` or ``concurrent`` (``_dispatch``), once a prefill is planned."""
+    dispatch_choice: DispatchChoice | None = None
+    """What ``dispatch="auto"`` predicted and chose on the cost model (None: it did not choose)."""
     dispatch_fallback: str | None = None
     """Why a concurrent decode went out again sequentially (``_dispatch``'s reasons)."""
     cpu_seconds: float = 0.0
@@ -26,6 +29,8 @@ class CallRecord:
     prefill_ms: float | None = None
     decode_headers_ms: float | None = None
     decode_first_byte_ms: float | None = None
+    first_byte_ms: float | None = None
+    """From the call's start to the decode's first byte (the caller's time to first token, streamed)."""
 
 
 __all__ = ["CallRecord"]

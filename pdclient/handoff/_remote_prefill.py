@@ -13,6 +13,8 @@ holds one call's part in all this, from the decision to the answer remembered.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +22,7 @@ import orjson
 
 from .. import wire
 from .._options import DEFAULT_ROUTING, PDOptions
-from .._trace import Outcome
+from .._trace import CostDecision, Outcome
 from ..conversations import (
     SHAPE_FIELDS,
     AnswerCollector,
@@ -32,7 +34,9 @@ from ..conversations import (
     Match,
     Reason,
     decide_remote_prefill,
+    rendered_chars,
 )
+from ..costs import CostModel, DispatchChoice
 from ..kv_events import chain_keys, pack
 from ..pools import AllEndpointsOpen, EndpointPool
 from ..routing import RouteDecision, RouteRequest, conversation_routing, policy_decision
@@ -64,12 +68,36 @@ def conversation_home(pool: EndpointPool, options: PDOptions, route: RouteReques
         return None
 
 
+def running_streams(pool: EndpointPool, url: str | None, now: float) -> int:
+    """The streams running on the decode endpoint ``url``: this process's calls in flight
+    there, or the server's own count when a fresh load sample says more (other processes')."""
+    for endpoint in pool.endpoints:
+        if endpoint.url == url:
+            load = endpoint.load
+            counted = int(load.running) if load is not None and load.fresh(now) else 0
+            return max(endpoint.in_flight, counted)
+    return 0
+
+
 def remote_prefill_decision(
-    mode: str, estimate: Estimate | None, settings: ConversationSettings, home: RouteDecision | None
+    mode: str,
+    estimate: Estimate | None,
+    settings: ConversationSettings,
+    home: RouteDecision | None,
+    fleet: Fleet | None = None,
 ) -> Decision:
-    """``decide_remote_prefill``, its decode endpoint the conversation's home when the memory
-    names none: every replica sends this conversation's turns to the same decode endpoint."""
-    decision = decide_remote_prefill(mode, estimate, settings)
+    """``decide_remote_prefill`` on the costs ``fleet`` learnt (``Fleet.costs``) for the
+    decode endpoint holding the conversation, its decode endpoint the conversation's home
+    when the memory names none: every replica sends this conversation's turns to the same
+    decode endpoint."""
+    costs, probe = None, None
+    if mode == "auto" and estimate is not None and fleet is not None:
+        held = estimate.endpoint or (home.endpoint.url if home is not None else None)
+        streams = running_streams(fleet.decode, held, time.monotonic())
+        costs = fleet.costs.predict(held, estimate.uncached_tokens, streams)
+        if held is not None:
+            probe = functools.partial(fleet.costs.probe_due, held)
+    decision = decide_remote_prefill(mode, estimate, settings, costs, probe)
     if decision.decode_endpoint is None and home is not None:
         decision = dataclasses.replace(decision, decode_endpoint=home.endpoint.url)
     return decision
@@ -196,7 +224,7 @@ class RemotePrefill:
     a decode-only call whose conversation's endpoint is out of reach becomes a handoff after
     all; a whole answer is remembered at the call's end."""
 
-    __slots__ = ("conversation", "decision", "home", "stored_state", "warm_up_url", "warms")
+    __slots__ = ("_tokens", "conversation", "decision", "home", "stored_state", "warm_up_url", "warms")
 
     def __init__(self) -> None:
         self.decision: Decision | None = None
@@ -211,6 +239,7 @@ class RemotePrefill:
         """The prefill endpoint this decode-only call's prompt was queued to (``fleet._warm``)."""
         self.warms = False
         """Whether the decode-only call's prompt is to be queued for a prefill endpoint (``warm_up``)."""
+        self._tokens: int | None = None
 
     def decide(
         self,
@@ -233,7 +262,7 @@ class RemotePrefill:
         estimate = None
         if mode == "auto" and self.conversation is not None:
             estimate = self.conversation.estimate([e.url for e in fleet.decode.admitted()], self.home)
-        self.decision = remote_prefill_decision(mode, estimate, options.conversations, self.home)
+        self.decision = remote_prefill_decision(mode, estimate, options.conversations, self.home, fleet)
         self.warms = not self.decision.remote_prefill and mode == "auto" and options.conversations.warm_prefill
         return self.decision.remote_prefill
 
@@ -271,3 +300,70 @@ class RemotePrefill:
         counted = prefill.count if prefill is not None and ids is not None else None
         decode_only = outcome is Outcome.DECODE_ONLY
         turn.remember(decision, endpoint, decode_only=decode_only, prefill_tokens=counted, prefill_ids=ids)
+
+    def handoff_tokens(self, plan: wire.Plan, memory: ConversationMemory) -> int:
+        """The tokens a handoff's prefill computes, as the costs count them: the estimate's
+        uncached tokens, else the prompt's text read with the tenant's learned ratio. Read
+        once: the dispatch choice and what the call teaches count alike (the prefill's own
+        count is known only after the choice)."""
+        if self._tokens is None:
+            estimate = self.decision.estimate if self.decision is not None else None
+            if estimate is not None:
+                self._tokens = estimate.uncached_tokens
+            elif plan.messages is not None:
+                chars = rendered_chars(plan.messages, wire.field_value(plan.fields, "tools"))
+                self._tokens = memory.tokens_for(chars, len(plan.messages) + 1, tenant=plan.tenant)
+            else:  # completions: the prompt field's length as sent, unparsed (it may be long)
+                self._tokens = memory.tokens_for(len(plan.fields.get("prompt") or b""), 0, tenant=plan.tenant)
+        return self._tokens
+
+    def learn_costs(self, costs: CostModel, outcome: Outcome, timings: CallTimings) -> None:
+        """What a whole streamed call teaches the cost model: its time to first token on the
+        route it took, against the tokens computed for it (a decode-only call: the decode's
+        own count of what it found uncached where it says, else the estimate; a handoff:
+        ``handoff_tokens``)."""
+        if timings.first_token_ms is None:
+            return
+        if outcome is Outcome.DECODE_ONLY and self.stored_state is None:
+            estimate = self.decision.estimate if self.decision is not None else None
+            tokens = estimate.uncached_tokens if estimate is not None else None
+            collector = self.conversation.collector if self.conversation is not None else None
+            if collector is not None and collector.prompt_tokens is not None and collector.cached_tokens is not None:
+                tokens = collector.prompt_tokens - collector.cached_tokens
+            if tokens is not None:
+                costs.decode_only(timings.decode_url, tokens, timings.first_token_ms)
+        elif outcome is Outcome.DISAGGREGATED and timings.prefill_url and timings.dispatch is not None:
+            costs.handoff(timings.prefill_url, timings.dispatch, timings.handoff_tokens, timings.first_token_ms)
+
+    def trace(self, dispatch: str | None, choice: DispatchChoice | None) -> CostDecision | None:
+        """The call's ``PDTrace.decision``: the route, why, and each route's predicted cost."""
+        decision = self.decision
+        if decision is None:
+            return None
+        costs = decision.costs
+        return CostDecision(
+            route="handoff" if decision.remote_prefill else "decode_only",
+            reason=decision.reason.value,
+            decode_only_ms=costs.decode_only_ms if costs is not None else None,
+            handoff_ms=costs.handoff_ms if costs is not None else None,
+            stall_ms=costs.stall_ms if costs is not None else None,
+            streams=costs.streams if costs is not None else None,
+            dispatch=dispatch,
+            dispatch_reason=choice.reason.value if choice is not None else None,
+            sequential_ms=choice.sequential_ms if choice is not None else None,
+            concurrent_ms=choice.concurrent_ms if choice is not None else None,
+        )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CallTimings:
+    """What a call's end tells the cost model (``RemotePrefill.learn_costs``)."""
+
+    first_token_ms: float | None
+    """From the call's start to the decode's first byte, for a streamed call (None: not
+    streamed, whose first byte is the whole answer)."""
+    decode_url: str
+    prefill_url: str | None
+    dispatch: str | None
+    handoff_tokens: int
+    """``RemotePrefill.handoff_tokens`` (0 for a decode-only call: not read)."""

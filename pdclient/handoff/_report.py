@@ -65,6 +65,7 @@ def trace_of(call: Call) -> PDTrace:
         prefill_warm_up_url=call.remote.warm_up_url,
         dispatch=call.record.dispatch,
         dispatch_fallback=call.record.dispatch_fallback,
+        decision=call.remote.trace(call.record.dispatch, call.record.dispatch_choice) if not stored_state else None,
     )
 
 

@@ -71,6 +71,12 @@ def _float(value: object, source: str) -> float:
         raise PDConfigError(f"{source}: expected a number, got {value!r}") from None
 
 
+def _optional_int(value: object, source: str) -> int | None:
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none")):
+        return None
+    return _int(value, source)
+
+
 def _optional_float(value: object, source: str) -> float | None:
     if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none")):
         return None
@@ -136,11 +142,12 @@ _PARSERS: Mapping[str, Parse] = {
     "int": _int,
     "float": _float,
     "float | None": _optional_float,
+    "int | None": _optional_int,
     "bool": _bool,
     "str": _str,
     "str | None": _optional_str,
 }
-_METAVARS: Mapping[Parse, str] = {_int: "N", _float: "SECONDS", _optional_float: "SECONDS"}
+_METAVARS: Mapping[Parse, str] = {_int: "N", _optional_int: "N", _float: "SECONDS", _optional_float: "SECONDS"}
 
 
 @dataclass(frozen=True)
@@ -183,6 +190,8 @@ _NOT_SETTINGS = ("on_trace", "observers", "allow_call_fallback_url", "allow_call
 # Nested settings objects flattened with a prefix (their own field names are ambiguous alone).
 _PREFIXED = {"breaker": "breaker_", "conversations": "conversation_"}
 _NAMES = {"prefill_base_url": "prefill", "decode_base_url": "decode"}
+# Nested settings whose flag reads better without the prefix (an operator's budget, not a memory knob).
+_UNPREFIXED = {"conversations": ("max_decode_stall_ms",)}
 
 
 def _urls(value: object, source: str) -> tuple[str, ...]:
@@ -225,6 +234,7 @@ _SPECIAL: Mapping[str, dict[str, Any]] = {
     "dispatch": {"parse": _str, "choices": DISPATCH_MODES},
     "kv_events": {"parse": _kv_events, "metavar": "discover|PORT|ADDRESS"},
     "conversation_max_uncached_ratio": {"metavar": "RATIO"},
+    "max_decode_stall_ms": {"metavar": "MS"},
     "conversation_initial_chars_per_token": {"metavar": "RATIO"},
 }
 
@@ -251,15 +261,19 @@ _CLIENT_HELP: Mapping[str, str] = {
     "(0: never)",
     "migrate_non_streamed": "non-streamed calls may move too (their decode leg streams; ~1.4x the decode API's CPU)",
     "remote_prefill": "always: every chat/completions call is a P/D handoff; never: decode-only; auto: a chat call "
-    "extending a remembered conversation goes decode-only to the decode endpoint holding it when little is uncached",
+    "extending a remembered conversation goes decode-only to the decode endpoint holding it when that is predicted "
+    "faster and within --max-decode-stall-ms",
     "kv_events": "read every server's KV events (vLLM --kv-events-config; pdclient[kv-events]): 'discover' "
     "(GET /kv_event_sources), a port, or 'tcp://{host}:PUB[,tcp://{host}:REPLAY]'; auto then knows what a "
     "decode server holds",
     "dispatch": "sequential: the prefill, then the decode; concurrent: both at once (vLLM's NixlPushConnector "
-    "on both servers); auto: concurrent where the prefill's answers say push mode (the first call per prefill "
-    "endpoint is sequential)",
-    "conversation_threshold_tokens": "auto: decode-only when fewer estimated uncached tokens than this...",
-    "conversation_max_uncached_ratio": "...and less than this fraction of the prompt uncached",
+    "on both servers); auto: where the prefill's answers say push mode, the mode "
+    "whose learnt time to first token on that prefill endpoint is lower",
+    "max_decode_stall_ms": "auto: a call goes decode-only only if the decode server's running streams would wait "
+    "at most this many ms while it computes the call's uncached tokens (learnt rate; 0: never while streams run)",
+    "conversation_threshold_tokens": "auto: a fixed cap: a call with at least this many estimated uncached tokens "
+    "is a handoff whatever the costs say (default: none)",
+    "conversation_max_uncached_ratio": "auto: a call with at least this fraction of its prompt uncached is a handoff",
     "conversation_block_size": "the decode servers' KV block size (vLLM: 128 on CPU, 16 on GPU by default)",
     "conversation_max_conversations": "conversations remembered (LRU, about 400 bytes each)",
     "conversation_ratio_warmup": "server counts before the learned chars-per-token ratio loses its 25%% margin",
@@ -288,7 +302,8 @@ def _client_settings() -> list[Setting]:
             prefix = _PREFIXED.get(f.name, "")
             for child in fields(default):
                 value = getattr(default, child.name)
-                settings.append(_setting(prefix + child.name, str(child.type), value, (f.name, child.name)))
+                name = child.name if child.name in _UNPREFIXED.get(f.name, ()) else prefix + child.name
+                settings.append(_setting(name, str(child.type), value, (f.name, child.name)))
         else:
             settings.append(_setting(_NAMES.get(f.name, f.name), str(f.type), default, (f.name,)))
     return settings

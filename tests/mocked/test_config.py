@@ -21,6 +21,7 @@ def test_public_surface_is_pinned() -> None:
             "CacheAware",
             "CallView",
             "ConversationSettings",
+            "CostDecision",
             "DiscoverySettings",
             "HealthSettings",
             "LegView",

@@ -152,7 +152,7 @@ async def test_failed_prefill_cancels_the_decode_and_the_policy_applies(mode: st
 
 async def test_restarted_prefill_server_is_detected_and_the_decode_goes_again(mode: str, fake: FakeVLLM) -> None:
     fake.answers.kv_params = push_params("engine-before")
-    kwargs: dict[str, Any] = {"dispatch": "auto"}
+    kwargs: dict[str, Any] = {"dispatch": "concurrent"}  # ``auto`` would take turns while it learns
     traces = traced(kwargs)
     twin = Twin(mode, **kwargs)
     await twin.chat(messages=MESSAGES, max_tokens=8)

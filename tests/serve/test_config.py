@@ -53,6 +53,17 @@ def test_conversation_flags_reach_the_options() -> None:
     )
 
 
+def test_the_stall_budget_flag_and_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert parse("--prefill", P, "--decode", D1).options.conversations.max_decode_stall_ms == 150.0
+    assert parse("--prefill", P, "--decode", D1).options.conversations.threshold_tokens is None
+    config = parse("--prefill", P, "--decode", D1, "--max-decode-stall-ms", "40")
+    assert config.options.conversations.max_decode_stall_ms == 40.0
+    monkeypatch.setenv("PDCLIENT_SERVE_MAX_DECODE_STALL_MS", "0")
+    assert parse("--prefill", P, "--decode", D1).options.conversations.max_decode_stall_ms == 0.0
+    capped = parse("--prefill", P, "--decode", D1, "--conversation-threshold-tokens", "none")
+    assert capped.options.conversations.threshold_tokens is None
+
+
 def test_dispatch_flag_and_variable(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     assert parse("--prefill", P, "--decode", D1).options.dispatch == "sequential"
     assert parse("--prefill", P, "--decode", D1, "--dispatch", "concurrent").options.dispatch == "concurrent"

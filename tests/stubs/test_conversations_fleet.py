@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from pdclient import PDChatClient, PDTrace
-from tests.stubserver import StubServer
+from tests.stubserver import Fault, StubServer
 
 SYSTEM = "You are a careful assistant. " + "Answer briefly and cite the manual where you can. " * 30
 
@@ -25,6 +25,9 @@ def fleet() -> Iterator[tuple[StubServer, list[StubServer]]]:
     # The stubs count every prompt as 900 ids, about what SYSTEM is.
     with contextlib.ExitStack() as stack:
         prefill, *decodes = (stack.enter_context(StubServer(prompt_tokens=900)) for _ in range(4))
+        # A handover as long as a real pair's, which the cost model's decode-only prior beats
+        # (the stubs' own is a millisecond: a follow-up would go decode-only only as a trial).
+        prefill.fault_hook = lambda received: Fault(delay=0.08) if received.leg == "prefill" else None
         yield prefill, decodes
 
 

@@ -128,7 +128,10 @@ def follow_up_of_a_remembered_turn() -> Call:
 def test_auto_sends_a_cached_conversation_decode_only_to_the_endpoint_holding_it() -> None:
     call = follow_up_of_a_remembered_turn()
     assert call.record.outcome is Outcome.DECODE_ONLY and call.remote.decision is not None
-    assert (call.remote.decision.reason, call.remote.decision.decode_endpoint) == (Reason.MOSTLY_CACHED, DECODES[1])
+    assert (call.remote.decision.reason, call.remote.decision.decode_endpoint) == (
+        Reason.DECODE_ONLY_FASTER,
+        DECODES[1],
+    )
     decode = call.decode_request()
     # Decode-only: the caller's fields as sent, on the endpoint holding the conversation,
     # asking for the usage the memory learns from (the caller did not ask for it).
@@ -161,17 +164,20 @@ def test_decide_takes_the_conversation_home_when_the_memory_names_no_endpoint() 
     assert remote_prefill_decision("always", None, SETTINGS, home).decode_endpoint == DECODES[1]
     assert remote_prefill_decision("always", None, SETTINGS, None).decode_endpoint is None
     cached = Estimate(1000, 10, DECODES[0], Match.EXTENDS_ANSWER)
-    assert remote_prefill_decision("auto", cached, SETTINGS, home) == Decision(
-        False, Reason.MOSTLY_CACHED, DECODES[0], cached
+    decision = remote_prefill_decision("auto", cached, SETTINGS, home)
+    assert (decision.remote_prefill, decision.reason, decision.decode_endpoint) == (
+        False,
+        Reason.DECODE_ONLY_FASTER,
+        DECODES[0],
     )
 
 
 def test_a_handoff_after_all_counts_the_whole_prompt_as_uncached() -> None:
     cached = Estimate(1000, 10, DECODES[0], Match.EXTENDS_ANSWER)
-    after = handoff_after_all(Decision(False, Reason.MOSTLY_CACHED, DECODES[0], cached), SETTINGS)
+    after = handoff_after_all(Decision(False, Reason.DECODE_ONLY_FASTER, DECODES[0], cached), SETTINGS)
     assert after.remote_prefill and after.estimate == Estimate(1000, 1000, None, Match.ENDPOINT_UNAVAILABLE)
     empty = Estimate(0, 0, DECODES[0], Match.EXTENDS_ANSWER)
-    assert handoff_after_all(Decision(False, Reason.MOSTLY_CACHED, None, empty), SETTINGS).remote_prefill
+    assert handoff_after_all(Decision(False, Reason.DECODE_ONLY_FASTER, None, empty), SETTINGS).remote_prefill
     assert handoff_after_all(Decision(False, Reason.MODE_NEVER, None, None), SETTINGS).reason is Reason.NO_ESTIMATE
 
 

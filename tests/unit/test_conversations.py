@@ -15,13 +15,13 @@ from pdclient.conversations import (
     AnswerCollector,
     ConversationMemory,
     ConversationSettings,
-    Decision,
     Estimate,
     Match,
     Reason,
     decide_remote_prefill,
     rendered_chars,
 )
+from pdclient.costs import RouteCosts
 from pdclient.kv_events import pack
 from pdclient.wire import Kind, SSEFramer, affinity_key, event_json
 
@@ -506,7 +506,7 @@ def test_a_call_with_media_teaches_no_ratio() -> None:
 
 # -- decide ---------------------------------------------------------------------------
 
-SETTINGS = ConversationSettings(threshold_tokens=256, max_uncached_ratio=0.7)
+SETTINGS = ConversationSettings(max_uncached_ratio=0.7)
 
 
 def estimate_of(total: int, uncached: int, endpoint: str | None = D1) -> Estimate:
@@ -518,9 +518,10 @@ def estimate_of(total: int, uncached: int, endpoint: str | None = D1) -> Estimat
     [
         ("always", estimate_of(1500, 10), True, Reason.MODE_ALWAYS),
         ("never", estimate_of(1500, 1500, None), False, Reason.MODE_NEVER),
-        ("auto", estimate_of(1500, 87), False, Reason.MOSTLY_CACHED),
-        ("auto", estimate_of(1500, 255), False, Reason.MOSTLY_CACHED),
-        ("auto", estimate_of(1500, 256), True, Reason.UNCACHED_AT_OR_ABOVE_THRESHOLD),
+        # Without costs, the priors: the two routes' first tokens meet at 256 uncached tokens.
+        ("auto", estimate_of(1500, 87), False, Reason.DECODE_ONLY_FASTER),
+        ("auto", estimate_of(1500, 255), False, Reason.DECODE_ONLY_FASTER),
+        ("auto", estimate_of(1500, 256), True, Reason.HANDOFF_FASTER),
         ("auto", estimate_of(200, 140), True, Reason.UNCACHED_RATIO_AT_OR_ABOVE),  # short and mostly new
         ("auto", estimate_of(30, 30, None), True, Reason.UNCACHED_RATIO_AT_OR_ABOVE),  # a new short conversation
         ("auto", None, True, Reason.NO_ESTIMATE),
@@ -535,10 +536,70 @@ def test_decide(mode: str, estimate: Estimate | None, remote: bool, reason: Reas
 
 def test_decide_with_the_ratio_condition_off_sends_short_new_prompts_decode_only() -> None:
     settings = ConversationSettings(max_uncached_ratio=1.0)
-    assert decide_remote_prefill("auto", estimate_of(30, 30, None), settings) == Decision(
-        True, Reason.UNCACHED_RATIO_AT_OR_ABOVE, None, estimate_of(30, 30, None)
+    decision = decide_remote_prefill("auto", estimate_of(30, 30, None), settings)
+    assert (decision.remote_prefill, decision.reason, decision.estimate) == (
+        True,
+        Reason.UNCACHED_RATIO_AT_OR_ABOVE,
+        estimate_of(30, 30, None),
     )
     assert not decide_remote_prefill("auto", estimate_of(30, 29, None), settings).remote_prefill
+
+
+def costs(decode_only_ms: float, handoff_ms: float, stall_ms: float = 0.0, streams: int = 0) -> RouteCosts:
+    return RouteCosts(decode_only_ms, handoff_ms, stall_ms, stall_ms, streams)
+
+
+@pytest.mark.parametrize(
+    ("route_costs", "remote", "reason"),
+    [
+        (costs(494.0, 1334.0), False, Reason.DECODE_ONLY_FASTER),  # the CPU pair: a handover dearer than 300 tokens
+        (costs(494.0, 1334.0, stall_ms=400.0, streams=1), True, Reason.STALL_OVER_BUDGET),
+        (costs(494.0, 1334.0, stall_ms=150.0, streams=1), False, Reason.DECODE_ONLY_FASTER),  # at the budget
+        (costs(900.0, 300.0), True, Reason.HANDOFF_FASTER),
+        (costs(300.0, 300.0), True, Reason.HANDOFF_FASTER),  # a tie spares the decode's streams
+    ],
+)
+def test_auto_takes_the_faster_route_within_the_stall_budget(
+    route_costs: RouteCosts, remote: bool, reason: Reason
+) -> None:
+    decision = decide_remote_prefill("auto", estimate_of(5000, 300), SETTINGS, route_costs)
+    assert (decision.remote_prefill, decision.reason, decision.costs) == (remote, reason, route_costs)
+
+
+def test_the_stall_budget_and_a_fixed_cap_are_the_operators() -> None:
+    cheap = costs(10.0, 1000.0, stall_ms=20.0, streams=4)
+    strict = ConversationSettings(max_decode_stall_ms=0)
+    assert decide_remote_prefill("auto", estimate_of(5000, 20), strict, cheap).reason is Reason.STALL_OVER_BUDGET
+    capped = ConversationSettings(threshold_tokens=256)
+    decision = decide_remote_prefill("auto", estimate_of(5000, 300), capped, cheap)
+    assert (decision.remote_prefill, decision.reason) == (True, Reason.UNCACHED_AT_OR_ABOVE_THRESHOLD)
+
+
+def test_a_probe_tries_decode_only_only_within_the_budget() -> None:
+    asked: list[bool] = []
+
+    def due() -> bool:
+        asked.append(True)
+        return True
+
+    slower = RouteCosts(300.0, 100.0, 0.0, 100.0, 0)
+    decision = decide_remote_prefill("auto", estimate_of(5000, 100), SETTINGS, slower, due)
+    assert (decision.remote_prefill, decision.reason) == (False, Reason.PROBE)
+    # A compute beyond the budget (were streams to start) is never a trial, nor asked for one.
+    long = RouteCosts(900.0, 300.0, 0.0, 800.0, 0)
+    assert decide_remote_prefill("auto", estimate_of(5000, 800), SETTINGS, long, due).reason is Reason.HANDOFF_FASTER
+    faster = RouteCosts(50.0, 300.0, 0.0, 40.0, 0)
+    assert (
+        decide_remote_prefill("auto", estimate_of(5000, 40), SETTINGS, faster, due).reason is Reason.DECODE_ONLY_FASTER
+    )
+    assert len(asked) == 1
+    assert decide_remote_prefill("auto", estimate_of(5000, 100), SETTINGS, slower, lambda: False).remote_prefill
+
+
+def test_media_and_a_missing_estimate_are_handoffs_whatever_the_costs() -> None:
+    media = Estimate(5000, 20, D1, Match.EXTENDS_ANSWER, adds_media=True)
+    assert decide_remote_prefill("auto", media, SETTINGS, costs(1.0, 1000.0)).reason is Reason.ADDS_MEDIA
+    assert decide_remote_prefill("auto", None, SETTINGS, costs(1.0, 1000.0)).reason is Reason.NO_ESTIMATE
 
 
 def test_decide_refuses_an_unknown_mode() -> None:
@@ -551,7 +612,11 @@ def test_the_defaults_decide_the_measured_follow_up_decode_only() -> None:
     first_turn(mem)
     turn2 = body(SYSTEM, USER, {"role": "assistant", "content": STORY}, FOLLOW_UP)
     decision = decide_remote_prefill("auto", mem.estimate(key_of(turn2), turn2, ADMITTED), mem.settings)
-    assert (decision.remote_prefill, decision.reason, decision.decode_endpoint) == (False, Reason.MOSTLY_CACHED, D1)
+    assert (decision.remote_prefill, decision.reason, decision.decode_endpoint) == (
+        False,
+        Reason.DECODE_ONLY_FASTER,
+        D1,
+    )
 
 
 MEDIA_PARTS = [
@@ -594,7 +659,7 @@ def test_media_already_in_the_conversation_and_text_parts_add_none() -> None:
     turn2 = body(SYSTEM, image, {"role": "assistant", "content": STORY}, {"role": "user", "content": texts})
     estimate = mem.estimate(key_of(turn2), turn2, ADMITTED)
     assert not estimate.adds_media, "the image is in the cached prefix; only text is new"
-    assert decide_remote_prefill("auto", estimate, mem.settings).reason is Reason.MOSTLY_CACHED
+    assert decide_remote_prefill("auto", estimate, mem.settings).reason is Reason.DECODE_ONLY_FASTER
 
 
 def test_media_counts_whatever_the_previous_prompt_length() -> None:
@@ -611,6 +676,11 @@ def test_media_counts_whatever_the_previous_prompt_length() -> None:
     "settings",
     [
         {"threshold_tokens": -1},
+        {"threshold_tokens": 2.5},
+        {"max_decode_stall_ms": -1},
+        {"max_decode_stall_ms": math.nan},
+        {"max_decode_stall_ms": math.inf},
+        {"max_decode_stall_ms": "100"},
         {"max_uncached_ratio": 0.0},
         {"max_uncached_ratio": 1.5},
         {"max_uncached_ratio": math.nan},
@@ -796,7 +866,7 @@ def test_a_short_follow_up_through_a_replica_that_saw_one_turn_goes_decode_only(
     estimate = mem.estimate(key_of(call), call, ADMITTED, home=D1)
     decision = decide_remote_prefill("auto", estimate, mem.settings)
     assert estimate.match is Match.EXTENDS_HISTORY
-    assert (decision.remote_prefill, decision.reason) == (False, Reason.MOSTLY_CACHED), estimate
+    assert (decision.remote_prefill, decision.reason) == (False, Reason.DECODE_ONLY_FASTER), estimate
     # The answer's and the question's ~66 ids stay counted, with the partial last block.
     assert 66 <= estimate.uncached_tokens < 66 + 128 + 40, estimate
 
@@ -813,7 +883,7 @@ def test_a_made_up_history_with_a_long_document_is_not_taken_as_cached() -> None
     assert (estimate.match, estimate.endpoint) == (Match.UNSEEN_HISTORY, D1)
     assert estimate.cached_tokens <= mem.settings.unseen_history_tokens
     assert estimate.uncached_tokens >= 100_000 - mem.settings.unseen_history_tokens
-    assert (decision.remote_prefill, decision.reason) == (True, Reason.UNCACHED_AT_OR_ABOVE_THRESHOLD)
+    assert (decision.remote_prefill, decision.reason) == (True, Reason.UNCACHED_RATIO_AT_OR_ABOVE)
     # With 0, nothing this process did not see answered counts as cached at all.
     strict = memory(ratio_warmup=1, unseen_history_tokens=0)
     strict.learn(sample(4000), 1000)
