@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,8 +33,6 @@ _ROLES = frozenset({"system", "developer", "user", "assistant"})
 _INPUT_SIDE = ("input_tokens", "input_tokens_details")
 _STORED_STATE = ("previous_response_id", "conversation")
 """State the decode server stored (``VLLM_ENABLE_RESPONSES_API_STORE=1``) that a call builds on."""
-_ECHOED_IDS = ("request_id", "previous_response_id")
-"""Ids of the caller's that vLLM echoes in its answer (``request_id`` as the response's id)."""
 
 
 def conversation(fields: wire.Fields) -> list[Any] | None:
@@ -87,6 +86,15 @@ def merge_payload(payload: dict[str, Any], prefill: Mapping[str, Any], streamed:
     return True
 
 
+def _check_echoed(name: str, own: str) -> None:
+    """An id vLLM echoes in its answer (``request_id``, ``previous_response_id``), within its bound."""
+    if len(own) > stored.MAX_ID_LENGTH:
+        raise wire.Refusal(
+            f"{name} is {len(own)} characters, longer than {stored.MAX_ID_LENGTH} (pdclient's bound on the "
+            "ids vLLM echoes in its answer)"
+        )
+
+
 def _one_output_token(fields: wire.Fields) -> wire.Fields:
     short = dict(fields)
     short["stream"] = rendered.FALSE
@@ -104,32 +112,29 @@ class Responses(Dialect):
 
     def plan(self, content: bytes, tenant: str | None) -> wire.Plan:
         plan = rendered.plan_with_conversation(self.kind, content, tenant, conversation)
-        self.stored_state(plan)  # read now: one pdclient cannot read is a 400 before any leg
-        for name in _ECHOED_IDS:
+        stored_state = tag = None
+        for name in _STORED_STATE:  # read now: one pdclient cannot read is a 400 before any leg
             given = rendered.value(plan.fields, name)
-            if isinstance(given, str) and len(own := stored.untag_id(given)[0]) > stored.MAX_ID_LENGTH:
-                raise wire.Refusal(
-                    f"{name} is {len(own)} characters, longer than {stored.MAX_ID_LENGTH} (pdclient's bound on the "
-                    "ids vLLM echoes in its answer)"
-                )
-        return plan
+            if given is None:
+                continue
+            stored_state = stored_state or name
+            if name == "previous_response_id" and isinstance(given, str):
+                own, tag = stored.untag_id(given)
+                _check_echoed(name, own)
+                if tag is not None:  # the server gets its own id
+                    plan.fields[name] = msgspec.Raw(orjson.dumps(own))
+        request_id = rendered.value(plan.fields, "request_id")
+        if isinstance(request_id, str):
+            _check_echoed("request_id", stored.untag_id(request_id)[0])
+        return dataclasses.replace(plan, stored_state=stored_state, stored_tag=tag)
 
     def stored_state(self, plan: wire.Plan) -> str | None:
-        for name in _STORED_STATE:
-            if rendered.value(plan.fields, name) is not None:
-                return name
-        return None
+        return plan.stored_state
 
     tags_answer_ids = True
 
     def stored_at(self, plan: wire.Plan) -> str | None:
-        own = rendered.value(plan.fields, "previous_response_id")
-        if not isinstance(own, str):
-            return None  # absent, or not an id: the server answers it as it is
-        own, tag = stored.untag_id(own)
-        if tag is not None:
-            plan.fields["previous_response_id"] = msgspec.Raw(orjson.dumps(own))
-        return tag
+        return plan.stored_tag
 
     def prefill_body(self, plan: wire.Plan) -> bytes:
         fields = _one_output_token(plan.fields)

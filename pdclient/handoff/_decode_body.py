@@ -39,18 +39,20 @@ Body = Generator[Any, Any, None]
 """A body's steps: ``Chunks``, ``NEXT`` and the other steps of ``_steps``, and bytes for the caller."""
 
 
-def body_for(response: httpx.Response, call: Call) -> PlainBody | MovingBody:
-    """The caller's body: a ``MovingBody`` if the call may move, else a ``PlainBody``."""
+def body_for(response: httpx.Response, call: Call, begun: Chunks | None = None) -> PlainBody | MovingBody:
+    """The caller's body: a ``MovingBody`` if the call may move, else a ``PlainBody``.
+    ``begun``: the response's read, if one began already (``Chunks``)."""
+    start = begun or Chunks(response)
     migration = call.migration
     if migration is None or not migration.armed or response.status_code != 200:
-        return PlainBody(response, call)
+        return PlainBody(response, call, start)
     if not response.headers.get("content-type", "").startswith("text/event-stream"):
-        return PlainBody(response, call)
+        return PlainBody(response, call, start)
     if migration.assembles:
         # A non-streamed call gets JSON: the response's headers say so before the call reads
         # them (its usage merge is made for a JSON body, and the SDK parses what they name).
         response.headers["content-type"] = "application/json"
-    return MovingBody(response, call, migration)
+    return MovingBody(response, call, migration, start)
 
 
 def _until_error() -> Generator[Any, Any, list[bytes]]:
@@ -67,17 +69,20 @@ def _until_error() -> Generator[Any, Any, list[bytes]]:
 class PlainBody:
     """The decode body of a call that does not move."""
 
-    def __init__(self, response: httpx.Response, call: Call) -> None:
+    def __init__(self, response: httpx.Response, call: Call, start: Chunks | None = None) -> None:
         self.response = response
         self.call = call
+        self._start = start or Chunks(response)
         self.drained = False
         """Read to its end already (openai drains a stream again after [DONE])."""
 
     def steps(self) -> Body:
+        if self.drained:
+            return
         call = self.call
         received = reads = 0
         tail = b""
-        yield Chunks(self.response)
+        yield self._start
         try:
             while (chunk := (yield NEXT)) is not None:
                 if not received and chunk:
@@ -108,9 +113,12 @@ class MovingBody:
     assembled into a JSON body; when the decode stream breaks, the move's steps
     (``_move.move``), and the continuation's events spliced into the same body."""
 
-    def __init__(self, response: httpx.Response, call: Call, migration: CallMigration) -> None:
+    def __init__(
+        self, response: httpx.Response, call: Call, migration: CallMigration, start: Chunks | None = None
+    ) -> None:
         self.response = response
         self.call = call
+        self._start = start or Chunks(response)
         self._migration = migration
         assert migration.tracker is not None
         self._tracker = migration.tracker
@@ -122,9 +130,12 @@ class MovingBody:
         self.drained = False
 
     def steps(self) -> Body:
+        if self.drained:
+            return
         tracker = self._tracker
+        start = self._start
         while True:
-            yield Chunks(self.response)
+            yield start
             reads = 0  # of this response: a move starts a leg of its own
             try:
                 while (chunk := (yield NEXT)) is not None:
@@ -146,7 +157,7 @@ class MovingBody:
             except STREAM_ERRORS as exc:
                 response = yield from self._move(exc)
                 if response is not None:
-                    self.response = response
+                    self.response, start = response, Chunks(response)
                     continue
                 if ending := self._pass_on(self._migration.ending()):
                     yield ending

@@ -10,7 +10,7 @@ move (``_move.move``) is a flow of the same steps, run by the same drivers.
       |-- pass-through: [ReadRequest] --> decode
       |-- ReadRequest, plan (400: ended)
       |-- decode-only (remote_prefill) ----------------------------------> decode
-      |-- concurrent: Concurrently(decode, prefill) -> Await -> PeekFirstEvent
+      |-- concurrent: Concurrently(decode, prefill) -> Await -> first event
       |               -> Stream (its answer)  |  Cut, Discard -> decode (sequential)
       '-- prefill: [SendPrefill, Sleep]* (retries), failure policy ----> decode
     decode: [Open, Sleep]* (retries) -> Stream;  no response -> Release
@@ -32,14 +32,15 @@ from ._call import Call
 from ._failure import PREFILL_FAILURES
 from ._release import release_request
 from ._steps import (
+    NEXT,
     STREAM_ERRORS,
     Await,
+    Chunks,
     Close,
     Concurrently,
     Cut,
     Discard,
     Open,
-    PeekFirstEvent,
     ReadRequest,
     Release,
     SendPrefill,
@@ -115,7 +116,7 @@ def _concurrent(call: Call, sent: dispatch.ConcurrentDecode) -> Steps:
                 assert response is not None
                 answered = True
                 try:
-                    yield PeekFirstEvent(response, peek := dispatch.prompt_peek(call))
+                    begun = yield from _first_event(response, peek := dispatch.prompt_peek(call))
                     result, migration = call.prefill_result, call.migration
                     tracked = migration is not None and migration.armed  # else no prefill ids to check
                     ids = result.ids if result is not None and tracked else None
@@ -123,7 +124,7 @@ def _concurrent(call: Call, sent: dispatch.ConcurrentDecode) -> Steps:
                 except STREAM_ERRORS as exc:
                     not_it = dispatch.broke_early(exc)
                 if not_it is None:
-                    return (yield from _answer(call, response))
+                    return (yield from _answer(call, response, begun))
     except BaseException:
         yield from _cut(call, sent)
         raise
@@ -132,6 +133,18 @@ def _concurrent(call: Call, sent: dispatch.ConcurrentDecode) -> Steps:
         return ended  # type: ignore[no-any-return]
     sequential_again(call, not_it or dispatch.FallBack("the decode gave no answer"), kv_spent=answered)
     return (yield from _decode(call))
+
+
+def _first_event(response: httpx.Response, peek: dispatch.PromptPeek) -> Generator[Step, Any, Chunks]:
+    """The decode's body read until ``peek`` has its first event; returns the read, begun,
+    for the caller's body to go on with. Raises what the stream raised."""
+    rest = yield Chunks(response)
+    read: list[bytes] = []
+    while (chunk := (yield NEXT)) is not None:
+        read.append(chunk)
+        if peek.feed(chunk):
+            break
+    return Chunks(response, read, rest)
 
 
 def _cut(call: Call, sent: dispatch.ConcurrentDecode) -> Generator[Step, Any, None]:
@@ -200,8 +213,8 @@ def _decode(call: Call) -> Steps:
         raise
 
 
-def _answer(call: Call, response: httpx.Response) -> Steps:
-    body = yield Stream(call, response)
+def _answer(call: Call, response: httpx.Response, begun: Chunks | None = None) -> Steps:
+    body = yield Stream(call, response, begun)
     return call.decode_response(response, body)
 
 

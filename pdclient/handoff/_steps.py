@@ -5,7 +5,7 @@ is: it yields a step, and is sent the step's result or has its exception thrown 
 two drivers (``transport._drivers``) run the steps, one with blocking calls and one with
 ``await``; every decision is the flow's. What only an async driver can do is a rule of
 that driver's, written once: a ``Release`` and a ``Discard`` are shielded from the
-caller's cancel, a ``Read`` with ``outlive`` goes on in a task of its own when its caller
+caller's cancel, a ``SendPrefill`` with ``outlive`` goes on in a task of its own when its caller
 leaves (asyncio), and a ``Concurrently`` runs its decode in a task group.
 """
 
@@ -22,7 +22,7 @@ from ..pools import Sleep
 
 if TYPE_CHECKING:
     from ._call import Call
-    from ._dispatch import ConcurrentDecode, PromptPeek
+    from ._dispatch import ConcurrentDecode
     from ._leg import Leg
 
 STREAM_ERRORS = (httpx.TransportError, httpx.DecodingError)
@@ -121,19 +121,14 @@ class Discard:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class PeekFirstEvent:
-    """Read a response's body until ``peek`` has its first event; the response then replays
-    what was read. Raises what the stream raised."""
-
-    response: httpx.Response
-    peek: PromptPeek
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
 class Chunks:
-    """Start reading ``response``'s body: the ``NEXT`` steps that follow read its chunks."""
+    """Start reading ``response``'s body: the ``NEXT`` steps that follow read its chunks; the
+    result is the read itself. With ``rest`` (such a read begun before, ``read`` the chunks
+    it gave), they give ``read`` again and then go on with ``rest``."""
 
     response: httpx.Response
+    read: list[bytes] = dataclasses.field(default_factory=list)
+    rest: Any = None
 
 
 class NextChunk:
@@ -152,6 +147,8 @@ class Stream:
 
     call: Call
     response: httpx.Response
+    begun: Chunks | None = None
+    """The body's read, if one began already (``Chunks`` with its ``rest``)."""
 
 
 Step = (
@@ -166,7 +163,6 @@ Step = (
     | Await
     | Cut
     | Discard
-    | PeekFirstEvent
     | Stream
     | Sleep
     | Chunks
@@ -230,7 +226,6 @@ __all__ = [
     "FlowRun",
     "Open",
     "OpenDecode",
-    "PeekFirstEvent",
     "ReadRefusal",
     "ReadRequest",
     "Release",

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Awaitable, Callable
 
 import anyio
 import httpx
@@ -26,55 +26,61 @@ _CONNECTED = "connection.connect_tcp.complete"
 _Outcome = tuple[httpx.Response | None, BaseException | None]
 
 
-class Replayed(httpx.SyncByteStream):
-    """A response body whose first chunks were read already: them, then the rest of the same read."""
+class _InFlight:
+    """What both handles share: the decode's outcome, and how a cut decode's leg ends."""
 
-    def __init__(self, read: list[bytes], rest: Iterator[bytes], stream: httpx.SyncByteStream) -> None:
-        self._read, self._rest, self._stream = read, rest, stream
+    _response: httpx.Response | None = None
+    _error: BaseException | None = None
 
-    def __iter__(self) -> Iterator[bytes]:
-        read, self._read = self._read, []
-        yield from read
-        yield from self._rest
+    def _taken(self) -> httpx.Response | None:
+        """The response, now the taker's to close (None: there was none, or it was taken)."""
+        response, self._response = self._response, None
+        return response
 
-    def close(self) -> None:
-        self._stream.close()
-
-
-class AsyncReplayed(httpx.AsyncByteStream):
-    """Async twin of ``Replayed``."""
-
-    def __init__(self, read: list[bytes], rest: AsyncIterator[bytes], stream: httpx.AsyncByteStream) -> None:
-        self._read, self._rest, self._stream = read, rest, stream
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        read, self._read = self._read, []
-        for chunk in read:
-            yield chunk
-        async for chunk in self._rest:
-            yield chunk
-
-    async def aclose(self) -> None:
-        await self._stream.aclose()
+    def _ended(self, closed: httpx.Response | None) -> tuple[int | None, BaseException | None]:
+        """What the leg ends with once its response (if any) is closed: its status, or its error."""
+        return (closed.status_code, None) if closed is not None else (None, self._error)
 
 
-class DecodeInFlight:
+class _Connection:
+    """The connection a sync leg went out on, as httpcore's trace names it: cutting it ends a
+    read blocked on it in another thread (and its server sees the client go away)."""
+
+    def __init__(self, watch: Callable[[str], None]) -> None:
+        self._watch = watch
+        self._stream: object = None
+
+    def trace(self, event: str, info: dict[str, object]) -> None:
+        self._watch(event)
+        if event == _CONNECTED:
+            self._stream = info.get("return_value")
+
+    def cut(self) -> None:
+        get_extra_info = getattr(self._stream, "get_extra_info", None)
+        sock = get_extra_info("socket") if get_extra_info is not None else None
+        if isinstance(sock, socket.socket):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+
+def async_trace(watch: Callable[[str], None]) -> Callable[[str, dict[str, object]], Awaitable[None]]:
+    """httpcore's trace hook for a request sent with ``await``: ``watch`` sees each event's name."""
+
+    async def trace(event: str, info: dict[str, object]) -> None:
+        watch(event)
+
+    return trace
+
+
+class DecodeInFlight(_InFlight):
     """The concurrent decode of one call, sent from a thread of its own."""
 
     def __init__(self, legs: LegClient, request: httpx.Request, watch: Callable[[str], None]) -> None:
         self._done = threading.Event()
         self._lock = threading.Lock()
-        self._response: httpx.Response | None = None
-        self._error: BaseException | None = None
-        self._stream: object = None
         self._cancelled = False
-
-        def trace(event: str, info: dict[str, object]) -> None:
-            watch(event)
-            if event == _CONNECTED:
-                self._stream = info.get("return_value")
-
-        request.extensions["trace"] = trace
+        self._connection = _Connection(watch)
+        request.extensions["trace"] = self._connection.trace
         worker = threading.Thread(
             target=self._send, args=(legs, request), name="pdclient-concurrent-decode", daemon=True
         )
@@ -94,69 +100,57 @@ class DecodeInFlight:
         finally:
             self._done.set()
 
-    def result(self) -> _Outcome:
+    def outcome(self) -> _Outcome:
         """The decode's response (headers in, body unread) or its error, once it has one."""
         self._done.wait()
         return self._response, self._error
 
-    def cancel(self) -> None:
+    def cut(self) -> None:
         """Abort the decode wherever it is: a response it gets from now on is closed, a
         request still waiting for one has its connection cut."""
         with self._lock:
             self._cancelled = True
             waiting = self._response is None
         if waiting and not self._done.is_set():
-            get_extra_info = getattr(self._stream, "get_extra_info", None)
-            sock = get_extra_info("socket") if get_extra_info is not None else None
-            if isinstance(sock, socket.socket):
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
+            self._connection.cut()
 
     def discard(self) -> tuple[int | None, BaseException | None]:
         with self._lock:
-            response, self._response = self._response, None
+            response = self._taken()
         if response is not None:
             response.close()
-            return response.status_code, None
-        self._done.wait(RELEASE_TIMEOUT)
-        return None, self._error
+        else:
+            self._done.wait(RELEASE_TIMEOUT)
+        return self._ended(response)
 
 
-class AsyncDecodeInFlight:
+class AsyncDecodeInFlight(_InFlight):
     """The concurrent decode of one call, sent from a task (``run``) of the driver's task group."""
 
     def __init__(self, legs: AsyncLegClient, request: httpx.Request, watch: Callable[[str], None]) -> None:
-        self._legs = legs
-        self._request = request
-        self._scope = anyio.CancelScope()
-        self._response: httpx.Response | None = None
-        self._error: BaseException | None = None
-
-        async def trace(event: str, info: dict[str, object]) -> None:
-            watch(event)
-
-        request.extensions["trace"] = trace
+        self._legs, self._request = legs, request
+        self.scope = anyio.CancelScope()
+        request.extensions["trace"] = async_trace(watch)
 
     async def run(self) -> None:
-        with self._scope:
+        with self.scope:
             try:
                 self._response = await self._legs.send(self._request)
             except Exception as exc:
                 self._error = exc
 
-    def result(self) -> _Outcome:
+    async def outcome(self) -> _Outcome:
         return self._response, self._error
 
-    def cancel(self) -> None:
-        self._scope.cancel()
+    async def cut(self) -> None:
+        self.scope.cancel()
 
     async def discard(self) -> tuple[int | None, BaseException | None]:
-        response, self._response = self._response, None
+        response = self._taken()
         if response is not None:
             with anyio.CancelScope(shield=True):
                 await response.aclose()
-            return response.status_code, None
-        return None, self._error
+        return self._ended(response)
 
 
-__all__ = ["AsyncDecodeInFlight", "AsyncReplayed", "DecodeInFlight", "Replayed"]
+__all__ = ["AsyncDecodeInFlight", "DecodeInFlight", "async_trace"]

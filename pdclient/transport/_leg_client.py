@@ -16,9 +16,14 @@ done here: Basic auth from credentials in a URL, and the request on a transport 
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
+from typing import Any, Generic, TypeVar
 
 import httpx
+
+C = TypeVar("C", httpx.Client, httpx.AsyncClient)
 
 # The openai SDK's own pool limits, kept for the legs so a drop-in client pools alike.
 LEG_LIMITS = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
@@ -32,7 +37,28 @@ def _with_url_auth(request: httpx.Request) -> httpx.Request:
     return request
 
 
-class LegClient:
+class _Legs(Generic[C]):
+    """What both leg clients share: how a leg finds its transport, and what it carries back."""
+
+    _client: C
+
+    def _route(self, request: httpx.Request) -> tuple[httpx.Request, Any]:
+        """The request as it goes out (``_with_url_auth``) and the transport the client would pick for it."""
+        request = _with_url_auth(request)
+        return request, self._client._transport_for_url(request.url)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _sending(request: httpx.Request) -> Iterator[None]:
+        """A transport error names the request that went out, as the client's own would."""
+        try:
+            yield
+        except httpx.RequestError as exc:
+            exc.request = request
+            raise
+
+
+class LegClient(_Legs[httpx.Client]):
     """Sends each leg, streamed, on ``transport`` (default: a pooled ``httpx.HTTPTransport``)."""
 
     def __init__(self, transport: httpx.BaseTransport | None = None, *, keep_alive: bool = True) -> None:
@@ -54,12 +80,9 @@ class LegClient:
 
     def send(self, request: httpx.Request) -> httpx.Response:
         """The response with its body unread; the caller closes it."""
-        request = _with_url_auth(request)
-        try:
-            response = self._client._transport_for_url(request.url).handle_request(request)
-        except httpx.RequestError as exc:
-            exc.request = request
-            raise
+        request, transport = self._route(request)
+        with self._sending(request):
+            response: httpx.Response = transport.handle_request(request)
         response.request = request
         return response
 
@@ -69,7 +92,7 @@ class LegClient:
             self._fresh.close()
 
 
-class AsyncLegClient:
+class AsyncLegClient(_Legs[httpx.AsyncClient]):
     """Async twin of ``LegClient``."""
 
     def __init__(self, transport: httpx.AsyncBaseTransport | None = None) -> None:
@@ -77,12 +100,9 @@ class AsyncLegClient:
 
     async def send(self, request: httpx.Request) -> httpx.Response:
         """The response with its body unread; the caller closes it."""
-        request = _with_url_auth(request)
-        try:
-            response = await self._client._transport_for_url(request.url).handle_async_request(request)
-        except httpx.RequestError as exc:
-            exc.request = request
-            raise
+        request, transport = self._route(request)
+        with self._sending(request):
+            response: httpx.Response = await transport.handle_async_request(request)
         response.request = request
         return response
 

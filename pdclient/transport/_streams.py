@@ -1,15 +1,16 @@
 """The caller's response body: a decode body's steps (``handoff.PlainBody``,
 ``handoff.MovingBody``) run as an httpx byte stream.
 
-The body decides; a stream reads the chunks it asks for (``Chunks``, ``NEXT``), hands its
-bytes to the caller, and runs any other step (a move's legs) with its transport's driver.
-Closing it closes the decode's response and ends the call.
+The body decides; its transport's driver runs its steps (``steps_of``: the chunks it asks
+for, a move's legs) and the stream hands the body's bytes to the caller. Closing it
+closes the decode's response and ends the call.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -19,71 +20,46 @@ if TYPE_CHECKING:
     from ._drivers import AsyncDriver, SyncDriver
 
 
-class DecodeStream(httpx.SyncByteStream):
-    def __init__(self, body: PlainBody | MovingBody, driver: SyncDriver) -> None:
+class _BodyStream:
+    """What both streams share: the body's steps run by the driver, and one close that ends the call."""
+
+    def __init__(self, body: PlainBody | MovingBody, driver: SyncDriver | AsyncDriver) -> None:
         self._body = body
         self._driver = driver
         self._closed = False
 
+    def _chunks(self) -> Any:
+        return self._driver.steps_of(steps.FlowRun(self._body.steps()))
+
+    @contextlib.contextmanager
+    def _closing(self) -> Iterator[bool]:
+        """Whether this is the stream's first close; after that one the call ends, whatever it raised."""
+        first, self._closed = not self._closed, True
+        try:
+            yield first
+        finally:
+            if first:
+                self._body.call.decode_closed()
+
+
+class DecodeStream(_BodyStream, httpx.SyncByteStream):
     def __iter__(self) -> Iterator[bytes]:
-        if self._body.drained:
-            return
-        run = steps.FlowRun(self._body.steps())
-        chunks: Iterator[bytes] = iter(())
-        for step in run:
-            if type(step) is bytes:
-                yield step
-                continue
-            with run:
-                if step is steps.NEXT:
-                    run.result = next(chunks, None)
-                elif type(step) is steps.Chunks:
-                    chunks = iter(step.response.stream)  # type: ignore[arg-type]
-                else:
-                    run.result = self._driver.run(step)
+        return self._chunks()  # type: ignore[no-any-return]
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._body.response.close()
-        finally:
-            self._body.call.decode_closed()
+        with self._closing() as first:
+            if first:
+                self._body.response.close()
 
 
-class AsyncDecodeStream(httpx.AsyncByteStream):
-    def __init__(self, body: PlainBody | MovingBody, driver: AsyncDriver) -> None:
-        self._body = body
-        self._driver = driver
-        self._closed = False
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        if self._body.drained:
-            return
-        run = steps.FlowRun(self._body.steps())
-        chunks: AsyncIterator[bytes] | None = None
-        for step in run:
-            if type(step) is bytes:
-                yield step
-                continue
-            with run:
-                if step is steps.NEXT:
-                    assert chunks is not None
-                    run.result = await anext(chunks, None)
-                elif type(step) is steps.Chunks:
-                    chunks = aiter(step.response.stream)  # type: ignore[arg-type]
-                else:
-                    run.result = await self._driver.run(step)
+class AsyncDecodeStream(_BodyStream, httpx.AsyncByteStream):
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._chunks()  # type: ignore[no-any-return]
 
     async def aclose(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            await self._body.response.aclose()
-        finally:
-            self._body.call.decode_closed()
+        with self._closing() as first:
+            if first:
+                await self._body.response.aclose()
 
 
 __all__ = ["AsyncDecodeStream", "DecodeStream"]

@@ -12,7 +12,7 @@ Every decision is the call's flow's (``handoff.call_flow``); each transport is i
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import httpx
 from typing_extensions import Self
@@ -25,6 +25,9 @@ from ..handoff import Call, CallContext, call_flow
 from ..pools import URLArg
 from ._drivers import AsyncDriver, SyncDriver
 from ._leg_client import AsyncLegClient, LegClient
+
+LT = TypeVar("LT", httpx.BaseTransport, httpx.AsyncBaseTransport)
+D = TypeVar("D", SyncDriver, AsyncDriver)
 
 
 def _resolve(prefill_base_url: URLArg, decode_base_url: URLArg, options: PDOptions | None) -> PDOptions:
@@ -45,13 +48,28 @@ def _context(options: PDOptions, fleet: Fleet | None, *, asynchronous: bool) -> 
     return CallContext(options=options, fleet=fleet, observers=Observers(observers))
 
 
-class _TransportBase:
-    """What the two transports share besides their driver: their options, their fleet, a copy."""
+class _TransportBase(Generic[LT, D]):
+    """What the two transports share besides their driver's kind: how they are built, their
+    options, their fleet, a copy."""
 
-    _context: CallContext
-    _driver: SyncDriver | AsyncDriver
+    _driver: D
     _asynchronous: ClassVar[bool]
     """Whether the transport serves an async client: its fleet's background work is then a task."""
+    _kinds: ClassVar[tuple[type[Any], type[Any]]]
+    """The driver's class and its leg client's."""
+
+    def __init__(
+        self,
+        prefill_base_url: URLArg = None,
+        decode_base_url: URLArg = None,
+        *,
+        options: PDOptions | None = None,
+        leg_transport: LT | None = None,
+    ) -> None:
+        options = _resolve(prefill_base_url, decode_base_url, options)
+        self._context = _context(options, None, asynchronous=self._asynchronous)
+        driver, legs = self._kinds
+        self._driver = driver(legs(leg_transport))
 
     @property
     def options(self) -> PDOptions:
@@ -75,7 +93,7 @@ class _TransportBase:
         return derived
 
 
-class PDTransport(_TransportBase, httpx.BaseTransport):
+class PDTransport(_TransportBase[httpx.BaseTransport, SyncDriver], httpx.BaseTransport):
     """httpx transport that splits chat and completions calls into prefill and decode legs.
 
     Use it with any openai client whose ``base_url`` is one of the decode URLs::
@@ -88,19 +106,8 @@ class PDTransport(_TransportBase, httpx.BaseTransport):
     honouring ``HTTP(S)_PROXY`` / ``NO_PROXY`` as httpx does).
     """
 
-    _driver: SyncDriver
     _asynchronous = False
-
-    def __init__(
-        self,
-        prefill_base_url: URLArg = None,
-        decode_base_url: URLArg = None,
-        *,
-        options: PDOptions | None = None,
-        leg_transport: httpx.BaseTransport | None = None,
-    ) -> None:
-        self._context = _context(_resolve(prefill_base_url, decode_base_url, options), None, asynchronous=False)
-        self._driver = SyncDriver(LegClient(leg_transport))
+    _kinds = SyncDriver, LegClient
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         self._context.fleet.start()
@@ -111,29 +118,18 @@ class PDTransport(_TransportBase, httpx.BaseTransport):
         self._driver.legs.close()
 
 
-class AsyncPDTransport(_TransportBase, httpx.AsyncBaseTransport):
+class AsyncPDTransport(_TransportBase[httpx.AsyncBaseTransport, AsyncDriver], httpx.AsyncBaseTransport):
     """Async twin of ``PDTransport`` (asyncio and trio)."""
 
-    _driver: AsyncDriver
     _asynchronous = True
-
-    def __init__(
-        self,
-        prefill_base_url: URLArg = None,
-        decode_base_url: URLArg = None,
-        *,
-        options: PDOptions | None = None,
-        leg_transport: httpx.AsyncBaseTransport | None = None,
-    ) -> None:
-        self._context = _context(_resolve(prefill_base_url, decode_base_url, options), None, asynchronous=True)
-        self._driver = AsyncDriver(AsyncLegClient(leg_transport))
+    _kinds = AsyncDriver, AsyncLegClient
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         self._context.fleet.start()
         return await self._driver.drive(call_flow(Call(self._context, request)))
 
     async def aclose(self) -> None:
-        await self._driver.outlived(self._context.options.retries.prefill_timeout)
+        await self._driver.outliving.wait(self._context.options.retries.prefill_timeout)
         await self._context.fleet.aclose()
         await self._driver.legs.aclose()
 

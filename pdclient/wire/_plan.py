@@ -99,6 +99,10 @@ class Plan:
     """The conversation's key, within its tenant's (``affinity_key``)."""
     tenant: str | None = None
     """Who is calling (``RouteRequest.tenant``), when a server that passes many callers' requests on says."""
+    stored_state: str | None = None
+    """The field naming state a server stored that the call builds on (a dialect's ``stored_state``)."""
+    stored_tag: str | None = None
+    """The decode endpoint's tag that field's id carried, taken off it (a dialect's ``stored_at``)."""
 
 
 def plan_call(kind: Kind, content: bytes, tenant: str | None = None) -> Plan:

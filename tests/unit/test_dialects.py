@@ -52,6 +52,34 @@ def test_a_responses_id_past_its_bound_is_refused_naming_it(field: str) -> None:
         RESPONSES.plan(json.dumps({**fitting, field: "r" * 2_000_000}).encode(), None)
 
 
+def test_previous_response_id_is_read_once_for_the_plan_its_state_and_its_tag(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert RESPONSES is not None
+    from pdclient import wire
+    from pdclient.dialects import endpoint_tag, tag_id
+
+    tag = endpoint_tag("http://d1:8200/v1")
+    body = {"model": "m", "input": "hi", "previous_response_id": tag_id("resp_1", tag)}
+    reads: list[str] = []
+    read = wire.field_value
+
+    def counted(fields: wire.Fields, name: str) -> Any:
+        reads.append(name)
+        return read(fields, name)
+
+    monkeypatch.setattr(wire, "field_value", counted)
+    plan = RESPONSES.plan(json.dumps(body).encode(), None)
+    assert RESPONSES.stored_state(plan) == "previous_response_id"
+    assert RESPONSES.stored_at(plan) == tag
+    assert json.loads(bytes(plan.fields["previous_response_id"])) == "resp_1"  # the server's own id
+    assert reads.count("previous_response_id") == 1
+    untagged = RESPONSES.plan(json.dumps({**body, "previous_response_id": "resp_2"}).encode(), None)
+    assert RESPONSES.stored_state(untagged) == "previous_response_id" and RESPONSES.stored_at(untagged) is None
+    other = RESPONSES.plan(json.dumps({"input": "hi", "conversation": "conv_1"}).encode(), None)
+    assert RESPONSES.stored_state(other) == "conversation" and RESPONSES.stored_at(other) is None
+    plain = RESPONSES.plan(b'{"input": "hi", "previous_response_id": 7}', None)
+    assert RESPONSES.stored_state(plain) == "previous_response_id" and RESPONSES.stored_at(plain) is None
+
+
 def test_messages_turns_are_read_as_a_chat_conversation() -> None:
     assert MESSAGES is not None
     body = {"system": "Be brief.", "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}
