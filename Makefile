@@ -14,7 +14,7 @@ VENV_OPENAI2 = $(shell tools/venv.sh requirements-openai2.txt)
 PYTEST = -m pytest -ra -p no:cacheprovider
 
 .PHONY: test install system-packages install-openai2 lint typecheck test-client test-pair-avx2 test-openai2 test-server-patch test-fast demo \
-        bench-client-overhead bench-decode-ttft bench-proxies bench-dispatch bench-serve-cpu bench-migration bench-conversations
+        bench-client-overhead bench-decode-ttft bench-proxies bench-dispatch bench-serve-cpu bench-migration bench-conversations bench-kv-accuracy
 
 # Every tier, in the order a failure is cheapest to find (docs/ARCHITECTURE.md, "Tests").
 test: lint typecheck test-client test-pair-avx2 test-openai2 test-server-patch
@@ -100,3 +100,8 @@ bench-migration: install
 # (~30 min at 6 rounds on this loaded machine; its timings want the cores to themselves).
 bench-conversations: install
 	$(VENV)/bin/python benchmarks/bench_conversations.py $(ARGS)
+
+# auto's predicted cached tokens against the decode server's own count, with KV events and
+# with the estimator alone, on a LocalPD with a small KV cache and more conversations than fit.
+bench-kv-accuracy: install
+	$(VENV)/bin/python benchmarks/bench_kv_accuracy.py $(ARGS)
