@@ -6,6 +6,9 @@ One pair for the module (``LocalPD(kv_events=True)``, with ``VLLM_SERVER_DEV_MOD
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -176,3 +179,29 @@ def test_a_decode_only_follow_up_is_counted_as_the_decode_server_counts_it(event
             assert (trace.outcome, trace.cache_source) == (Outcome.DECODE_ONLY, "kv_events")
             assert trace.cached_tokens == truth, counts
         print(f"\n(decided cached, the decode server's cached, prompt) per follow-up: {counts}", end="")
+
+
+def test_two_client_processes_make_the_same_decision_for_the_same_call(events_pair: LocalPD) -> None:
+    """Nothing shared but the servers' events: two processes, one after the other, each
+    running the same two turns of a conversation, decide its follow-up alike (decode-only,
+    from the events, the same cached count, the decode server's own)."""
+    pd = events_pair
+    calls = [conversation(), "Give it a title."]
+    decisions = []
+    for _ in range(2):
+        run = subprocess.run(
+            [sys.executable, "-m", "tests.pair.kv_events_decider", pd.prefill_urls[0], pd.decode_urls[0], pd.model],
+            input=json.dumps(calls),
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=True,
+        )
+        decisions.append([json.loads(line) for line in run.stdout.splitlines()])
+    follow_ups = [{name: value for name, value in d[1].items() if name != "answer"} for d in decisions]
+    print(f"\nthe follow-up, per process: {follow_ups}", end="")
+    (a1, a2), (b1, b2) = decisions
+    assert a1["answer"] == b1["answer"]  # the same conversation in both
+    assert a2["outcome"] == b2["outcome"] == Outcome.DECODE_ONLY.value
+    assert a2["cache_source"] == b2["cache_source"] == "kv_events"
+    assert a2["cached_tokens"] == b2["cached_tokens"] == a2["decode_cached_tokens"] == b2["decode_cached_tokens"]
