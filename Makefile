@@ -15,7 +15,7 @@ PYTEST = -m pytest -ra -p no:cacheprovider
 
 .PHONY: test install system-packages install-openai2 lint typecheck test-client test-pair-avx2 test-openai2 test-server-patch test-fast demo \
         bench-client-overhead bench-decode-ttft bench-proxies bench-dispatch bench-serve-cpu bench-migration bench-conversations \
-        bench-multiturn
+        bench-multiturn bench-kv-accuracy
 
 # Every tier, in the order a failure is cheapest to find (docs/ARCHITECTURE.md, "Tests").
 test: lint typecheck test-client test-pair-avx2 test-openai2 test-server-patch
@@ -108,3 +108,8 @@ bench-conversations: install
 # ARGS="--quick" (1 round, 6 conversations), ARGS='--serve-args="--some-flag 1"' for both pdclient arms.
 bench-multiturn: install
 	$(VENV)/bin/python benchmarks/bench_multiturn.py $(ARGS)
+
+# auto's predicted cached tokens against the decode server's own count, with KV events and
+# with the estimator alone, on a LocalPD with a small KV cache and more conversations than fit.
+bench-kv-accuracy: install
+	$(VENV)/bin/python benchmarks/bench_kv_accuracy.py $(ARGS)

@@ -46,7 +46,10 @@ With ``pdclient.kv_events`` on, a turn also keeps the chain keys of its prompt's
 endpoint's index how much of that known prefix it still holds (``HeldTokens``): a
 conversation the decode server evicted, or lost to a reset or a restart, is uncached by its
 own word (``Estimate.cache_source`` ``"kv_events"``), where the estimate alone would call it
-cached. The answer's blocks are still estimated (the decode leg's ids are not kept yet).
+cached. The decode leg asks for its output ids too (and a decode-only turn for its prompt's,
+``return_token_ids``, stripped before the caller sees them): a plain-text answer's blocks
+are then keyed with the prompt's (all its ids but the last, whose KV is never computed), so
+the count is exact for them as well, P/D turn or not.
 
 A history the memory did not see answered (another replica's turns, or the caller's own
 invention) is taken as cached on the call's word only up to ``unseen_history_tokens``.
@@ -111,11 +114,14 @@ class _Turn:
     prompt's whole blocks count as cached, not the answer's."""
     prompt_keys: bytes = b""
     """The chain keys (``kv_events.chain_keys``, packed) of the prompt's known token ids."""
+    answer_keyed: bool = False
+    """``prompt_keys`` go on through the answer's ids but its last (whose KV is never
+    computed): the decode's events then say exactly what it holds of the answer too."""
 
 
-_NUMBERS = struct.Struct("<Iqqqqd?")
+_NUMBERS = struct.Struct("<Iqqqqd??")
 """A turn's numbers: messages, prompt_tokens, cached_floor, answer_tokens, answer_chars
-(-1: unknown), chars_per_token (NaN: unknown), prompt_pulled."""
+(-1: unknown), chars_per_token (NaN: unknown), prompt_pulled, answer_keyed."""
 _MAX_COUNT = 2**63 - 1
 
 
@@ -144,6 +150,7 @@ class _Packed:
             _count(turn.answer_chars),
             math.nan if turn.chars_per_token is None else turn.chars_per_token,
             turn.prompt_pulled,
+            turn.answer_keyed,
         )
         self.packed = turn.digests + numbers + turn.prompt_keys
         self.endpoint = sys.intern(str(turn.endpoint))
@@ -151,7 +158,9 @@ class _Packed:
     def turn(self) -> _Turn:
         end = 3 * DIGEST_SIZE + _NUMBERS.size
         digests, numbers, keys = self.packed[: 3 * DIGEST_SIZE], self.packed[3 * DIGEST_SIZE : end], self.packed[end:]
-        messages, prompt_tokens, cached_floor, answer_tokens, answer_chars, ratio, pulled = _NUMBERS.unpack(numbers)
+        messages, prompt_tokens, cached_floor, answer_tokens, answer_chars, ratio, pulled, keyed = _NUMBERS.unpack(
+            numbers
+        )
         return _Turn(
             digests=digests,
             messages=messages,
@@ -163,6 +172,7 @@ class _Packed:
             endpoint=self.endpoint,
             prompt_pulled=pulled,
             prompt_keys=keys,
+            answer_keyed=keyed,
         )
 
 
@@ -316,6 +326,7 @@ class ConversationMemory:
         cached_floor: int = 0,
         prompt_pulled: bool = False,
         prompt_keys: bytes = b"",
+        answer_keyed: bool = False,
     ) -> None:
         """Record a turn the decode endpoint answered: the next turn's prefix.
 
@@ -323,7 +334,9 @@ class ConversationMemory:
         ``prompt_token_ids``, or ``usage.prompt_tokens``); None when no server said, and
         then ``cached_floor`` is what is known to be cached (the estimate's cached tokens).
         ``prompt_pulled``: the turn was a P/D handoff (the decode server pulled the prompt's KV).
-        ``prompt_keys``: the packed chain keys of the prompt's ids, in ``block_size`` blocks.
+        ``prompt_keys``: the packed chain keys of the prompt's ids, in ``block_size`` blocks;
+        ``answer_keyed``: of the prompt's and the answer's ids but its last (a plain-text
+        answer, which the next prompt re-renders to the same ids).
         """
         messages = body.get("messages")
         if not isinstance(messages, list):
@@ -347,6 +360,7 @@ class ConversationMemory:
             endpoint=decode_endpoint,
             prompt_pulled=prompt_pulled,
             prompt_keys=prompt_keys,
+            answer_keyed=answer_keyed and reusable and bool(prompt_keys),
         )
         entry = key_digest(key)
         if not prompt_keys:
@@ -435,7 +449,7 @@ class ConversationMemory:
             known = (turn.messages, turn.prompt_tokens) if turn.prompt_tokens is not None else None
             return self._from_history(messages, tools, turn.endpoint, turn.chars_per_token, known, tenant=tenant)
         estimate = self._extension(turn, messages, answered, tenant)
-        return self._with_events(estimate, turn, held, moved=turn.endpoint != answered_at)
+        return self._with_events(estimate, turn, held, moved=turn.endpoint != answered_at, answered=answered)
 
     def _best_holder(self, turn: _Turn, admitted: Collection[str], home: str | None, held: HeldTokens) -> str:
         """The admitted decode endpoint whose events say it holds most of the turn's known
@@ -453,11 +467,15 @@ class ConversationMemory:
                 return preferred
         return min(endpoint for endpoint, tokens in known.items() if tokens == most)
 
-    def _with_events(self, estimate: Estimate, turn: _Turn, held: HeldTokens | None, *, moved: bool) -> Estimate:
+    def _with_events(
+        self, estimate: Estimate, turn: _Turn, held: HeldTokens | None, *, moved: bool, answered: bool
+    ) -> Estimate:
         """The estimate corrected by what the endpoint's events say it holds of the turn's
-        known prefix: less than all of it is the exact cached count; all of it confirms
-        the estimate (whose answer blocks no event can name without the answer's ids),
-        unless the call ``moved`` to an endpoint other than the one that computed the answer."""
+        known prefix: the exact cached count when the keys name the answer's blocks too
+        (``answer_keyed``; only the prompt's whole blocks when the call left the answer out:
+        ``answered`` False) or when less than all of it is held; else all of it confirms the
+        estimate (whose answer blocks no event can name without the answer's ids), unless
+        the call ``moved`` to an endpoint other than the one that computed the answer."""
         if held is None or not turn.prompt_keys:
             return estimate
         keys = unpack(turn.prompt_keys)
@@ -466,7 +484,9 @@ class ConversationMemory:
         if tokens is None:
             return estimate
         cached = estimate.cached_tokens
-        if moved or tokens < len(keys) * block:
+        if turn.answer_keyed and not answered and turn.prompt_tokens is not None:
+            tokens = min(tokens, turn.prompt_tokens)
+        if turn.answer_keyed or moved or tokens < len(keys) * block:
             cached = (min(tokens, estimate.total_tokens - 1) // block) * block
         total = estimate.total_tokens
         return Estimate(total, total - cached, estimate.endpoint, estimate.match, estimate.adds_media, "kv_events")

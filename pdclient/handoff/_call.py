@@ -333,11 +333,12 @@ class Call:
         self, prefill: wire.PrefillResult | None, *, asks_usage: bool = False, checks_prompt: bool = False
     ) -> bytes:
         """The decode body for ``prefill``'s KV, the call's migration armed where its dialect allows
-        one; ``checks_prompt``: tracked even if it may not move (a concurrent decode's prompt ids)."""
+        one; ``checks_prompt``: tracked even if it may not move (a concurrent decode's prompt ids),
+        as is a conversation's turn whose blocks the KV events are to name (``keys_answer``)."""
         assert self.plan is not None and self.dialect is not None
         refusal = self.dialect.migration_refusal
         if refusal is None:
-            self.migration = migrate.arm(self, tracked=checks_prompt)
+            self.migration = migrate.arm(self, tracked=checks_prompt or self.remote.keys_answer)
         else:
             self.migration = migrate.CallMigration(self.plan, 0, refusal, None, 0)
         return decode_body(self.dialect, self.plan, prefill, self.migration, asks_usage=asks_usage)
@@ -478,7 +479,8 @@ class Call:
             return
         self.phase = Phase.ENDED
         if self.decode.endpoint is not None and self.decode.status == 200 and self.record.error is None:
-            self.remote.remember(self.record.outcome, self.decode.endpoint.url, self.prefill_result)
+            tracker = self.migration.tracker if self.migration is not None else None
+            self.remote.remember(self.record.outcome, self.decode.endpoint.url, self.prefill_result, tracker)
             self._learn_costs(self.decode.endpoint.url)
         trace = self.trace()
         if self.kind is not None:

@@ -38,6 +38,7 @@ from ..conversations import (
 )
 from ..costs import CostModel, DispatchChoice
 from ..kv_events import chain_keys, pack
+from ..migration import Tracker
 from ..pools import AllEndpointsOpen, EndpointPool
 from ..routing import RouteDecision, RouteRequest, conversation_routing, policy_decision
 from ._leg import Leg
@@ -181,12 +182,14 @@ class ConversationTurn:
         decode_only: bool,
         prefill_tokens: int | None,
         prefill_ids: bytes | None = None,
+        decoded: Tracker | None = None,
     ) -> None:
         """A whole answer of a call that went as planned: the next turn's prefix on ``endpoint``.
 
         ``prefill_tokens``: the prompt's length as the prefill's ids counted it (None: the
         decode's ``usage.prompt_tokens``, when it reported one). ``prefill_ids``: those ids'
-        JSON array, kept as chain keys when the endpoints' KV events are read."""
+        JSON array, kept as chain keys when the endpoints' KV events are read, with the
+        answer's ids (and without a prefill, the prompt's) the decode leg sent (``decoded``)."""
         collector = self.collector
         answer = collector.answer()
         if answer is None:
@@ -199,6 +202,7 @@ class ConversationTurn:
             self.learn(collector.prompt_tokens)
             if collector.cached_tokens is not None:
                 floor = collector.cached_tokens
+        keys, answer_keyed = self._known_keys(prefill_ids, decoded)
         self.memory.remember(
             self.plan.affinity_key,
             self.body(),
@@ -207,15 +211,29 @@ class ConversationTurn:
             prompt_tokens=prompt_tokens,
             cached_floor=floor,
             prompt_pulled=not decode_only,
-            prompt_keys=self._prompt_keys(prefill_ids),
+            prompt_keys=keys,
+            answer_keyed=answer_keyed,
         )
 
-    def _prompt_keys(self, ids: bytes | None) -> bytes:
-        """The chain keys of the prompt's ids, packed; none without KV events or ids."""
-        if self.held is None or ids is None:
-            return b""
-        token_ids = orjson.loads(ids)
-        return pack(chain_keys(token_ids, self.memory.settings.block_size))
+    def _known_keys(self, prefill_ids: bytes | None, decoded: Tracker | None) -> tuple[bytes, bool]:
+        """The chain keys of the prompt's ids (the prefill's, else the decode's), packed, and
+        whether they go on through the answer's; none without KV events or ids.
+
+        The answer's last id is left out: the decode sampled it and never computed its KV,
+        so no server holds a block that ends with it."""
+        if self.held is None:
+            return b"", False
+        if prefill_ids is not None:
+            token_ids: list[int] = orjson.loads(prefill_ids)
+        elif decoded is not None and decoded.prompt_ids is not None:
+            token_ids = list(decoded.prompt_ids)
+        else:
+            return b"", False
+        answer_keyed = decoded is not None and bool(decoded.ids) and decoded.answered
+        if answer_keyed:
+            assert decoded is not None
+            token_ids += decoded.ids[:-1]
+        return pack(chain_keys(token_ids, self.memory.settings.block_size)), answer_keyed
 
 
 class RemotePrefill:
@@ -290,16 +308,27 @@ class RemotePrefill:
             raise HandoffInstead
         return pinned
 
-    def remember(self, outcome: Outcome, endpoint: str, prefill: wire.PrefillResult | None) -> None:
+    @property
+    def keys_answer(self) -> bool:
+        """The call's decode leg asks for its ids (``return_token_ids``; the caller never sees
+        them unless it asked): its conversation's turn is keyed for the KV events."""
+        return self.conversation is not None and self.conversation.held is not None
+
+    def remember(
+        self, outcome: Outcome, endpoint: str, prefill: wire.PrefillResult | None, decoded: Tracker | None = None
+    ) -> None:
         """The whole answer ``endpoint`` gave a call that went as planned: its conversation's
-        next prefix there (a failed or fallback call's answer teaches nothing)."""
+        next prefix there (a failed or fallback call's answer teaches nothing). ``decoded``:
+        the ids the decode leg sent, when it was asked for them."""
         turn, decision = self.conversation, self.decision
         if turn is None or decision is None or outcome not in (Outcome.DISAGGREGATED, Outcome.DECODE_ONLY):
             return
         ids = prefill.ids if prefill is not None else None
         counted = prefill.count if prefill is not None and ids is not None else None
         decode_only = outcome is Outcome.DECODE_ONLY
-        turn.remember(decision, endpoint, decode_only=decode_only, prefill_tokens=counted, prefill_ids=ids)
+        turn.remember(
+            decision, endpoint, decode_only=decode_only, prefill_tokens=counted, prefill_ids=ids, decoded=decoded
+        )
 
     def handoff_tokens(self, plan: wire.Plan, memory: ConversationMemory) -> int:
         """The tokens a handoff's prefill computes, as the costs count them: the estimate's

@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from pdclient import CallView, ConversationSettings, Outcome, PDConfigError, PDObserver, PDOptions, PDTrace
+from pdclient.kv_events import chain_keys, pack
 from tests.fake_vllm import DECODE, DECODE2, PREFILL, FakeVLLM, VLLMAnswers, echo, ids_of_conversation
 from tests.polling import until
 from tests.twins import Twin
@@ -446,3 +447,44 @@ def test_the_prefill_body_is_unchanged_by_auto(pair: FakeVLLM) -> None:
     t.client.chat.completions.create(model="m", messages=TURN1)  # type: ignore[call-overload]
     assert json.loads(json.dumps(pair.prefill_bodies[0]))["messages"] == TURN1
     assert pair.decode_bodies[0]["kv_transfer_params"]["prompt_token_ids"] == ids_of_conversation({"messages": TURN1})
+
+
+def ids_the_decode_sent(vllm: FakeVLLM, body: dict[str, Any]) -> tuple[list[int], list[int]]:
+    """The prompt's and the answer's ids the fake decode streams for ``body`` (``return_token_ids``)."""
+    events = vllm.answers.decode_events("/v1/chat/completions", {**body, "stream": True, "return_token_ids": True})
+    answer = [i for event in events for choice in event["choices"] for i in choice.get("token_ids", ())]
+    return events[0]["prompt_token_ids"], answer
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "json"])
+async def test_with_kv_events_a_turn_keeps_the_keys_of_its_prompt_and_answer_ids(
+    mode: str, pair: FakeVLLM, stream: bool
+) -> None:
+    # A publisher nobody runs: the view stays unknown, so the estimator decides, as here.
+    t, traces = twin(mode, remote_prefill="auto", kv_events="tcp://{host}:9")
+    memory = t.client.pd_fleet.memory
+    assert await turn(t, TURN1, stream) == ANSWER1
+    prefill_ids, answer_ids = ids_the_decode_sent(pair, pair.decode_bodies[0])
+    assert prefill_ids == pair.decode_bodies[0]["kv_transfer_params"]["prompt_token_ids"]
+    (first,) = memory._turns.values()
+    assert first.turn().answer_keyed
+    assert first.turn().prompt_keys == pack(chain_keys(prefill_ids + answer_ids[:-1], 128))
+
+    assert await turn(t, TURN2, stream) == echo({"messages": TURN2})
+    assert traces.traces[1].outcome is Outcome.DECODE_ONLY
+    # The decode-only leg asked for the ids too: its prompt's come from the decode itself.
+    assert all(body.get("return_token_ids") is True for body in pair.decode_bodies)
+    prompt_ids, answer_ids = ids_the_decode_sent(pair, pair.decode_bodies[1])
+    (second,) = memory._turns.values()
+    assert second.turn().answer_keyed
+    assert second.turn().prompt_keys == pack(chain_keys(prompt_ids + answer_ids[:-1], 128))
+    await t.close()
+
+
+async def test_the_ids_asked_for_never_reach_the_caller(pair: FakeVLLM) -> None:
+    t, _ = twin("sync", remote_prefill="auto", kv_events="tcp://{host}:9")
+    await turn(t, TURN1, True)
+    for stream in (True, False):
+        raw = t.client.chat.completions.with_raw_response.create(model="m", messages=TURN2, stream=stream)  # type: ignore[call-overload]
+        assert b'token_ids":[' not in raw.http_response.read()
+    await t.close()

@@ -6,6 +6,9 @@ One pair for the module (``LocalPD(kv_events=True)``, with ``VLLM_SERVER_DEV_MOD
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -126,3 +129,79 @@ def test_a_turn_after_the_decodes_reset_is_a_handoff_by_its_events(events_pair: 
             f"events 0 (a handoff)",
             end="",
         )
+
+
+def settled(index: KVIndex, quiet: float = 0.5, timeout: float = 15.0) -> None:
+    """Wait until the endpoint's events have been quiet for ``quiet`` seconds: the blocks of
+    the call that just ended are in its index (they are published with its last steps)."""
+    deadline = time.monotonic() + timeout
+    last, since = index.last_seq, time.monotonic()
+    while time.monotonic() - since < quiet:
+        assert time.monotonic() < deadline, "the decode's events never went quiet"
+        time.sleep(0.05)
+        if index.last_seq != last:
+            last, since = index.last_seq, time.monotonic()
+
+
+def test_a_decode_only_follow_up_is_counted_as_the_decode_server_counts_it(events_pair: LocalPD) -> None:
+    """The answer's ids (asked of the decode leg) key its blocks: a decode-only follow-up's
+    cached count, from the decode's events, is what the decode server itself then finds
+    cached (its usage), after a P/D turn and after a decode-only one."""
+    pd = events_pair
+    traces: list[PDTrace] = []
+    with PDChatClient(
+        prefill_base_url=pd.prefill_urls,
+        decode_base_url=pd.decode_urls,
+        api_key="EMPTY",
+        remote_prefill="auto",
+        kv_events="discover",
+        on_trace=traces.append,
+    ) as client:
+        client.pd_fleet.start()
+        index = decode_index(client, pd)
+        wait_for(lambda: index.synced, "the decode's view to catch up")
+        messages = conversation()
+        questions = ["Give it a title.", "And a moral?"]
+        answer = client.chat.completions.create(model=pd.model, messages=messages, temperature=0, max_tokens=150)  # type: ignore[arg-type]
+        assert traces[-1].outcome is Outcome.DISAGGREGATED
+        counts = []
+        for question in questions:
+            settled(index)
+            messages = [
+                *messages,
+                {"role": "assistant", "content": answer.choices[0].message.content},
+                {"role": "user", "content": question},
+            ]
+            answer = client.chat.completions.create(model=pd.model, messages=messages, temperature=0, max_tokens=150)  # type: ignore[arg-type]
+            trace = traces[-1]
+            truth = answer.usage.prompt_tokens_details.cached_tokens if answer.usage else None  # type: ignore[union-attr]
+            counts.append((trace.cached_tokens, truth, trace.estimated_prompt_tokens))
+            assert (trace.outcome, trace.cache_source) == (Outcome.DECODE_ONLY, "kv_events")
+            assert trace.cached_tokens == truth, counts
+        print(f"\n(decided cached, the decode server's cached, prompt) per follow-up: {counts}", end="")
+
+
+def test_two_client_processes_make_the_same_decision_for_the_same_call(events_pair: LocalPD) -> None:
+    """Nothing shared but the servers' events: two processes, one after the other, each
+    running the same two turns of a conversation, decide its follow-up alike (decode-only,
+    from the events, the same cached count, the decode server's own)."""
+    pd = events_pair
+    calls = [conversation(), "Give it a title."]
+    decisions = []
+    for _ in range(2):
+        run = subprocess.run(
+            [sys.executable, "-m", "tests.pair.kv_events_decider", pd.prefill_urls[0], pd.decode_urls[0], pd.model],
+            input=json.dumps(calls),
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=True,
+        )
+        decisions.append([json.loads(line) for line in run.stdout.splitlines()])
+    follow_ups = [{name: value for name, value in d[1].items() if name != "answer"} for d in decisions]
+    print(f"\nthe follow-up, per process: {follow_ups}", end="")
+    (a1, a2), (b1, b2) = decisions
+    assert a1["answer"] == b1["answer"]  # the same conversation in both
+    assert a2["outcome"] == b2["outcome"] == Outcome.DECODE_ONLY.value
+    assert a2["cache_source"] == b2["cache_source"] == "kv_events"
+    assert a2["cached_tokens"] == b2["cached_tokens"] == a2["decode_cached_tokens"] == b2["decode_cached_tokens"]

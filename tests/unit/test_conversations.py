@@ -1027,3 +1027,59 @@ def test_ties_stay_with_the_endpoint_that_answered_then_the_home() -> None:
     d3 = "http://decode-3:8200/v1"
     estimate = mem.estimate(key_of(turn2), turn2, {D2, d3}, D2, held=held_at({D2: 640, d3: 640}))
     assert estimate.endpoint == D2
+
+
+KEYS_1477 = pack(list(range(1, 1477 // 128 + 1)))
+"""The first turn's prompt (1328 ids) and its answer but the last id (150 - 1): 11 whole blocks."""
+
+
+def answer_keyed_first_turn(mem: ConversationMemory, *, prompt_pulled: bool) -> dict[str, Any]:
+    turn1 = body(SYSTEM, USER)
+    answer = Answer(STORY, completion_tokens=150)
+    mem.remember(
+        key_of(turn1),
+        turn1,
+        answer,
+        D1,
+        prompt_tokens=1328,
+        prompt_pulled=prompt_pulled,
+        prompt_keys=KEYS_1477,
+        answer_keyed=True,
+    )
+    return body(SYSTEM, USER, {"role": "assistant", "content": STORY}, FOLLOW_UP)
+
+
+def test_keys_of_the_answer_make_its_blocks_exact_after_a_handoff() -> None:
+    """After a P/D turn the estimator counts only the pulled prompt's blocks; the decode's
+    events about the answer's own ids say what it holds of the answer too."""
+    mem = memory()
+    turn2 = answer_keyed_first_turn(mem, prompt_pulled=True)
+    alone = mem.estimate(key_of(turn2), turn2, ADMITTED)
+    assert (alone.cache_source, alone.cached_tokens) == ("estimate", 1280)
+    asked: list[tuple[str, int]] = []
+    estimate = mem.estimate(key_of(turn2), turn2, ADMITTED, held=held_by(1408, asked))
+    assert (D1, 11) in asked
+    assert (estimate.cache_source, estimate.cached_tokens) == ("kv_events", 1408)
+
+
+def test_keys_of_the_answer_count_only_what_the_decode_holds_of_them() -> None:
+    mem = memory()
+    turn2 = answer_keyed_first_turn(mem, prompt_pulled=False)
+    estimate = mem.estimate(key_of(turn2), turn2, ADMITTED, held=held_by(1280))
+    assert (estimate.cache_source, estimate.cached_tokens) == ("kv_events", 1280)
+
+
+def test_a_follow_up_without_the_answer_counts_none_of_its_blocks() -> None:
+    mem = memory()
+    answer_keyed_first_turn(mem, prompt_pulled=False)
+    other = body(SYSTEM, USER, FOLLOW_UP)  # the answer left out: only the prompt's blocks are its prefix
+    estimate = mem.estimate(key_of(other), other, ADMITTED, held=held_by(1408))
+    assert (estimate.cache_source, estimate.cached_tokens) == ("kv_events", 1280)
+
+
+def test_a_decode_only_turn_without_ids_does_not_claim_its_answer_keyed() -> None:
+    mem = memory()
+    turn2 = answer_keyed_first_turn(mem, prompt_pulled=False)
+    mem.remember(key_of(turn2), turn2, Answer("A title.", completion_tokens=4), D1, prompt_tokens=1500)
+    (entry,) = mem._turns.values()
+    assert (entry.turn().prompt_keys, entry.turn().answer_keyed) == (KEYS_1477, False)
