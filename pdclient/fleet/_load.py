@@ -21,8 +21,9 @@ pays for one scrape per 50 ms. pdclient scrapes from every client process, and a
 is not free: vLLM 0.32's answer is ~51 KB (614 lines) rendered in the API server's
 process, ~7 ms a fetch on this machine's CPU build. N clients at 50 ms would cost a
 server N x 14 % of a core; at 0.5 s, N x 1.4 %. The scraping process pays too: ~1.5 ms of
-CPU a scrape here (httpx's GET of the 64 kB ~1.3 ms, the parse of the 3 lines it reads
-~0.2 ms), ~6 ms a second for a pair. So pdclient scrapes every 0.5 s and
+CPU a scrape here (httpx's GET of the 64 kB ~0.7-1.3 ms, the parse of the 3 lines it reads
+~0.07 ms), and ~12 ms a second for a pair with health probes, event loop included (measured
+with benchmarks/bench_idle_cpu.py against ~2 ms a second without). So pdclient scrapes every 0.5 s and
 bridges the gap with what it knows exactly, the calls it started and ended since the
 scrape (``LoadAware``, which also extrapolates them to the other clients). A sample is
 fresh for 2 s as in llm-d (four missed scrapes), and a scrape gives up after 1 s. The
@@ -81,7 +82,7 @@ def _family_lines(text: str) -> Iterator[str]:
     """The sample lines of ``text`` whose metric is one of ``_NAMES``.
 
     A vLLM 0.32 answer has ~450 sample lines (64 kB) and 3 of them matter: a search for each
-    name (``str.find``, in C) visits only those, where a loop over every line cost ~1-2 ms
+    name (``str.find``, in C) visits only those, where a loop over every line cost ~1.1 ms
     a scrape on this machine's CPU, twice a second per server.
     """
     text = "\n" + text
