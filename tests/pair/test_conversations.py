@@ -48,12 +48,13 @@ def test_an_auto_follow_up_goes_decode_only_and_the_decode_servers_cache_answers
         warmed = prefill_warmed(pd, prefill_before, follow_up.usage.prompt_tokens)
     first, second = traces
     assert first.outcome is Outcome.DISAGGREGATED and first.forwarded_tokens > 0
-    assert (second.outcome, second.remote_prefill, second.remote_prefill_reason, second.conversation) == (
+    assert (second.outcome, second.remote_prefill, second.conversation) == (
         Outcome.DECODE_ONLY,
         False,
-        "mostly_cached",
         "extends_answer",
     )
+    # Predicted faster, or a trial of decode-only while the endpoint has few timings of it.
+    assert second.remote_prefill_reason in ("decode_only_faster", "probe"), second.remote_prefill_reason
     assert second.decode_url == pd.decode_url and second.prefill_url is None
     assert second.prefill_warm_up_url == pd.prefill_url
     assert warmed, "the follow-up's prompt did not reach the prefill server"

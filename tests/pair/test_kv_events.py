@@ -120,7 +120,7 @@ def test_a_turn_after_the_decodes_reset_is_a_handoff_by_its_events(events_pair: 
         t3 = traces[2]
         assert (t3.outcome, t3.remote_prefill_reason, t3.cache_source, t3.cached_tokens) == (
             Outcome.DISAGGREGATED,
-            "uncached_at_or_above_threshold",
+            "uncached_ratio_at_or_above",  # all of it uncached now
             "kv_events",
             0,
         )

@@ -103,15 +103,17 @@ def test_concurrent_answer_is_the_sequential_one_and_the_kv_moved(push: LocalPD)
     traces: list[PDTrace] = []
     client = learnt(push, on_trace=traces.append)
     sequential = client.with_options(dispatch="sequential")
+    # Asked for: auto's own choice takes turns between the modes while it learns them.
+    concurrent = client.with_options(dispatch="concurrent")
     before = external_tokens(push.decode_url)
     reference = sequential.chat.completions.create(
         model=push.model, messages=messages("a"), max_tokens=12, temperature=0
     )
-    answer = client.chat.completions.create(model=push.model, messages=messages("b"), max_tokens=12, temperature=0)
+    answer = concurrent.chat.completions.create(model=push.model, messages=messages("b"), max_tokens=12, temperature=0)
     # "a" again, streamed: the decode's prefix cache holds its prompt from the sequential call,
     # so it allocates (and the prefill server WRITEs) only the blocks it lacks.
     hits = metric(push.decode_url, "vllm:prefix_cache_hits_total")
-    stream = client.chat.completions.create(
+    stream = concurrent.chat.completions.create(
         model=push.model, messages=messages("a"), max_tokens=12, temperature=0, stream=True
     )
     again = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
