@@ -1,12 +1,14 @@
 """What each route costs a call, learnt from live traffic: pure (no I/O, no clock of its own).
 
-``CostModel`` learns per endpoint (a decode server's prefill rate, the handover a P/D call
-pays, each dispatch mode's time to first token per prefill endpoint) and predicts each
+``CostModel`` learns per endpoint from each finished call's ``CallCost`` (a decode
+server's prefill rate, the handover a P/D call pays, each dispatch mode's time to first
+token per prefill endpoint) and predicts each
 route's time to first token and the stall a decode-only turn puts on the decode's other
 streams (``RouteCosts``); ``DispatchChooser`` picks sequential or concurrent. The decisions
 that read them are ``conversations.decide_remote_prefill`` and ``handoff._dispatch``.
 """
 
+from ._call_cost import CallCost
 from ._dispatch_choice import (
     CONCURRENT,
     PROBE_EVERY,
@@ -27,6 +29,7 @@ __all__ = [
     "SEQUENTIAL",
     "SEQUENTIAL_FOR_S",
     "UNSTABLE_WINDOW_S",
+    "CallCost",
     "CostLine",
     "CostModel",
     "CostPriors",

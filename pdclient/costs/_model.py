@@ -29,6 +29,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from ._call_cost import CallCost
 from ._dispatch_choice import PROBE_EVERY, DispatchChoice, DispatchChooser
 from ._line import CostLine, Line
 from ._priors import CostPriors
@@ -78,6 +79,13 @@ class CostModel:
         return line
 
     # -- learning ------------------------------------------------------------------------
+
+    def learn(self, cost: CallCost) -> None:
+        """What a finished call teaches: the line of the route it took."""
+        if cost.prefill_url is None:
+            self.decode_only(cost.decode_url, cost.tokens, cost.first_token_ms)
+        elif cost.dispatch is not None:
+            self.handoff(cost.prefill_url, cost.dispatch, cost.tokens, cost.first_token_ms)
 
     def decode_only(self, endpoint: str, uncached_tokens: int, ttft_ms: float) -> None:
         """A decode-only call on ``endpoint``: the tokens it computed and its time to first token."""

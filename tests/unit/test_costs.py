@@ -12,6 +12,7 @@ from pdclient.costs import (
     PROBE_EVERY,
     SEQUENTIAL,
     SEQUENTIAL_FOR_S,
+    CallCost,
     CostLine,
     CostModel,
     CostPriors,
@@ -117,6 +118,17 @@ def test_the_handover_is_learnt_from_handoffs() -> None:
     assert model.handover(P1, SEQUENTIAL) == Line(600.0, 0.5, 4)
     assert model.handover(P1, CONCURRENT) == CostPriors().handoff
     assert model.predict(D1, 300, streams=0).handoff_ms == pytest.approx(750.0)
+
+
+def test_a_finished_call_teaches_the_line_of_the_route_it_took() -> None:
+    model, lines = CostModel(), CostModel()
+    for tokens in (100, 200, 300, 400, 500):
+        model.learn(CallCost(30 + 2.0 * tokens, D1, tokens))  # no prefill endpoint: decode-only
+        model.learn(CallCost(600 + 0.5 * tokens, D1, tokens, prefill_url=P1, dispatch=SEQUENTIAL))
+        lines.decode_only(D1, tokens, 30 + 2.0 * tokens)
+        lines.handoff(P1, SEQUENTIAL, tokens, 600 + 0.5 * tokens)
+    assert model.decode_prefill(D1) == lines.decode_prefill(D1) == Line(30.0, 2.0, 5)
+    assert model.handover(P1, SEQUENTIAL) == lines.handover(P1, SEQUENTIAL)
 
 
 def test_two_models_fed_the_same_traffic_predict_alike() -> None:

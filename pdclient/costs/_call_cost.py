@@ -1,0 +1,22 @@
+"""``CallCost``: what one finished call teaches the cost model (``CostModel.learn``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class CallCost:
+    """A whole streamed call's time to first token on the route it took, against the tokens
+    computed for it. Without a prefill endpoint it went decode-only, on ``decode_url``; with
+    one it was a handoff, its legs sent the ``dispatch`` way."""
+
+    first_token_ms: float
+    decode_url: str
+    tokens: int
+    """The tokens computed for the call: a decode-only call's uncached ones, a handoff's prefill's."""
+    prefill_url: str | None = None
+    dispatch: str | None = None
+
+
+__all__ = ["CallCost"]
