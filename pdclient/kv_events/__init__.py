@@ -3,7 +3,7 @@ chain keys that name a token sequence's blocks (``_chain``), one endpoint's inde
 blocks it holds (``_index``), and the subscriptions that feed them (``_subscriber``,
 ``_feeds``; pyzmq, the ``pdclient[kv-events]`` extra)."""
 
-from ._chain import ROOT, block_key, chain_keys, pack, unpack
+from ._chain import ROOT, block_key, chain_keys, pack, turn_keys, unpack
 from ._events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, decode_batch
 from ._feeds import KVEventFeeds
 from ._index import DEFAULT_MAX_BLOCKS, Feed, KVIndex, View
@@ -33,5 +33,6 @@ __all__ = [
     "pack",
     "source_for",
     "source_from_discovery",
+    "turn_keys",
     "unpack",
 ]

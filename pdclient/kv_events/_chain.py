@@ -52,3 +52,11 @@ def unpack(packed: bytes) -> list[int]:
     keys = array("Q")
     keys.frombytes(packed)
     return keys.tolist()
+
+
+def turn_keys(prompt_ids: Sequence[int], answer_ids: Sequence[int], block_size: int) -> bytes:
+    """A conversation turn's blocks, packed: its prompt's ids, then its answer's but the last.
+
+    The decode sampled the answer's last id and never computed its KV, so no server holds
+    a block that ends with it."""
+    return pack(chain_keys([*prompt_ids, *answer_ids[:-1]], block_size))

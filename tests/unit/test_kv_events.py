@@ -24,6 +24,7 @@ from pdclient.kv_events import (
     pack,
     source_for,
     source_from_discovery,
+    turn_keys,
     unpack,
 )
 from pdclient.pools import BreakerSettings, EndpointPool
@@ -107,6 +108,12 @@ def test_counts_leading_blocks_across_batches_and_parents() -> None:
     # A chain that differs in its second block holds only the first.
     other = chain_keys([*IDS[:4], 0, 0, 0, 0, *IDS[8:]], BS)
     assert index.cached_tokens(other, BS) == 4
+
+
+def test_a_turns_keys_run_through_its_answer_but_its_last_id() -> None:
+    prompt, answer = IDS[:10], IDS[10:]
+    assert unpack(turn_keys(prompt, answer, BS)) == chain_keys(IDS[:-1], BS)  # the last id was sampled, never computed
+    assert unpack(turn_keys(prompt, [], BS)) == chain_keys(prompt, BS)
 
 
 def test_keys_do_not_depend_on_vllms_hashes() -> None:
