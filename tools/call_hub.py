@@ -107,7 +107,8 @@ def main(root: Path) -> Hub:
     print(f"{len(hub.attributes):5d}  attributes")
     print(f"{len(hub.used):5d}  members used from {len(files)} other files")
     print(f"{len(hub.written):5d}  of its fields written from outside the class: {', '.join(sorted(hub.written))}")
-    print(f"{len(hub.written_nested):5d}  fields of what it holds written from outside: {', '.join(sorted(hub.written_nested))}")
+    nested = ", ".join(sorted(hub.written_nested))
+    print(f"{len(hub.written_nested):5d}  fields of what it holds written from outside: {nested}")
     return hub
 
 

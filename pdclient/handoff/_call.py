@@ -3,7 +3,8 @@
 A ``Call`` is made per request by a transport, and its flow (``_flow.call_flow``) takes it
 from the caller's request to the response: the flow yields the I/O it needs to the
 transport's driver and applies the decisions made here and beside it: whether it gets a
-remote prefill and what its conversation teaches (``_remote_prefill``), its legs' requests
+remote prefill, and what its end teaches the conversation memory and the cost model
+(``_remote_prefill``, from its record: ``_record``), its legs' requests
 and bodies (``_leg_requests``), what goes back to the caller (``_to_caller``), how it fails
 (``_failure``), concurrent dispatch (``_dispatch``), a broken stream's move (``_move``),
 the KV release (``_release``) and its trace (``_report``). Observers see the call and
@@ -37,7 +38,7 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
@@ -55,8 +56,10 @@ from ..fleet import Fleet
 from ..pools import AllEndpointsOpen, retry
 from ..routing import TENANT_EXTENSION, RouteRequest, plan_text
 from ..wire import EventTooLarge, error_event, redact_url
+from ._dispatch import learn_coordinates
 from ._effective import EffectiveOptions
 from ._failure import (
+    Fallback,
     PrefillRedirected,
     error_response,
     fallback_for,
@@ -75,10 +78,9 @@ from ._leg_requests import (
     new_correlation_id,
     new_leg_id,
     pass_through_body,
-    streams_upload,
 )
 from ._record import CallRecord
-from ._remote_prefill import CallTimings, HandoffInstead, RemotePrefill
+from ._remote_prefill import HandoffInstead, RemotePrefill
 from ._report import log_end, trace_of
 from ._to_caller import CallerBody, caller_response, id_tags_for, usage_merge_for
 
@@ -178,23 +180,14 @@ class Call:
         assert self._effective is not None
         return self._effective
 
-    @property
-    def streams_upload(self) -> bool:
-        """A pass-through multipart upload not read yet: it goes on unread, scanned as it passes."""
-        return streams_upload(self.request)
-
-    def check_pass_through(self) -> httpx.Response | None:
-        """A pass-through body, read (``pass_through_body``): a 400, or None and the body to send."""
+    def check_pass_through(self, upload: bool) -> httpx.Response | None:
+        """A pass-through body: a 400, or None and the body to send (``pass_through_body``);
+        an ``upload`` streaming unread (``streams_upload``) is refused only compressed: nothing could check it."""
         try:
-            self.pass_through_body = pass_through_body(self.request)
-        except wire.Refusal as exc:
-            return self.refuse(str(exc))
-        return None
-
-    def check_upload(self) -> httpx.Response | None:
-        """A multipart upload that streams unread: a 400 if it is compressed (nothing could check it)."""
-        try:
-            wire.check_content_encoding(self.request.headers.get("content-encoding"))
+            if upload:
+                wire.check_content_encoding(self.request.headers.get("content-encoding"))
+            else:
+                self.pass_through_body = pass_through_body(self.request)
         except wire.Refusal as exc:
             return self.refuse(str(exc))
         return None
@@ -218,20 +211,16 @@ class Call:
     def wants_prefill(self) -> bool:
         """Whether this call gets a prefill leg (``remote_prefill``, ``_remote_prefill``), once after planning."""
         assert self.plan is not None and self.dialect is not None
-        plan, options, fleet, remote = self.plan, self.context.options, self.context.fleet, self.remote
-        wanted = remote.decide(
-            plan, self.effective.remote_prefill, self.dialect, options, fleet, lambda: self.route_for("decode")
-        )
+        remote, options, fleet = self.remote, self.context.options, self.context.fleet
+        mode = self.effective.remote_prefill
+        wanted = remote.decide(self.plan, mode, self.dialect, options, fleet, self.route_for, self.requests)
         if remote.conversation is not None:
             self.caller_body.collector = remote.conversation.collector
-        if wanted:
-            return True
-        self.record.outcome = Outcome.DECODE_ONLY
-        if remote.stored_state is not None:
-            self.stored_tag = self.dialect.stored_at(plan)
-        elif remote.warms:
-            remote.warm_up(fleet, self.route_for("prefill"), self.requests, self.dialect.warm_up_body(plan))
-        return False
+        if not wanted:
+            self.record.outcome = Outcome.DECODE_ONLY
+            if remote.stored_state is not None:
+                self.stored_tag = self.dialect.stored_at(self.plan)
+        return wanted
 
     # -- prefill -----------------------------------------------------------------------
 
@@ -270,9 +259,7 @@ class Call:
         cpu_start = time.thread_time()
         self.prefill_result = self.dialect.read_prefill(response.content)
         if self.prefill.url:  # every prefill answer, either dispatch mode: where its server's NIXL agent is
-            learnt = self.context.fleet.coordinates.learn(self.prefill.url, self.prefill_result.kv_transfer_params)
-            if learnt is not None:  # two changes in a while make dispatch="auto" sequential
-                self.context.fleet.costs.coordinates(self.prefill.url, learnt.engine_id, time.monotonic())
+            learn_coordinates(self.context.fleet, self.prefill.url, self.prefill_result.kv_transfer_params)
         self.record.cpu_seconds += time.thread_time() - cpu_start
         if self.remote.conversation is not None and self.prefill_result.ids is not None:
             self.remote.conversation.learn(self.prefill_result.count)  # the servers' own count
@@ -285,11 +272,7 @@ class Call:
         reason = prefill_failure(error, self.prefill.attempt)
         fallback = fallback_for(self.effective.on_prefill_failure, "prefill failed", reason, decode_admitted=True)
         if fallback is not None:
-            self.record.outcome, self.record.fallback, self.fallback_url = (
-                Outcome.PREFILL_FAILED,
-                fallback.note,
-                fallback.url,
-            )
+            self._fall_back(fallback)
             return None
         answer = error.response if isinstance(error, retry.RetryableStatus) else prefill_failure_status(error)
         return self._fail("prefill", f"prefill failed: {reason}", answer, f"prefill leg failed: {reason}")
@@ -343,17 +326,17 @@ class Call:
             self.migration = migrate.CallMigration(self.plan, 0, refusal, None, 0)
         return decode_body(self.dialect, self.plan, prefill, self.migration, asks_usage=asks_usage)
 
-    def reset_decode_body(self) -> None:
-        """The decode body is built anew at the next attempt (a concurrent decode fell back)."""
-        self._decode_body = None
+    def decode_again(self, *, kv_spent: bool) -> None:
+        """The decode goes out anew, its body built again at the next attempt (a concurrent
+        decode fell back). ``kv_spent``: the prefill's KV went into the cut decode's blocks,
+        so the new decode computes the prefill's ids itself (no ``kv_transfer_params``)."""
+        self.migration = self._decode_body = None
+        if kv_spent and self.prefill_result is not None:
+            self.prefill_result = replace(self.prefill_result, kv_transfer_params=None)
 
     def _asks_usage(self) -> bool:
         collecting, decode_only = self.remote.conversation is not None, self.record.outcome is Outcome.DECODE_ONLY
         return self.plan is not None and asks_usage(self.plan, collecting=collecting, decode_only=decode_only)
-
-    def decode_admitted(self) -> bool:
-        """Whether a decode endpoint admits a request now (asked before the prefill)."""
-        return bool(self.context.fleet.decode.admitted())
 
     def decode_outage(self) -> httpx.Response | None:
         """No decode endpoint admits a request: a prefill now would only hold KV blocks that
@@ -369,12 +352,13 @@ class Call:
         )
         if fallback is None:
             return self.decode_unavailable(outage)
-        self.record.outcome, self.record.fallback, self.fallback_url = (
-            Outcome.PREFILL_FAILED,
-            fallback.note,
-            fallback.url,
-        )
+        self._fall_back(fallback)
         return None
+
+    def _fall_back(self, fallback: Fallback) -> None:
+        """The failure policy goes on without the prefill: the decode, whole, to ``fallback.url`` if any."""
+        self.record.outcome, self.record.fallback = Outcome.PREFILL_FAILED, fallback.note
+        self.fallback_url = fallback.url
 
     def decode_attempt_failed(self, error: BaseException) -> None:
         """Opening the decode leg raised; a request that may have reached its server is never released.
@@ -411,6 +395,7 @@ class Call:
         tags = self.dialect.tags_answer_ids if self.dialect is not None else names_a_response(self.relative_path)
         endpoint = self.decode.endpoint.url if self.decode.endpoint is not None else None
         strip = usage.UsageStrip() if asked else None
+        self.record.decoded = self.migration.tracker if self.migration is not None else None
         body.begin(
             content_type,
             merge,
@@ -424,7 +409,11 @@ class Call:
 
     def first_byte(self) -> None:
         self.record.decode_first_byte_ms = (time.perf_counter() - self.decode.sent_at) * 1000
-        self.record.first_byte_ms = self._elapsed_ms()
+        record = self.record
+        record.first_byte_ms = self._elapsed_ms()
+        moved = self.migration is not None and self.migration.records()
+        if self.plan is not None and self.plan.stream and self.fallback_url is None and not moved:
+            record.first_token_ms = record.first_byte_ms
         self.observers.first_byte(self)
 
     def decode_streamed(self, reads: int) -> None:
@@ -479,9 +468,14 @@ class Call:
             return
         self.phase = Phase.ENDED
         if self.decode.endpoint is not None and self.decode.status == 200 and self.record.error is None:
-            tracker = self.migration.tracker if self.migration is not None else None
-            self.remote.remember(self.record.outcome, self.decode.endpoint.url, self.prefill_result, tracker)
-            self._learn_costs(self.decode.endpoint.url)
+            self.remote.ended(
+                self.plan,
+                self.record,
+                self.prefill_result,
+                self.context.fleet,
+                decode_url=self.decode.endpoint.url,
+                prefill_url=self.prefill.url or None,
+            )
         trace = self.trace()
         if self.kind is not None:
             log_end(trace)
@@ -499,24 +493,6 @@ class Call:
             response = error_response(answer, message or error, self.trace().to_headers())
         self.end()
         return response
-
-    def _learn_costs(self, decode_url: str) -> None:
-        """The call's time to first token, for the cost model ``auto`` decides on. A call
-        that moved its stream, or went to a fallback server, says nothing of either route."""
-        if self.plan is None or self.fallback_url is not None or self.migration_moved():
-            return
-        handoff = self.record.outcome is Outcome.DISAGGREGATED and self.plan.stream
-        timings = CallTimings(
-            first_token_ms=self.record.first_byte_ms if self.plan.stream else None,
-            decode_url=decode_url,
-            prefill_url=self.prefill.url or None,
-            dispatch=self.record.dispatch,
-            handoff_tokens=self.remote.handoff_tokens(self.plan, self.context.fleet.memory) if handoff else 0,
-        )
-        self.remote.learn_costs(self.context.fleet.costs, self.record.outcome, timings)
-
-    def migration_moved(self) -> bool:
-        return self.migration is not None and bool(self.migration.records())
 
     def trace(self) -> PDTrace:
         return trace_of(self)

@@ -76,6 +76,7 @@ from ..wire import EventTooLarge, SSEFramer, event_data, is_done
 if TYPE_CHECKING:
     import httpx
 
+    from ..fleet import Fleet
     from ._call import Call
 
 SEQUENTIAL = "sequential"
@@ -86,6 +87,14 @@ PREFILL_MOVED = "prefill_moved"
 DECODE_FAILED = "decode_failed"
 PROMPT_DRIFT = "prompt_drift"
 PROMPT_UNCHECKED = "prompt_unchecked"
+
+
+def learn_coordinates(fleet: Fleet, prefill_url: str, kv_transfer_params: bytes | None) -> None:
+    """Where a prefill endpoint's NIXL agent is, from every answer it gives (either mode);
+    two changes in a while make ``dispatch="auto"`` sequential there (``CostModel.coordinates``)."""
+    learnt = fleet.coordinates.learn(prefill_url, kv_transfer_params)
+    if learnt is not None:
+        fleet.costs.coordinates(prefill_url, learnt.engine_id, time.monotonic())
 
 
 def mode_of(call: Call) -> str:
@@ -127,7 +136,7 @@ def concurrent_decode(call: Call) -> ConcurrentDecode | None:
         # Responses route runs its engine request under the body's ``request_id`` (the
         # caller's, or one of vLLM's), not the legs' id the decode's registration names.
         return None
-    if not call.decode_admitted():
+    if not call.context.fleet.decode.admitted():
         return None  # the prefill phase answers a decode outage
     try:
         prefill_url = call.prefill.pick_ahead(call.route_for("prefill"))
@@ -306,6 +315,7 @@ __all__ = [
     "concurrent_decode",
     "discarded",
     "failure",
+    "learn_coordinates",
     "moved_on",
     "prompt_drift",
     "prompt_peek",

@@ -19,7 +19,6 @@ move (``_move.move``) is a flow of the same steps, run by the same drivers.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Generator
 from typing import Any
 
@@ -30,6 +29,7 @@ from ..wire import Refusal
 from . import _dispatch as dispatch
 from ._call import Call
 from ._failure import PREFILL_FAILURES
+from ._leg_requests import streams_upload
 from ._release import release_request
 from ._steps import (
     NEXT,
@@ -70,18 +70,17 @@ def call_flow(call: Call) -> Steps:
 
 
 def _pass_through(call: Call) -> Steps:
-    if call.streams_upload:
-        refused = call.check_upload()
-    else:
+    upload = streams_upload(call.request)  # a multipart upload goes on unread, scanned as it passes
+    if not upload:
         yield ReadRequest(call.request)
-        refused = call.check_pass_through()
+    refused = call.check_pass_through(upload)
     return refused or (yield from _decode(call))
 
 
 def _prefill(call: Call, *, outlive: bool = False) -> Generator[Step, Any, httpx.Response | None]:
     """The prefill phase: its answer read and judged (None: the call goes on to its decode),
     or the call's end (its failure policy's answer, a decode outage's 503)."""
-    if not call.decode_admitted():
+    if not call.context.fleet.decode.admitted():  # a prefill now would hold KV no decode pulls
         return call.decode_outage()
     try:
         return (yield from retry.retrying(call.prefill_retrying(), lambda: _prefill_attempt(call, outlive)))
@@ -181,10 +180,7 @@ def sequential_again(call: Call, fallback: dispatch.FallBack, *, kv_spent: bool 
     """
     record = call.record
     record.dispatch, record.dispatch_fallback = dispatch.SEQUENTIAL, fallback.reason  # a sequential decode answers
-    call.migration = None
-    call.reset_decode_body()
-    if kv_spent and call.prefill_result is not None:
-        call.prefill_result = dataclasses.replace(call.prefill_result, kv_transfer_params=None)
+    call.decode_again(kv_spent=kv_spent)
     note = f"concurrent dispatch fell back to sequential: {fallback.why}"
     record.fallback = f"{record.fallback}; {note}" if record.fallback else note
 

@@ -45,6 +45,7 @@ def move(
         raise call.broken_stream(error, received, reason) from error
     try:
         continuation = migration.begin(call, cause(error))
+        call.record.first_token_ms = None  # it came from another endpoint than the one the call ends on
         if continuation.route is Route.PREFILL_DECODE:
             yield from _prefill(call, migration, continuation)
         return (yield from _open(call, migration, continuation))

@@ -1,4 +1,6 @@
-"""What a call's report reads (``_report.trace_of``): how it ended, why, and its timings.
+"""What a call's report reads (``_report.trace_of``): how it ended, why, and its timings;
+and what its end teaches (``RemotePrefill.ended``): the cost model its time to first
+token, the conversation memory the ids its decode sent.
 
 The flow and the decisions it applies write it; nothing in it steers the call.
 """
@@ -9,6 +11,7 @@ from dataclasses import dataclass
 
 from .._trace import Outcome
 from ..costs import DispatchChoice
+from ..migration import Tracker
 
 
 @dataclass(slots=True)
@@ -31,6 +34,11 @@ class CallRecord:
     decode_first_byte_ms: float | None = None
     first_byte_ms: float | None = None
     """From the call's start to the decode's first byte (the caller's time to first token, streamed)."""
+    first_token_ms: float | None = None
+    """``first_byte_ms`` of a streamed call on the route it planned, what the cost model
+    learns (None: not streamed, none yet, or its stream moved or went to a fallback server)."""
+    decoded: Tracker | None = None
+    """The ids the decode leg sent, when it was asked for them (the stream that answered)."""
 
 
 __all__ = ["CallRecord"]

@@ -36,13 +36,14 @@ from ..conversations import (
     decide_remote_prefill,
     rendered_chars,
 )
-from ..costs import CostModel, DispatchChoice
-from ..kv_events import chain_keys, pack
+from ..costs import CallCost, DispatchChoice
+from ..kv_events import turn_keys
 from ..migration import Tracker
 from ..pools import AllEndpointsOpen, EndpointPool
 from ..routing import RouteDecision, RouteRequest, conversation_routing, policy_decision
 from ._leg import Leg
 from ._leg_requests import LegRequests
+from ._record import CallRecord
 from ._report import STORED_STATE
 
 if TYPE_CHECKING:
@@ -224,16 +225,13 @@ class ConversationTurn:
         if self.held is None:
             return b"", False
         if prefill_ids is not None:
-            token_ids: list[int] = orjson.loads(prefill_ids)
+            prompt: list[int] = orjson.loads(prefill_ids)
         elif decoded is not None and decoded.prompt_ids is not None:
-            token_ids = list(decoded.prompt_ids)
+            prompt = decoded.prompt_ids
         else:
             return b"", False
-        answer_keyed = decoded is not None and bool(decoded.ids) and decoded.answered
-        if answer_keyed:
-            assert decoded is not None
-            token_ids += decoded.ids[:-1]
-        return pack(chain_keys(token_ids, self.memory.settings.block_size)), answer_keyed
+        answer = decoded.ids if decoded is not None and decoded.answered else []
+        return turn_keys(prompt, answer, self.memory.settings.block_size), bool(answer)
 
 
 class RemotePrefill:
@@ -242,7 +240,7 @@ class RemotePrefill:
     a decode-only call whose conversation's endpoint is out of reach becomes a handoff after
     all; a whole answer is remembered at the call's end."""
 
-    __slots__ = ("_tokens", "conversation", "decision", "home", "stored_state", "warm_up_url", "warms")
+    __slots__ = ("_tokens", "conversation", "decision", "home", "stored_state", "warm_up_url")
 
     def __init__(self) -> None:
         self.decision: Decision | None = None
@@ -255,8 +253,6 @@ class RemotePrefill:
         """The field naming server-stored state the call builds on (``Dialect.stored_state``): decode-only."""
         self.warm_up_url: str | None = None
         """The prefill endpoint this decode-only call's prompt was queued to (``fleet._warm``)."""
-        self.warms = False
-        """Whether the decode-only call's prompt is to be queued for a prefill endpoint (``warm_up``)."""
         self._tokens: int | None = None
 
     def decide(
@@ -266,22 +262,25 @@ class RemotePrefill:
         dialect: Dialect,
         options: PDOptions,
         fleet: Fleet,
-        decode_route: Callable[[], RouteRequest],
+        route_for: Callable[[str], RouteRequest],
+        requests: LegRequests,
     ) -> bool:
-        """Whether the call gets a prefill leg. ``decode_route``: what the decode's policy may
-        know of the call, asked only for a conversation's home."""
+        """Whether the call gets a prefill leg; a decode-only call's prompt queued for a warm-up
+        (``warm_up``). ``route_for``: what a leg's policy may know of the call, asked only for
+        a conversation's home and a warm-up's prefill endpoint."""
         self.stored_state = dialect.stored_state(plan)
         if self.stored_state is not None:
             return False  # the state is where it was stored, never on a prefill server
         if mode != "always" and plan.messages is not None:  # a conversation, in chat messages
             held = fleet.kv_events.held_tokens if fleet.kv_events is not None else None
             self.conversation = ConversationTurn(plan, fleet.memory, held)
-            self.home = conversation_home(fleet.decode, options, decode_route())
+            self.home = conversation_home(fleet.decode, options, route_for("decode"))
         estimate = None
         if mode == "auto" and self.conversation is not None:
             estimate = self.conversation.estimate([e.url for e in fleet.decode.admitted()], self.home)
         self.decision = remote_prefill_decision(mode, estimate, options.conversations, self.home, fleet)
-        self.warms = not self.decision.remote_prefill and mode == "auto" and options.conversations.warm_prefill
+        if not self.decision.remote_prefill and mode == "auto" and options.conversations.warm_prefill:
+            self.warm_up(fleet, route_for("prefill"), requests, dialect.warm_up_body(plan))
         return self.decision.remote_prefill
 
     def warm_up(self, fleet: Fleet, prefill_route: RouteRequest, requests: LegRequests, body: bytes) -> None:
@@ -314,20 +313,36 @@ class RemotePrefill:
         them unless it asked): its conversation's turn is keyed for the KV events."""
         return self.conversation is not None and self.conversation.held is not None
 
-    def remember(
-        self, outcome: Outcome, endpoint: str, prefill: wire.PrefillResult | None, decoded: Tracker | None = None
+    def ended(
+        self,
+        plan: wire.Plan | None,
+        record: CallRecord,
+        prefill: wire.PrefillResult | None,
+        fleet: Fleet,
+        *,
+        decode_url: str,
+        prefill_url: str | None,
     ) -> None:
+        """What a call that ended whole on ``decode_url`` (after a prefill on ``prefill_url``,
+        if any) teaches: its conversation remembers the answer, the cost model learns its
+        time to first token (``CallRecord.first_token_ms``)."""
+        self._remember(record, decode_url, prefill)
+        cost = self._cost(plan, record, decode_url, prefill_url, fleet.memory)
+        if cost is not None:
+            fleet.costs.learn(cost)
+
+    def _remember(self, record: CallRecord, endpoint: str, prefill: wire.PrefillResult | None) -> None:
         """The whole answer ``endpoint`` gave a call that went as planned: its conversation's
-        next prefix there (a failed or fallback call's answer teaches nothing). ``decoded``:
-        the ids the decode leg sent, when it was asked for them."""
-        turn, decision = self.conversation, self.decision
+        next prefix there (a failed or fallback call's answer teaches nothing), keyed with the
+        ids its decode leg sent (``CallRecord.decoded``), when it was asked for them."""
+        turn, decision, outcome = self.conversation, self.decision, record.outcome
         if turn is None or decision is None or outcome not in (Outcome.DISAGGREGATED, Outcome.DECODE_ONLY):
             return
         ids = prefill.ids if prefill is not None else None
         counted = prefill.count if prefill is not None and ids is not None else None
         decode_only = outcome is Outcome.DECODE_ONLY
         turn.remember(
-            decision, endpoint, decode_only=decode_only, prefill_tokens=counted, prefill_ids=ids, decoded=decoded
+            decision, endpoint, decode_only=decode_only, prefill_tokens=counted, prefill_ids=ids, decoded=record.decoded
         )
 
     def handoff_tokens(self, plan: wire.Plan, memory: ConversationMemory) -> int:
@@ -346,23 +361,32 @@ class RemotePrefill:
                 self._tokens = memory.tokens_for(len(plan.fields.get("prompt") or b""), 0, tenant=plan.tenant)
         return self._tokens
 
-    def learn_costs(self, costs: CostModel, outcome: Outcome, timings: CallTimings) -> None:
+    def _cost(
+        self,
+        plan: wire.Plan | None,
+        record: CallRecord,
+        decode_url: str,
+        prefill_url: str | None,
+        memory: ConversationMemory,
+    ) -> CallCost | None:
         """What a whole streamed call teaches the cost model: its time to first token on the
         route it took, against the tokens computed for it (a decode-only call: the decode's
         own count of what it found uncached where it says, else the estimate; a handoff:
         ``handoff_tokens``)."""
-        if timings.first_token_ms is None:
-            return
+        first_token_ms, outcome = record.first_token_ms, record.outcome
+        if first_token_ms is None or plan is None:
+            return None
         if outcome is Outcome.DECODE_ONLY and self.stored_state is None:
             estimate = self.decision.estimate if self.decision is not None else None
             tokens = estimate.uncached_tokens if estimate is not None else None
             collector = self.conversation.collector if self.conversation is not None else None
             if collector is not None and collector.prompt_tokens is not None and collector.cached_tokens is not None:
                 tokens = collector.prompt_tokens - collector.cached_tokens
-            if tokens is not None:
-                costs.decode_only(timings.decode_url, tokens, timings.first_token_ms)
-        elif outcome is Outcome.DISAGGREGATED and timings.prefill_url and timings.dispatch is not None:
-            costs.handoff(timings.prefill_url, timings.dispatch, timings.handoff_tokens, timings.first_token_ms)
+            return CallCost(first_token_ms, decode_url, tokens) if tokens is not None else None
+        if outcome is Outcome.DISAGGREGATED and prefill_url and record.dispatch is not None:
+            tokens = self.handoff_tokens(plan, memory)
+            return CallCost(first_token_ms, decode_url, tokens, prefill_url, record.dispatch)
+        return None
 
     def trace(self, dispatch: str | None, choice: DispatchChoice | None) -> CostDecision | None:
         """The call's ``PDTrace.decision``: the route, why, and each route's predicted cost."""
@@ -382,17 +406,3 @@ class RemotePrefill:
             sequential_ms=choice.sequential_ms if choice is not None else None,
             concurrent_ms=choice.concurrent_ms if choice is not None else None,
         )
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class CallTimings:
-    """What a call's end tells the cost model (``RemotePrefill.learn_costs``)."""
-
-    first_token_ms: float | None
-    """From the call's start to the decode's first byte, for a streamed call (None: not
-    streamed, whose first byte is the whole answer)."""
-    decode_url: str
-    prefill_url: str | None
-    dispatch: str | None
-    handoff_tokens: int
-    """``RemotePrefill.handoff_tokens`` (0 for a decode-only call: not read)."""

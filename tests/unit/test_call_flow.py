@@ -169,13 +169,13 @@ def test_the_decode_pools_own_admitted_list_says_which_endpoints_a_call_may_use(
 ) -> None:
     call = new_call(on_prefill_failure="decode")
     pool = call.context.fleet.decode
-    assert pool is not None and call.decode_admitted()
+    assert pool is not None and pool.admitted()
     assert call.decode.pin(DECODE, "conversation") == DECODE
     call.decode.tried.clear()
 
     # One rule of admission, the pool's: whatever it leaves out, the call does not go to.
     monkeypatch.setattr(type(pool), "admitted", lambda self, exclude=(), members=None: [])
-    assert not call.decode_admitted()
+    assert not pool.admitted()
     assert call.decode.pin(DECODE, "conversation") is None
 
 
