@@ -20,30 +20,9 @@ CALLS = 28
 """Enough for both modes' 4 timings, and settled calls after, on a loaded machine."""
 
 
-def _push_params(request_id: str, n_ids: int) -> dict[str, Any]:
-    return {
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
-        "remote_block_ids": [1000],
-        "remote_engine_id": "stub-prefill-engine-0",
-        "remote_request_id": request_id,
-        "remote_host": "127.0.0.1",
-        "remote_port": 5600,
-        "tp_size": 1,
-        "transfer_mode": "push",
-    }
-
-
 def is_concurrent(received: Received) -> bool:
     params = received.body.get("kv_transfer_params") if isinstance(received.body, dict) else None
     return isinstance(params, dict) and params.get("remote_block_ids") == []
-
-
-@pytest.fixture
-def pair() -> Iterator[tuple[StubServer, StubServer]]:
-    with StubServer(prompt_tokens=64) as prefill, StubServer(prompt_tokens=64) as decode:
-        prefill._kv_params = _push_params  # type: ignore[method-assign]
-        yield prefill, decode
 
 
 def delays(prefill_s: float, sequential_s: float, concurrent_s: float) -> Callable[[Received], Fault | None]:
@@ -86,15 +65,15 @@ def ttft(trace: PDTrace) -> float:
 
 @pytest.mark.parametrize("remote_prefill", ["auto", "always"])
 async def test_auto_settles_on_concurrent_where_it_hides_a_gpu_handover(
-    mode: str, pair: tuple[StubServer, StubServer], remote_prefill: str
+    mode: str, push_pair: tuple[StubServer, StubServer], remote_prefill: str
 ) -> None:
     """A GPU pair's regime: a prefill of ~40 ms and a handover of ~150 ms (the decode's
     admission, its block allocation, the KV's move) after it, which a decode sent with its
     prefill does while the prefill computes: its first token comes ~20 ms after the
     prefill's end. With or without an estimate (``always`` makes none), the choice predicts
     at the token count the timings were learnt at."""
-    pair[0].fault_hook = pair[1].fault_hook = delays(0.04, 0.15, 0.06)
-    traces = await run(mode, pair, remote_prefill)
+    push_pair[0].fault_hook = push_pair[1].fault_hook = delays(0.04, 0.15, 0.06)
+    traces = await run(mode, push_pair, remote_prefill)
     assert traces[0].dispatch == "sequential" and traces[0].decision is not None
     settled = traces[-8:]  # one may be a probe of the other mode
     assert [t.dispatch for t in settled].count("concurrent") >= 7, [t.decision for t in traces]
@@ -110,12 +89,12 @@ async def test_auto_settles_on_concurrent_where_it_hides_a_gpu_handover(
 
 
 async def test_auto_settles_on_sequential_where_the_waiting_decode_costs_more(
-    mode: str, pair: tuple[StubServer, StubServer]
+    mode: str, push_pair: tuple[StubServer, StubServer]
 ) -> None:
     """The CPU pair's regime: the waiting decode takes the core its prefill needs, so a
     concurrent call answers later than a sequential one (1.49x measured at ~1k tokens)."""
-    pair[0].fault_hook = pair[1].fault_hook = delays(0.04, 0.01, 0.1)
-    traces = await run(mode, pair)
+    push_pair[0].fault_hook = push_pair[1].fault_hook = delays(0.04, 0.01, 0.1)
+    traces = await run(mode, push_pair)
     settled = traces[-8:]
     assert [t.dispatch for t in settled].count("sequential") >= 7, [t.decision for t in traces]
     last = settled[-1].decision

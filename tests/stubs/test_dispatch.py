@@ -21,6 +21,7 @@ from pdclient import PDTrace
 from pdclient.metrics import PrometheusObserver
 from pdclient.pools import RetrySettings
 from tests import fake_vllm
+from tests.stubs.conftest import push_stubs
 from tests.stubserver import Fault, StubServer
 from tests.twins import Twin
 
@@ -31,24 +32,9 @@ HELD = 20.0
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _push_params(request_id: str, n_ids: int) -> dict[str, Any]:
-    return {
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
-        "remote_block_ids": [1000],
-        "remote_engine_id": "stub-prefill-engine-0",
-        "remote_request_id": request_id,
-        "remote_host": "127.0.0.1",
-        "remote_port": 5600,
-        "tp_size": 1,
-        "transfer_mode": "push",
-    }
-
-
 @pytest.fixture(scope="module")
 def servers() -> Iterator[tuple[StubServer, StubServer]]:
-    with StubServer(prompt_tokens=64) as prefill, StubServer(prompt_tokens=64) as decode:
-        prefill._kv_params = _push_params  # type: ignore[method-assign]
+    with push_stubs() as (prefill, decode):
         yield prefill, decode
 
 
@@ -112,8 +98,7 @@ async def test_drifted_prompt_is_never_the_answer(mode: str) -> None:
     length) never answers the caller: it is cut before its first byte reaches the caller, the
     decode is sent again with the prefill's ids to compute itself, and that prefill server
     gets sequential handoffs from then on."""
-    with StubServer(prompt_tokens=64) as prefill, StubServer(prompt_tokens=64) as decode:
-        prefill._kv_params = _push_params  # type: ignore[method-assign]
+    with push_stubs() as (prefill, decode):
         rendered = decode.prompt_ids
 
         def drifted(body: dict[str, Any]) -> list[int]:
@@ -150,8 +135,7 @@ async def test_drifted_prompt_is_never_the_answer(mode: str) -> None:
 
 
 async def test_caller_leaving_ends_both_legs() -> None:
-    with StubServer(prompt_tokens=64) as prefill, StubServer(prompt_tokens=64) as decode:
-        prefill._kv_params = _push_params  # type: ignore[method-assign]
+    with push_stubs() as (prefill, decode):
         traces: list[PDTrace] = []
         twin = _twin("async", (prefill, decode), traces)
         await twin.chat(messages=MESSAGES, max_tokens=4)
@@ -169,8 +153,7 @@ async def test_a_copy_s_caller_leaving_ends_both_legs_as_the_original_s() -> Non
     """A ``with_options`` copy with other P/D options runs concurrent calls as its original
     does: a caller that leaves cuts the decode and returns at once, the prefill is read to
     its end meanwhile, and closing either client (they share the connections) waits for it."""
-    with StubServer(prompt_tokens=64) as prefill, StubServer(prompt_tokens=64) as decode:
-        prefill._kv_params = _push_params  # type: ignore[method-assign]
+    with push_stubs() as (prefill, decode):
         traces: list[PDTrace] = []
         twin = _twin("async", (prefill, decode), traces)
         copy = twin.client.with_options(dispatch="concurrent")
