@@ -87,6 +87,18 @@ def caller_saw_no_ids(received: list[Any]) -> bool:
 # -- the continuation ------------------------------------------------------------------------
 
 
+async def test_only_a_stream_that_stayed_on_its_decode_teaches_the_cost_model(mode: str, pool: FakeVLLM) -> None:
+    """The time to first token of a moved stream says nothing of the decode it ended on."""
+    t, legs = twin(mode)
+    costs = t.client.pd_fleet.costs
+    pool.cuts = [3]
+    assert text_of(await chunks(t, max_tokens=20)) == ANSWER
+    assert legs.traces[-1].migrations and costs.handover().samples == 0
+    assert text_of(await chunks(t, max_tokens=20)) == ANSWER
+    assert not legs.traces[-1].migrations and costs.handover().samples == 1
+    await t.close()
+
+
 @pytest.mark.parametrize("frames", [1, 2, 4, 8])
 async def test_a_cut_stream_continues_on_another_decode(mode: str, pool: FakeVLLM, frames: int) -> None:
     """Cut after the role chunk only (frames=1), mid-answer, and after the last word (before the finish)."""
