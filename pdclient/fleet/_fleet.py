@@ -22,7 +22,7 @@ import httpx
 from ..conversations import ConversationMemory, ConversationSettings
 from ..costs import CostModel
 from ..kv_events import KVEventFeeds
-from ..pools import BreakerSettings, EndpointPool
+from ..pools import BreakerSettings, Endpoint, EndpointPool
 from ..routing import RoutingPolicy, make_policy
 from ._background import Background, Core, Fetch, system_resolver
 from ._coordinates import CoordinateBook
@@ -120,8 +120,9 @@ class Fleet:
         if self.background is not None:
             self.background.start()
 
-    def warm(self, post: Fetch) -> None:
-        """Queue a prefill warm-up and have it posted now, off the caller's path (``fleet._warm``)."""
+    def warm(self, endpoint: Endpoint, post: Fetch) -> None:
+        """Queue a prefill warm-up for ``endpoint``, posted off the caller's path as soon as no
+        caller's prefill is in flight there (``fleet._warm``)."""
         with self._lock:
             if self._closed:
                 return
@@ -129,7 +130,7 @@ class Fleet:
                 self._warming = Background([self.warmer], asynchronous=self._asynchronous, name="pdclient-warm-up")
                 weakref.finalize(self, self._warming.close, wait=False).atexit = False
             warming = self._warming
-        self.warmer.add(post)
+        self.warmer.add(post, endpoint)
         warming.start()
         warming.wake()
 

@@ -13,19 +13,29 @@ The cost is the prefill server's compute for those prompts, the same as ``"alway
 spends; ``ConversationSettings.warm_prefill=False`` turns it off (then ``"auto"`` saves
 that compute and pays for it on the next P/D turn).
 
+A warm-up is nobody's answer, so it yields to the callers' work on its prefill server: one
+at a time per server, and none while a caller's prefill from this process is in flight
+there. Posted at once instead, the warm-ups of fast decode-only turns piled up on the
+prefill server, and every P/D call (a conversation's first turn) queued behind them: on
+vLLM's multi-turn benchmark a first turn's prefill took 2.3 s (median; 4.0 s p90) under
+``auto`` against 1.8 s (2.4 s) under ``always``, which was ``auto``'s whole TTFT p99.
+
 ``PrefillWarmer`` is a sans-I/O core of ``fleet._background``: the fleet's background driver
-(a thread, or a task for an async client) posts what is queued at once, each warm-up a
-job of its own within ``WARM_UP_TIMEOUT``.
+(a thread, or a task for an async client) posts what is due, each warm-up a job of its own
+within ``WARM_UP_TIMEOUT``.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
+from dataclasses import dataclass
 
 import orjson
 
+from ..pools import Endpoint
 from ..wire import prefill_usage
 from ._background import Fetch, Fetched, Job, JobResult
 
@@ -35,6 +45,27 @@ WARM_UP_TIMEOUT = 60.0
 """Seconds a warm-up may take: a prefill of a few hundred tokens, on a busy server."""
 WARM_UP_QUEUE = 64
 """Warm-ups waiting at most; a newer one of the same conversation covers an older one's prefix."""
+WARM_UP_BUSY_POLL = 0.05
+"""Seconds between looks at a prefill server a caller's prefill keeps busy: the end of a
+caller's leg wakes no background driver, so a held warm-up is looked at again this often."""
+
+
+@dataclass(frozen=True)
+class _WarmUp:
+    post: Fetch
+    target: str
+    """The prefill server it warms: one warm-up at a time each."""
+    endpoint: Endpoint | None
+
+    def held(self, now: float) -> bool:
+        """Whether callers' prefills are in flight on the endpoint: this process's, or others'
+        waiting there as the server's last fresh scrape said (load-aware routing scrapes it)."""
+        if self.endpoint is None:
+            return False
+        if self.endpoint.in_flight > 0:
+            return True
+        load = self.endpoint.load
+        return load is not None and load.fresh(now) and load.waiting > 0
 
 
 class PrefillWarmer:
@@ -45,7 +76,11 @@ class PrefillWarmer:
     """
 
     def __init__(self, capacity: int = WARM_UP_QUEUE) -> None:
-        self._queue: deque[Fetch] = deque(maxlen=capacity)
+        self._queue: deque[_WarmUp] = deque(maxlen=capacity)
+        self._posting: set[str] = set()
+        """The targets with a warm-up in flight."""
+        self._held_at: float | None = None
+        """When ``due`` last held a warm-up back for its server's callers (None: it did not)."""
         self._lock = threading.Lock()
         self.added = 0
         self.posted = 0
@@ -62,23 +97,43 @@ class PrefillWarmer:
         """Warm-ups queued or in flight."""
         return self.added - self.posted - self.failed - self.dropped
 
-    def add(self, post: Fetch) -> None:
+    def add(self, post: Fetch, endpoint: Endpoint | None = None) -> None:
+        """Queue ``post`` for the prefill ``endpoint``, held back while a caller's prefill is
+        in flight there (None: an endpoint of its own, ``post``'s URL, never held)."""
         with self._lock:
             if len(self._queue) == self._queue.maxlen:
                 self.dropped += 1
-            self._queue.append(post)
+            self._queue.append(_WarmUp(post, endpoint.url if endpoint is not None else post.url, endpoint))
             self.added += 1
 
     def due(self, now: float) -> list[Job]:
+        """The oldest waiting warm-up of each server with none in flight and no caller's prefill."""
+        jobs: list[Job] = []
         with self._lock:
-            jobs = [Job(post.url, post) for post in self._queue]
+            self._held_at = None
+            kept: list[_WarmUp] = []
+            for warm_up in self._queue:
+                if warm_up.target in self._posting:
+                    kept.append(warm_up)
+                elif warm_up.held(time.monotonic()):
+                    kept.append(warm_up)
+                    self._held_at = now
+                else:
+                    self._posting.add(warm_up.target)
+                    jobs.append(Job(warm_up.target, warm_up.post))
             self._queue.clear()
+            self._queue.extend(kept)
         return jobs
 
     def next_due(self) -> float:
-        return 0.0 if self._queue else float("inf")
+        with self._lock:
+            if self._held_at is not None:
+                return self._held_at + WARM_UP_BUSY_POLL
+            return 0.0 if any(w.target not in self._posting for w in self._queue) else float("inf")
 
     def apply(self, job: Job, outcome: JobResult, now: float) -> None:
+        with self._lock:
+            self._posting.discard(str(job.key))
         if isinstance(outcome, Fetched) and outcome.ok:
             prompt, cached = _usage(outcome.text)
             with self._lock:

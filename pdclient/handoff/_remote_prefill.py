@@ -290,7 +290,7 @@ class RemotePrefill:
             endpoint = fleet.prefill.decide(prefill_route).endpoint
         except AllEndpointsOpen:
             return  # no prefill endpoint admitted: nothing to keep warm
-        fleet.warm(requests.warm_up(endpoint, body))
+        fleet.warm(endpoint, requests.warm_up(endpoint, body))
         self.warm_up_url = endpoint.url
 
     def pin_decode(self, leg: Leg, stored_at: str | None, settings: ConversationSettings) -> str | None:

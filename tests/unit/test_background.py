@@ -12,6 +12,7 @@ import pytest
 
 from pdclient.fleet import (
     MAX_ANSWER_BYTES,
+    WARM_UP_BUSY_POLL,
     BackgroundTask,
     BackgroundThread,
     Fetch,
@@ -25,6 +26,7 @@ from pdclient.fleet import (
     host_header,
     system_resolver,
 )
+from pdclient.pools import BreakerSettings, Endpoint
 from tests.polling import until, wait_until
 
 
@@ -261,3 +263,30 @@ def test_the_warmer_counts_what_the_prefill_computed() -> None:
     warmer.apply(first, Fetched(200, usage), 0.0)
     warmer.apply(second, Fetched(200, "not json"), 0.0)
     assert (warmer.prompt_tokens, warmer.cached_tokens, warmer.pending) == (700, 512, 0)
+
+
+def test_warm_ups_take_turns_on_their_prefill_server() -> None:
+    # Two at once on one server would each slow the other and any caller's prefill there.
+    p, q = (Endpoint(url, BreakerSettings(), time.monotonic) for url in ("http://p/v1", "http://q/v1"))
+    warmer = PrefillWarmer()
+    warmer.add(Fetch("http://p/v1/chat/completions", 1.0, None, b"1"), p)
+    warmer.add(Fetch("http://p/v1/chat/completions", 1.0, None, b"2"), p)
+    warmer.add(Fetch("http://q/v1/chat/completions", 1.0, None, b"3"), q)
+    first = warmer.due(0.0)
+    assert [job.action.content for job in first] == [b"1", b"3"]  # type: ignore[union-attr]
+    assert warmer.due(0.0) == [] and warmer.next_due() == float("inf")  # the end of one wakes the driver
+    warmer.apply(first[0], Fetched(200), 0.1)
+    assert [job.action.content for job in warmer.due(0.1)] == [b"2"]  # type: ignore[union-attr]
+
+
+def test_a_warm_up_waits_while_a_caller_prefills_on_its_server() -> None:
+    # A warm-up is nobody's answer: a caller's prefill on that server must not queue behind it.
+    endpoint = Endpoint("http://p/v1", BreakerSettings(), time.monotonic)
+    warmer = PrefillWarmer()
+    warmer.add(Fetch("http://p/v1/chat/completions", 1.0, None, b"1"), endpoint)
+    endpoint.acquire()  # a caller's prefill leg
+    assert warmer.due(5.0) == []
+    assert warmer.next_due() == 5.0 + WARM_UP_BUSY_POLL and warmer.pending == 1
+    endpoint.release(ok=True)
+    (job,) = warmer.due(5.05)
+    assert job.action.content == b"1"  # type: ignore[union-attr]
