@@ -111,8 +111,10 @@ async def test_load_aware_routes_around_another_clients_load(
 async def test_load_aware_weighs_a_server_slower_at_the_same_load(
     mode: str, prefill: StubServer, decodes: list[StubServer]
 ) -> None:
-    """Idle servers all score 0 by their counts; the one whose steps take 12x as long is
-    seen in this process's own streams (time per read) and left alone."""
+    """Idle servers all score 0 by their counts; the one whose steps take 0.4 s is seen in
+    this process's own streams (time per read) and left alone. The step is far above what a
+    loaded machine adds to a fast server's reads (at 0.12 s, under a load average of 11, one
+    such hiccup once sent a stream to the slow server)."""
     traces: list[PDTrace] = []
     twin = Twin(
         mode,
@@ -122,7 +124,7 @@ async def test_load_aware_weighs_a_server_slower_at_the_same_load(
         load_signals=FAST_SCRAPES,
         on_trace=traces.append,
     )
-    decodes[2].step_seconds = 0.12
+    decodes[2].step_seconds = 0.4
     endpoints = twin.client.pd_fleet.decode.endpoints
     for _ in range(60):  # ties go to a random member: until each has answered a stream
         await twin.stream_text(messages=MESSAGES)
