@@ -27,8 +27,11 @@ arm: ``direct`` (the decode stub itself, one request: the baseline), ``pdclient 
 (1 and 2 workers), ``vllm-router``, ``toy proxy``; arms interleaved, order rotated per
 round. Printed per arm and concurrency: latency (request written to the last byte)
 p50/p99, its excess over ``direct`` (the added latency), throughput, the proxy's CPU per
-call and cores used, and how many requests the stubs saw per call. Everything, load
-generator included, shares this machine's cores.
+call and cores used, and how many requests the stubs saw per call; against vllm-router,
+the ratios per round (medians), CPU per call among them. Everything, load generator
+included, shares this machine's cores. The decode stub streams 5 tokens back to back; an
+answer shaped like vLLM's multi-turn benchmark's is ``--answer-tokens 40 --step-ms 3``
+(one SSE event, one network read, per token), where the per-chunk path weighs.
 
 Results: benchmarks/results/proxies_{pair,stubs}.json and .png (``--out``).
 """
@@ -133,11 +136,12 @@ def started(command: Sequence[str], name: str, health: str, url: str, logs: Path
 
 
 @contextlib.contextmanager
-def stub(prompt_tokens: int) -> Iterator[str]:
+def stub(prompt_tokens: int, answer_tokens: int = 5, step_ms: float = 0.0) -> Iterator[str]:
     process = subprocess.Popen(
         [
             sys.executable, str(STUB), "--prompt-tokens", str(prompt_tokens),
             "--preprocess-ms-per-1k-tokens", str(PREPROCESS_MS_PER_1K),
+            "--answer-tokens", str(answer_tokens), "--step-seconds", str(step_ms / 1000),
         ],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -215,6 +219,13 @@ def toy_proxy(prefill: str, decode: str, logs: Path) -> contextlib.AbstractConte
     # From a directory without a vllm/ folder, with a key of some kind for its Authorization header.
     env = {**os.environ, "OPENAI_API_KEY": "EMPTY"}
     return started(command, "toy proxy", base + "/healthcheck", base + "/v1", logs, cwd=tempfile.gettempdir(), env=env)
+
+
+def bare_proxy(prefill: str, decode: str, logs: Path) -> contextlib.AbstractContextManager[Proc]:
+    port = free_port()
+    command = [sys.executable, str(REPO / "benchmarks" / "bare_proxy.py"), prefill, decode, str(port)]
+    base = f"http://127.0.0.1:{port}"
+    return started(command, BARE, base + "/health", base + "/v1", logs)
 
 
 # -- (a) the real pair: client TTFT -----------------------------------------------------------
@@ -400,6 +411,8 @@ def run_pair(args: argparse.Namespace) -> int:
 # -- (b) loopback stubs: added latency, throughput ------------------------------------------------
 
 STUB_ARMS = ("direct", "pdclient serve", "pdclient serve x2", "vllm-router", "toy proxy")
+BARE = "bare proxy"
+"""An arm on request only (``--arms``): benchmarks/bare_proxy.py, the floor of pdclient serve's stack."""
 
 
 class HTTPError(Exception):
@@ -508,11 +521,11 @@ def stub_counts(prefill: str, decode: str) -> dict[str, int]:
 def run_stubs(args: argparse.Namespace) -> int:
     levels = [int(x) for x in args.concurrency.split(",")]
     arms = [a.strip() for a in args.arms.split(",")]
-    unknown = [a for a in arms if a not in STUB_ARMS]
+    unknown = [a for a in arms if a not in (*STUB_ARMS, BARE)]
     if unknown or "direct" not in arms or "vllm-router" not in arms:
         raise SystemExit(f"--arms: {unknown or arms} (from {', '.join(STUB_ARMS)}; direct and vllm-router always)")
     if args.against:
-        arms.append(f"pdclient serve x2 @{args.against}")
+        arms.append(f"pdclient serve x{args.against_workers} @{args.against}")
     logs = Path(tempfile.mkdtemp(prefix="bench-proxies-"))
     log(f"load before: {os.getloadavg()}; peer logs in {logs}")
     words = Prompts(random.Random(args.seed)).make(int(args.prompt_tokens * 0.75))
@@ -522,16 +535,19 @@ def run_stubs(args: argparse.Namespace) -> int:
     batches: list[StubBatch] = []
     with contextlib.ExitStack() as stack:
         prefill = stack.enter_context(stub(args.prompt_tokens))
-        decode = stack.enter_context(stub(args.prompt_tokens))
+        decode = stack.enter_context(stub(args.prompt_tokens, args.answer_tokens, args.step_ms))
         starts: dict[str, Callable[[], contextlib.AbstractContextManager[Proc]]] = {
             "pdclient serve": lambda: pdclient_serve(prefill, decode, logs),
             "pdclient serve x2": lambda: pdclient_serve(prefill, decode, logs, workers=2),
             "vllm-router": lambda: vllm_router(prefill, decode, logs),
             "toy proxy": lambda: toy_proxy(prefill, decode, logs),
+            BARE: lambda: bare_proxy(prefill, decode, logs),
         }
         if args.against:
             other = stack.enter_context(worktree(args.against))
-            starts[arms[-1]] = lambda: pdclient_serve(prefill, decode, logs, workers=2, tree=other, name=arms[-1])
+            starts[arms[-1]] = lambda: pdclient_serve(
+                prefill, decode, logs, workers=args.against_workers, tree=other, name=arms[-1]
+            )
         procs: dict[str, Proc | None] = {"direct": None}
         for arm in arms[1:] if arms[0] == "direct" else arms:
             if arm != "direct":
@@ -562,7 +578,12 @@ def run_stubs(args: argparse.Namespace) -> int:
         json.dumps(
             {
                 "summary": summary,
-                "setup": {"prompt_tokens": args.prompt_tokens, "preprocess_ms_per_1k_tokens": PREPROCESS_MS_PER_1K},
+                "setup": {
+                    "prompt_tokens": args.prompt_tokens,
+                    "preprocess_ms_per_1k_tokens": PREPROCESS_MS_PER_1K,
+                    "answer_tokens": args.answer_tokens,
+                    "step_ms": args.step_ms,
+                },
                 "batches": [
                     {**asdict(b), "latencies_ms": None, "ttfts_ms": None, "errors": b.errors[:3]} for b in batches
                 ],
@@ -633,17 +654,23 @@ def _paired(batches: Sequence[StubBatch], level: int, arm: str) -> str:
     """The same ratios per round (each round's batches ran back to back), median over the rounds."""
     by = {(b.arm, b.round): b for b in batches if b.concurrency == level}
     base = {r: quantile(b.latencies_ms, 0.5) for (a, r), b in by.items() if a == "direct"}
-    p50s, p99s = [], []
+    p50s, p99s, cpus = [], [], []
     for r in sorted(base):
         mine, router = by.get((arm, r)), by.get(("vllm-router", r))
-        if mine is None or router is None or quantile(router.latencies_ms, 0.5) <= base[r]:
+        if mine is None or router is None:
+            continue
+        if mine.proxy_cpu_s and router.proxy_cpu_s and mine.calls and router.calls:
+            cpus.append((mine.proxy_cpu_s / mine.calls) / (router.proxy_cpu_s / router.calls))
+        if quantile(router.latencies_ms, 0.5) <= base[r]:
             continue
         p50s.append((quantile(mine.latencies_ms, 0.5) - base[r]) / (quantile(router.latencies_ms, 0.5) - base[r]))
         p99s.append(quantile(mine.latencies_ms, 0.99) / quantile(router.latencies_ms, 0.99))
-    if not p50s:
-        return ""
-    p50, p99 = statistics.median(p50s), statistics.median(p99s)
-    return f" (per round, median of {len(p50s)}: added p50 {p50:.2f}, p99 {p99:.2f})"
+    parts = []
+    if p50s:
+        parts.append(f"added p50 {statistics.median(p50s):.2f}, p99 {statistics.median(p99s):.2f}")
+    if cpus:
+        parts.append(f"CPU per call {statistics.median(cpus):.2f}")
+    return f" (per round, medians of {len(cpus)}: {'; '.join(parts)})" if parts else ""
 
 
 def plot_stubs(summary: dict[str, Any], path: Path) -> str:
@@ -702,10 +729,15 @@ def main() -> int:
     stubs.add_argument("--rounds", type=int, default=3)
     stubs.add_argument("--prompt-tokens", type=int, default=2048)
     stubs.add_argument("--seconds", type=float, default=8.0, help="length of each arm's batch per round")
+    stubs.add_argument("--answer-tokens", type=int, default=5, help="SSE events of a streamed decode (one per token)")
+    stubs.add_argument(
+        "--step-ms", type=float, default=0.0, help="the decode stub's time between events (0: written back to back)"
+    )
     stubs.add_argument(
         "--arms", default=",".join(STUB_ARMS), help="a subset of the arms (direct and vllm-router always)"
     )
-    stubs.add_argument("--against", help="a git revision: adds its `pdclient serve --workers 2` as an arm")
+    stubs.add_argument("--against", help="a git revision: adds its `pdclient serve` as an arm")
+    stubs.add_argument("--against-workers", type=int, default=2, help="that arm's --workers")
     args = parser.parse_args()
     run: Callable[[argparse.Namespace], int] = run_pair if args.command == "pair" else run_stubs
     return run(args)

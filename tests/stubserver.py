@@ -823,6 +823,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-running", type=int, default=None, help="generation slots; more requests wait")
     parser.add_argument("--step-seconds", type=float, default=0.0, help="base time of a decode step (SSE event)")
     parser.add_argument("--step-per-running", type=float, default=0.0, help="added per running request")
+    parser.add_argument(
+        "--answer-tokens", type=int, default=len(DECODE_WORDS), help="SSE events (tokens) a streamed decode sends"
+    )
     parser.add_argument("--background", type=int, default=0, help="slots held by another tenant's requests")
     parser.add_argument("--prefix-cache-chars", type=int, default=0, help="model a prefix cache of this size")
     parser.add_argument("--prefix-block-chars", type=int, default=64)
@@ -851,6 +854,7 @@ def main(argv: list[str] | None = None) -> None:
         step_per_running=args.step_per_running,
         prefix_cache=cache,
         preprocess_ms_per_1k_tokens=args.preprocess_ms_per_1k_tokens,
+        words=[DECODE_WORDS[i % len(DECODE_WORDS)] for i in range(args.answer_tokens)],
     )
     server.background = args.background
     server.start()

@@ -63,7 +63,7 @@ class CallerBody:
     through each step's own hold-until-whole.
     """
 
-    __slots__ = ("_framer", "collector", "merge", "stream", "strip", "tags")
+    __slots__ = ("_framer", "_usage_only", "collector", "merge", "stream", "strip", "tags")
 
     def __init__(self) -> None:
         self.merge: usage.UsageMerge | None = None
@@ -72,6 +72,7 @@ class CallerBody:
         self.strip: usage.UsageStrip | None = None
         self.stream = False
         self._framer: SSEFramer | None = None
+        self._usage_only = False
 
     def begin(
         self, content_type: str, merge: usage.UsageMerge | None, tags: IdTags | None, strip: usage.UsageStrip | None
@@ -81,6 +82,8 @@ class CallerBody:
         self.stream = content_type.startswith("text/event-stream")
         steps = (merge, tags, self.collector, strip)
         self._framer = SSEFramer() if self.stream and any(step is not None for step in steps) else None
+        # The merge and the strip read the usage event alone; the tags and the collector every event.
+        self._usage_only = tags is None and self.collector is None
 
     @property
     def recounted(self) -> bool:
@@ -89,8 +92,11 @@ class CallerBody:
 
     def feed(self, data: bytes) -> bytes:
         """What goes on now (a partial SSE event waits for its end, a JSON body until it is whole)."""
-        if self._framer is not None:
-            return pass_events(self._framer, data, self._event)
+        framer = self._framer
+        if framer is not None:
+            if self._usage_only and USAGE_KEY not in data and framer.whole(data):
+                return data  # whole events, none a usage: most reads of a stream, a token each
+            return pass_events(framer, data, self._event)
         if self.stream:
             return data  # no step reads the stream: passed on as it comes
         if self.merge is not None:

@@ -186,21 +186,47 @@ class _Body(httpx.AsyncByteStream):
         self._response = response
         self._request = request
 
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        try:
-            async for chunk in self._response.content.iter_any():
-                yield chunk
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            rest = _buffered(self._response.content)
-            if rest:  # what arrived before the cut goes on first, as with httpcore
-                yield rest
-            raise _httpx_error(exc, self._request) from exc
+    def __aiter__(self) -> _Chunks:
+        return _Chunks(self._response, self._request)
 
     async def aclose(self) -> None:
         if self._response.content.at_eof():
             self._response.release()  # read to its end: the connection goes back to the pool
         else:
             self._response.close()  # abandoned: the server sees the connection close
+
+
+class _Chunks:
+    """A body's chunks, each as aiohttp's buffer holds it when read (``readany``). An iterator
+    of its own, not an async generator over ``iter_any()``: a streamed answer is read a
+    token at a time, and each of those two layers costs every chunk a frame's resumption."""
+
+    __slots__ = ("_content", "_cut", "_request")
+
+    def __init__(self, response: aiohttp.ClientResponse, request: httpx.Request) -> None:
+        self._content = response.content
+        self._request = request
+        self._cut: BaseException | None = None
+
+    def __aiter__(self) -> _Chunks:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._cut is not None:
+            raise self._cut
+        try:
+            chunk = await self._content.readany()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            error = _httpx_error(exc, self._request)
+            error.__cause__ = exc
+            rest = _buffered(self._content)
+            if rest:  # what arrived before the cut goes on first, as with httpcore
+                self._cut = error
+                return rest
+            raise error from exc
+        if not chunk:
+            raise StopAsyncIteration
+        return chunk
 
 
 def _buffered(stream: aiohttp.StreamReader) -> bytes:

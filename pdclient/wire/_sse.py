@@ -133,6 +133,12 @@ class SSEFramer:
         held += memoryview(buffer)[start:]
         return lf + events if lf else events
 
+    def whole(self, data: bytes) -> bool:
+        """Whether ``data`` is whole events from the start of one (nothing held from the reads
+        before, its end a blank line): a step that leaves them all as they are may pass it on
+        without ``feed``, and the framer is where it was."""
+        return not self._held and not self._after_cr and data.endswith(b"\n\n") and b"\r" not in data
+
     @property
     def pending(self) -> int:
         """Bytes of an event not yet ended."""

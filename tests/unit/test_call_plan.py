@@ -433,6 +433,36 @@ def test_a_tracked_streams_events_reach_the_callers_steps_parsed(monkeypatch: py
     assert call.remote.conversation.collector.answer() == Answer("Hello", (), 2, False)
 
 
+def test_reads_of_whole_events_without_usage_pass_unframed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream whose steps read only its usage event (the merge, the strip) passes a read of
+    whole events that holds no usage on as it came, without splitting it into events: a
+    streamed answer is read a token at a time. What it holds back, it still frames."""
+    import pdclient.wire._sse as sse
+
+    framed: list[bytes] = []
+    real = sse.SSEFramer.feed
+
+    def counted(self: Any, data: bytes) -> list[bytes]:
+        framed.append(data)
+        return real(self, data)
+
+    monkeypatch.setattr(sse.SSEFramer, "feed", counted)
+    call = make_call(chat("hi"), remote_prefill="always")
+    caller = call.caller_body
+    caller.begin("text/event-stream", None, None, usage_strip())
+    tokens = [b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"w%d"}}]}\n\n' % i for i in range(3)]
+    assert [caller.feed(read) for read in tokens] == tokens
+    assert caller.feed(tokens[0] + tokens[1]) == tokens[0] + tokens[1]
+    assert framed == []
+    usage = b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":2,"completion_tokens":3}}\n\n'
+    assert caller.feed(usage) == b"" and framed == [usage]  # the asked usage, taken out
+    half = len(tokens[2]) // 2
+    assert caller.feed(tokens[2][:half]) == b""  # held until its end
+    assert caller.feed(tokens[2][half:]) == tokens[2]  # framed: the framer held its start
+    assert caller.feed(b"data: [DONE]\r\n\r\n") == b"data: [DONE]\r\n\r\n"
+    assert caller.rest() == b""
+
+
 def usage_strip() -> Any:
     from pdclient.wire import UsageStrip
 
