@@ -181,12 +181,14 @@ class VLLMServer:
         # WRITE (a prefill that failed for good) until the engine stops: server_patch frees
         # them once the prefill's lease (120 s) and 10 s more have passed, which is past
         # the client's prefill_timeout (60 s), after which no prefill of a cut decode runs.
-        # And a prefill server posts no WRITE of blocks it has already let go.
+        # And a prefill server posts no WRITE of blocks it has already let go, and tells
+        # a decode it posts no WRITE for, which then fails the request instead of waiting.
         push_env = (
             {
                 "PDCLIENT_IDLE_WAIT_MS": "10",
                 "PDCLIENT_PUSH_RECLAIM_GRACE_S": "10",
                 "PDCLIENT_PUSH_REFUSE_STALE_WRITE": "1",
+                "PDCLIENT_PUSH_FAIL_NOTIFY": "1",
             }
             if push
             else {}

@@ -27,6 +27,10 @@ name. Independent parts, each described where it lives:
 - stale write (``_stale_write.py``): with ``PDCLIENT_PUSH_REFUSE_STALE_WRITE=1``, on vLLM 0.32, a
   push-mode prefill server posts no WRITE for a request whose lease ended or whose push
   completed (its blocks may belong to another request by then).
+- push fail (``_push_fail.py``): with ``PDCLIENT_PUSH_FAIL_NOTIFY=1`` on both servers, on vLLM 0.32,
+  a push-mode prefill server that posts no WRITE for a registered decode (a failed
+  submission, a refused stale WRITE, a registration after its request was let go) tells
+  the decode (``PUSH_FAIL``), which fails the request's KV load instead of waiting.
 
 With none of these variables set on vLLM 0.27+, the plugin changes nothing for a request
 that does not ask for its prompt ids.
@@ -57,6 +61,7 @@ NIXL_KV_CPUS_ENV = "PDCLIENT_NIXL_KV_CPUS"
 IDLE_WAIT_ENV = "PDCLIENT_IDLE_WAIT_MS"
 PUSH_RECLAIM_ENV = "PDCLIENT_PUSH_RECLAIM_GRACE_S"
 STALE_WRITE_ENV = "PDCLIENT_PUSH_REFUSE_STALE_WRITE"
+PUSH_FAIL_ENV = "PDCLIENT_PUSH_FAIL_NOTIFY"
 
 # The oldest vLLM whose chat seams this plugin knows (renderers/base.py with
 # BaseRenderer.render_chat_async, and a chat renderer class with preprocess_chat).
@@ -216,6 +221,15 @@ def _register() -> None:
         from . import _stale_write
 
         applied["stale write"] = _stale_write.install()
+
+    if not _flag(PUSH_FAIL_ENV):
+        applied["push fail"] = f"off ({PUSH_FAIL_ENV} unset or 0)"
+    elif _version_tuple(version) not in PUSH_FIXES_VLLM:
+        applied["push fail"] = f"skipped (checked on vLLM {_versions(PUSH_FIXES_VLLM)} only)"
+    else:
+        from . import _push_fail
+
+        applied["push fail"] = _push_fail.install()
 
 
 def _find_chat_seam() -> tuple[Any, type, bool] | None:

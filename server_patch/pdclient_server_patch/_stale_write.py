@@ -14,9 +14,9 @@ request it reports done (``get_transfer_results``'s ``finished_sending``) abando
 the scheduler can free its blocks, and the writer checks the mark where a WRITE starts
 (``_do_start_push_kv``, the one path of a direct match, a late registration and the
 deferred handshake alike), under one lock, so no WRITE of a let-go request is posted after
-the mark. Not backported: the ``PUSH_FAIL`` notification to the decode (PR #50754's wire
-format, not available here); the refused decode waits for its WRITE until its client cuts
-it, and the push reclaim frees its blocks.
+the mark. The refused decode is not told unless the push-fail notification is on too
+(``_push_fail.py``, which hooks into ``ON_REFUSE``): without it, it waits for its WRITE
+until its client cuts it, and the push reclaim frees its blocks.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ PATCHED = "__pdclient_stale_write__"
 ABANDONED = "_pdclient_abandoned"
 LOCK = "_pdclient_abandoned_lock"
 FORGET_AFTER_S = 900.0
+# Called with (worker, request id, registration data) for each refused WRITE.
+ON_REFUSE: list[Callable[[Any, str, dict[str, Any]], None]] = []
 
 
 def install() -> str:
@@ -59,7 +61,7 @@ def install() -> str:
     return on
 
 
-def _state(worker: Any) -> tuple[threading.RLock, dict[str, float]]:
+def state(worker: Any) -> tuple[threading.RLock, dict[str, float]]:
     # Created on first use from either thread: setdefault on the instance dict is atomic.
     lock = worker.__dict__.setdefault(LOCK, threading.RLock())
     return lock, worker.__dict__.setdefault(ABANDONED, {})
@@ -67,7 +69,7 @@ def _state(worker: Any) -> tuple[threading.RLock, dict[str, float]]:
 
 def wrap_get_transfer_results(get: Callable[[Any], Any]) -> Callable[[Any], Any]:
     def get_transfer_results(self: Any) -> Any:
-        lock, abandoned = _state(self)
+        lock, abandoned = state(self)
         # Held across vLLM's own call: a WRITE the writer starts while this runs waits, and
         # then sees the mark of a request reported here.
         with lock:
@@ -85,17 +87,23 @@ def wrap_get_transfer_results(get: Callable[[Any], Any]) -> Callable[[Any], Any]
 
 def wrap_do_start_push_kv(start: Callable[..., Any]) -> Callable[..., Any]:
     def _do_start_push_kv(self: Any, request_id: str, local_block_ids: Any, registration_data: Any) -> Any:
-        lock, abandoned = _state(self)
+        lock, abandoned = state(self)
         with lock:
-            if request_id in abandoned:
-                logger.warning(
-                    "pdclient_reuse: refusing the push of request %s to decode request %s: its blocks were "
-                    "released (lease ended or push completed) and may belong to another request",
-                    request_id,
-                    (registration_data or {}).get("request_id"),
-                )
-                return None
-            return start(self, request_id, local_block_ids, registration_data)
+            if request_id not in abandoned:
+                return start(self, request_id, local_block_ids, registration_data)
+        logger.warning(
+            "pdclient_reuse: refusing the push of request %s to decode request %s: its blocks were "
+            "released (lease ended or push completed) and may belong to another request",
+            request_id,
+            (registration_data or {}).get("request_id"),
+        )
+        # Outside the lock: a hook may send over the network.
+        for hook in ON_REFUSE:
+            try:
+                hook(self, request_id, registration_data)
+            except Exception:
+                logger.exception("pdclient_reuse: after refusing the push of %s", request_id)
+        return None
 
     setattr(_do_start_push_kv, PATCHED, True)
     return _do_start_push_kv

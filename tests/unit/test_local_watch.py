@@ -142,6 +142,7 @@ def test_each_kv_connector_name_gives_its_vllm_config(tmp_path: Path, name: str,
     push = connector == "NixlPushConnector"
     assert srv.env.get("PDCLIENT_PUSH_RECLAIM_GRACE_S") == ("10" if push else None)
     assert srv.env.get("PDCLIENT_PUSH_REFUSE_STALE_WRITE") == ("1" if push else None)
+    assert srv.env.get("PDCLIENT_PUSH_FAIL_NOTIFY") == ("1" if push else None)
     if push:
         lease = config["kv_connector_extra_config"]["kv_lease_duration"]
         prefill_timeout = RetrySettings().prefill_timeout
