@@ -101,7 +101,9 @@ async def test_load_aware_routes_around_another_clients_load(
         await twin.chat(messages=MESSAGES)
     assert busy.url not in {t.decode_url for t in traces}, "least-outstanding would have gone there first"
     assert all(t.decode_route and t.decode_route.startswith("load_aware/load score=") for t in traces)
-    assert all(t.prefill_route == "load_aware/load score=0" for t in traces), "the prefill pool is scraped too"
+    # Not score=0: on a loaded machine a scrape can land while this test's own prefill runs.
+    prefill_routes = [t.prefill_route for t in traces]
+    assert all(r and r.startswith("load_aware/load score=") for r in prefill_routes), "the prefill pool is scraped too"
     driver = fleet.background.driver
     await twin.close()
     assert fleet.background.driver is None and not driver.running  # type: ignore[union-attr]
