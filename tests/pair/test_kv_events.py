@@ -6,9 +6,11 @@ One pair for the module (``LocalPD(kv_events=True)``, with ``VLLM_SERVER_DEV_MOD
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -22,6 +24,7 @@ from pdclient.conversations import decide_remote_prefill
 from pdclient.kv_events import KVIndex
 from pdclient.local import LocalPD
 from pdclient.wire import Kind, affinity_key
+from tests.serve.process import metric_samples
 
 from .helpers import GREEDY
 
@@ -50,6 +53,25 @@ def decode_index(client: PDChatClient, pd: LocalPD) -> KVIndex:
     return index
 
 
+@contextlib.contextmanager
+def events_client(pd: LocalPD, traces: list[PDTrace], **options: Any) -> Iterator[tuple[PDChatClient, KVIndex]]:
+    """An ``auto`` client reading both servers' events (``kv_events="discover"``), its fleet
+    started, and the decode's index once its view is current."""
+    with PDChatClient(
+        prefill_base_url=pd.prefill_urls,
+        decode_base_url=pd.decode_urls,
+        api_key="EMPTY",
+        remote_prefill="auto",
+        kv_events="discover",
+        on_trace=traces.append,
+        **options,
+    ) as client:
+        client.pd_fleet.start()
+        index = decode_index(client, pd)
+        wait_for(lambda: index.synced, "the decode's view to catch up")
+        yield client, index
+
+
 def conversation() -> list[dict[str, Any]]:
     system = f"Conversation {uuid.uuid4().hex}. " + "Notes: the robot paints in the morning and sleeps at noon. " * 40
     return [
@@ -61,17 +83,7 @@ def conversation() -> list[dict[str, Any]]:
 def test_a_turn_after_the_decodes_reset_is_a_handoff_by_its_events(events_pair: LocalPD) -> None:
     pd = events_pair
     traces: list[PDTrace] = []
-    with PDChatClient(
-        prefill_base_url=pd.prefill_urls,
-        decode_base_url=pd.decode_urls,
-        api_key="EMPTY",
-        remote_prefill="auto",
-        kv_events="discover",
-        on_trace=traces.append,
-    ) as client:
-        client.pd_fleet.start()
-        index = decode_index(client, pd)
-        wait_for(lambda: index.synced, "the decode's view to catch up")
+    with events_client(pd, traces) as (client, _index):
         turn1 = conversation()
         first = client.chat.completions.create(model=pd.model, messages=turn1, **GREEDY)  # type: ignore[arg-type]
         assert traces[0].outcome is Outcome.DISAGGREGATED
@@ -149,17 +161,7 @@ def test_a_decode_only_follow_up_is_counted_as_the_decode_server_counts_it(event
     cached (its usage), after a P/D turn and after a decode-only one."""
     pd = events_pair
     traces: list[PDTrace] = []
-    with PDChatClient(
-        prefill_base_url=pd.prefill_urls,
-        decode_base_url=pd.decode_urls,
-        api_key="EMPTY",
-        remote_prefill="auto",
-        kv_events="discover",
-        on_trace=traces.append,
-    ) as client:
-        client.pd_fleet.start()
-        index = decode_index(client, pd)
-        wait_for(lambda: index.synced, "the decode's view to catch up")
+    with events_client(pd, traces) as (client, index):
         messages = conversation()
         questions = ["Give it a title.", "And a moral?"]
         answer = client.chat.completions.create(model=pd.model, messages=messages, temperature=0, max_tokens=150)  # type: ignore[arg-type]
@@ -205,3 +207,121 @@ def test_two_client_processes_make_the_same_decision_for_the_same_call(events_pa
     assert a2["outcome"] == b2["outcome"] == Outcome.DECODE_ONLY.value
     assert a2["cache_source"] == b2["cache_source"] == "kv_events"
     assert a2["cached_tokens"] == b2["cached_tokens"] == a2["decode_cached_tokens"] == b2["decode_cached_tokens"]
+
+
+def tokens_by_source(base_v1_url: str, source: str) -> float:
+    """A vLLM server's prompt tokens of one source so far (``local_cache_hit``: found in its
+    own prefix cache; ``external_kv_transfer``: pulled over NIXL; ``local_compute``)."""
+    text = httpx.get(base_v1_url.removesuffix("/v1") + "/metrics", timeout=10).text
+    samples = metric_samples(text)
+    return sum(
+        value
+        for (name, labels), value in samples.items()
+        if name == "vllm:prompt_tokens_by_source_total" and ("source", source) in labels
+    )
+
+
+def answering(base_v1_url: str) -> bool:
+    try:
+        return httpx.get(base_v1_url.removesuffix("/v1") + "/health", timeout=0.5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_a_decode_restart_is_seen_at_once_and_its_next_turn_is_a_handoff(events_pair: LocalPD) -> None:
+    """The decode server restarts (a new process on its ports: an empty cache, a new event
+    stream): the client's index goes unknown when its publisher goes, and is current again
+    (empty) by the time the server answers; meanwhile no estimate counts the old view's
+    blocks; the next follow-up is a handoff by the events, and the restarted server's own
+    metrics say it found nothing in its cache. Runs last in the module: the restart."""
+    pd = events_pair
+    traces: list[PDTrace] = []
+    with events_client(pd, traces) as (client, index):
+        messages = conversation()
+        answer = client.chat.completions.create(model=pd.model, messages=messages, **GREEDY)  # type: ignore[arg-type]
+        assert traces[-1].outcome is Outcome.DISAGGREGATED
+
+        def follow_up(question: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+            turn = [*messages, {"role": "assistant", "content": answer.choices[0].message.content}]
+            turn.append({"role": "user", "content": question})
+            return turn, {"model": pd.model, "messages": turn}
+
+        settled(index)
+        messages, body = follow_up("Give it a title.")
+        answer = client.chat.completions.create(model=pd.model, messages=messages, **GREEDY)  # type: ignore[arg-type]
+        truth = answer.usage.prompt_tokens_details.cached_tokens if answer.usage else None  # type: ignore[union-attr]
+        assert (traces[-1].outcome, traces[-1].cache_source, traces[-1].cached_tokens) == (
+            Outcome.DECODE_ONLY,
+            "kv_events",
+            truth,
+        )
+        settled(index)
+        messages, body = follow_up("And a moral?")
+        memory, feeds = client.pd_fleet.memory, client.pd_fleet.kv_events
+        assert feeds is not None
+        key = affinity_key(Kind.CHAT, messages, None, None)
+        decode = pd.decode_urls[0]
+
+        def estimate() -> Any:
+            return memory.estimate(key, body, [decode], held=feeds.held_tokens)
+
+        assert (estimate().cache_source, estimate().cached_tokens > 0) == ("kv_events", True)
+
+        restarted: list[BaseException | None] = []
+
+        def restart() -> None:
+            try:
+                assert pd.decode is not None
+                pd.restart(pd.decode)
+                restarted.append(None)
+            except BaseException as exc:
+                restarted.append(exc)
+
+        worker = threading.Thread(target=restart, daemon=True)
+        t0 = time.monotonic()
+        worker.start()
+        down = unknown = None
+        stale: list[tuple[float, int]] = []
+        while worker.is_alive():
+            now = time.monotonic() - t0
+            if down is None and not answering(decode):
+                down = now
+            if unknown is None and not index.synced:
+                unknown = now
+            seen = estimate()
+            if down is not None and seen.cache_source == "kv_events" and seen.cached_tokens > 0:
+                stale.append((now, seen.cached_tokens))
+            time.sleep(0.02)
+        assert restarted == [None], restarted
+        ready = time.monotonic() - t0
+        wait_for(lambda: index.synced, "the restarted decode's view", timeout=5)
+        synced = time.monotonic() - t0
+        print(
+            f"\nrestart: API down at {down:.2f} s, index unknown at {unknown:.2f} s, server ready at {ready:.2f} s, "
+            f"index current at {synced:.2f} s; stale kv_events estimates while down: {stale[:3]}",
+            end="",
+        )
+        assert down is not None and unknown is not None
+        assert unknown - down < 1.0  # the publisher's going is seen within a second of the API's
+        assert synced - ready < 1.0
+        assert not stale
+        assert (estimate().cache_source, estimate().cached_tokens) == ("kv_events", 0)
+
+        hits, pulled = tokens_by_source(decode, "local_cache_hit"), tokens_by_source(decode, "external_kv_transfer")
+        answer = client.chat.completions.create(model=pd.model, messages=messages, **GREEDY)  # type: ignore[arg-type]
+        t3 = traces[-1]
+        assert (t3.outcome, t3.cache_source, t3.cached_tokens) == (Outcome.DISAGGREGATED, "kv_events", 0)
+        # The server's own account: nothing of the conversation in its cache, all of it pulled.
+        assert tokens_by_source(decode, "local_cache_hit") - hits == 0
+        assert tokens_by_source(decode, "external_kv_transfer") - pulled > 0
+
+        settled(index)
+        messages, body = follow_up("Who else is in the story?")
+        answer = client.chat.completions.create(model=pd.model, messages=messages, **GREEDY)  # type: ignore[arg-type]
+        truth = answer.usage.prompt_tokens_details.cached_tokens if answer.usage else None  # type: ignore[union-attr]
+        # The index built again from the new stream counts as the restarted server does.
+        assert (traces[-1].outcome, traces[-1].cache_source, traces[-1].cached_tokens) == (
+            Outcome.DECODE_ONLY,
+            "kv_events",
+            truth,
+        )
