@@ -67,7 +67,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..kv_events import unpack
+from ..kv_events import chain_keys, unpack
 from ._answer import Answer
 from ._decision import Estimate, Match
 from ._digests import (
@@ -489,6 +489,35 @@ class ConversationMemory:
         if turn.answer_keyed or moved or tokens < len(keys) * block:
             cached = (min(tokens, estimate.total_tokens - 1) // block) * block
         total = estimate.total_tokens
+        return Estimate(total, total - cached, estimate.endpoint, estimate.match, estimate.adds_media, "kv_events")
+
+    def wants_prompt_ids(self, estimate: Estimate, held: HeldTokens | None) -> bool:
+        """Whether the call's prompt ids are worth asking a server for, to count what the
+        decode endpoint holds of a history this memory never saw answered (another
+        process's turns, or a made-up few-shot history): the estimate read it from the call
+        alone (``EXTENDS_HISTORY``, ``UNSEEN_HISTORY``), that endpoint's events are current,
+        and the prompt is long enough (two blocks) for a block of its history to be held."""
+        if held is None or estimate.endpoint is None:
+            return False
+        if estimate.match not in (Match.EXTENDS_HISTORY, Match.UNSEEN_HISTORY):
+            return False
+        block = self.settings.block_size
+        if estimate.total_tokens < 2 * block:
+            return False
+        return held(estimate.endpoint, (), block) is not None
+
+    def with_prompt_ids(self, estimate: Estimate, token_ids: Sequence[int], held: HeldTokens) -> Estimate:
+        """The estimate of a call whose prompt ids are known (``wants_prompt_ids``): its length
+        exact, and cached as far as its endpoint's events hold its leading blocks; the
+        estimate as it was when those events no longer say."""
+        if estimate.endpoint is None or not token_ids:
+            return estimate
+        block = self.settings.block_size
+        tokens = held(estimate.endpoint, chain_keys(token_ids, block), block)
+        if tokens is None:
+            return estimate
+        total = len(token_ids)
+        cached = (min(tokens, total - 1) // block) * block
         return Estimate(total, total - cached, estimate.endpoint, estimate.match, estimate.adds_media, "kv_events")
 
     def _from_history(

@@ -77,6 +77,7 @@ from ._leg_requests import (
     pass_through_body,
     streams_upload,
 )
+from ._prompt_ids import tokenize_request
 from ._record import CallRecord
 from ._remote_prefill import CallTimings, HandoffInstead, RemotePrefill
 from ._report import log_end, trace_of
@@ -214,6 +215,23 @@ class Call:
                 self._prompt_text = plan_text(plan) or ""
             text = self._prompt_text or None
         return RouteRequest(leg=leg, affinity_key=plan.affinity_key, prompt_text=text, tenant=self.tenant)
+
+    def prompt_ids_request(self) -> httpx.Request | None:
+        """A prefill server's /tokenize of the call's prompt, when ``auto`` would decide on
+        a history no one here saw and the decode's events can say how much of it is held
+        (``_prompt_ids``); None otherwise."""
+        assert self.plan is not None and self.dialect is not None
+        plan, options, fleet, remote = self.plan, self.context.options, self.context.fleet, self.remote
+        remote.prepare(
+            plan, self.effective.remote_prefill, self.dialect, options, fleet, lambda: self.route_for("decode")
+        )
+        if not remote.wants_prompt_ids():
+            return None
+        try:
+            endpoint = fleet.prefill.decide(self.route_for("prefill")).endpoint
+        except AllEndpointsOpen:
+            return None
+        return tokenize_request(plan, endpoint.url, self.request, f"{self.leg_request_id}-tokenize")
 
     def wants_prefill(self) -> bool:
         """Whether this call gets a prefill leg (``remote_prefill``, ``_remote_prefill``), once after planning."""

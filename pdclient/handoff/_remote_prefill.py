@@ -242,7 +242,18 @@ class RemotePrefill:
     a decode-only call whose conversation's endpoint is out of reach becomes a handoff after
     all; a whole answer is remembered at the call's end."""
 
-    __slots__ = ("_tokens", "conversation", "decision", "home", "stored_state", "warm_up_url", "warms")
+    __slots__ = (
+        "_estimate",
+        "_prepared",
+        "_tokens",
+        "conversation",
+        "decision",
+        "home",
+        "stored_state",
+        "tokenize_ms",
+        "warm_up_url",
+        "warms",
+    )
 
     def __init__(self) -> None:
         self.decision: Decision | None = None
@@ -258,6 +269,48 @@ class RemotePrefill:
         self.warms = False
         """Whether the decode-only call's prompt is to be queued for a prefill endpoint (``warm_up``)."""
         self._tokens: int | None = None
+        self._estimate: Estimate | None = None
+        self._prepared = False
+        self.tokenize_ms: float | None = None
+        """How long the prefill server's /tokenize of the call's prompt took (``_prompt_ids``);
+        None when it was not asked."""
+
+    def prepare(
+        self,
+        plan: wire.Plan,
+        mode: str,
+        dialect: Dialect,
+        options: PDOptions,
+        fleet: Fleet,
+        decode_route: Callable[[], RouteRequest],
+    ) -> None:
+        """Once after planning: the stored state the call builds on, or its conversation,
+        that conversation's home and the estimate ``auto`` decides on. ``decode_route``: what
+        the decode's policy may know of the call, asked only for a conversation's home."""
+        if self._prepared:
+            return
+        self._prepared = True
+        self.stored_state = dialect.stored_state(plan)
+        if self.stored_state is not None:
+            return  # the state is where it was stored, never on a prefill server
+        if mode != "always" and plan.messages is not None:  # a conversation, in chat messages
+            held = fleet.kv_events.held_tokens if fleet.kv_events is not None else None
+            self.conversation = ConversationTurn(plan, fleet.memory, held)
+            self.home = conversation_home(fleet.decode, options, decode_route())
+        if mode == "auto" and self.conversation is not None:
+            self._estimate = self.conversation.estimate([e.url for e in fleet.decode.admitted()], self.home)
+
+    def wants_prompt_ids(self) -> bool:
+        """Whether the call's prompt ids are worth a /tokenize before deciding (``_prompt_ids``)."""
+        turn, estimate = self.conversation, self._estimate
+        return turn is not None and estimate is not None and turn.memory.wants_prompt_ids(estimate, turn.held)
+
+    def use_prompt_ids(self, token_ids: list[int] | None, elapsed_ms: float) -> None:
+        """The prompt's ids (None: the tokenize failed) count what the decode holds of it."""
+        self.tokenize_ms = elapsed_ms
+        turn, estimate = self.conversation, self._estimate
+        if token_ids is not None and turn is not None and turn.held is not None and estimate is not None:
+            self._estimate = turn.memory.with_prompt_ids(estimate, token_ids, turn.held)
 
     def decide(
         self,
@@ -268,18 +321,11 @@ class RemotePrefill:
         fleet: Fleet,
         decode_route: Callable[[], RouteRequest],
     ) -> bool:
-        """Whether the call gets a prefill leg. ``decode_route``: what the decode's policy may
-        know of the call, asked only for a conversation's home."""
-        self.stored_state = dialect.stored_state(plan)
+        """Whether the call gets a prefill leg (``prepare`` first, if it was not)."""
+        self.prepare(plan, mode, dialect, options, fleet, decode_route)
         if self.stored_state is not None:
-            return False  # the state is where it was stored, never on a prefill server
-        if mode != "always" and plan.messages is not None:  # a conversation, in chat messages
-            held = fleet.kv_events.held_tokens if fleet.kv_events is not None else None
-            self.conversation = ConversationTurn(plan, fleet.memory, held)
-            self.home = conversation_home(fleet.decode, options, decode_route())
-        estimate = None
-        if mode == "auto" and self.conversation is not None:
-            estimate = self.conversation.estimate([e.url for e in fleet.decode.admitted()], self.home)
+            return False
+        estimate = self._estimate
         self.decision = remote_prefill_decision(mode, estimate, options.conversations, self.home, fleet)
         self.warms = not self.decision.remote_prefill and mode == "auto" and options.conversations.warm_prefill
         return self.decision.remote_prefill
