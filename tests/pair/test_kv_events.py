@@ -24,7 +24,7 @@ from pdclient.conversations import decide_remote_prefill
 from pdclient.kv_events import KVIndex
 from pdclient.local import LocalPD
 from pdclient.wire import Kind, affinity_key
-from tests.serve.process import metric_samples
+from tests.serve.process import ServeProcess, metric_samples
 
 from .helpers import GREEDY
 
@@ -207,6 +207,149 @@ def test_two_client_processes_make_the_same_decision_for_the_same_call(events_pa
     assert a2["outcome"] == b2["outcome"] == Outcome.DECODE_ONLY.value
     assert a2["cache_source"] == b2["cache_source"] == "kv_events"
     assert a2["cached_tokens"] == b2["cached_tokens"] == a2["decode_cached_tokens"] == b2["decode_cached_tokens"]
+
+
+def few_shot() -> list[dict[str, Any]]:
+    """A history no server answered: the assistant turn is the caller's own invention."""
+    system = f"Few-shot {uuid.uuid4().hex}. " + "Notes: the robot paints in the morning and sleeps at noon. " * 40
+    return [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "Tell me a short story about the robot in the notes."},
+        {"role": "assistant", "content": "At dawn the robot painted the sky orange, then slept until noon."},
+        {"role": "user", "content": "Another one, about the evening."},
+    ]
+
+
+def test_a_history_never_seen_is_decode_only_only_when_the_decode_holds_it(events_pair: LocalPD) -> None:
+    """Fresh clients (no memory of any turn), a made-up few-shot history: its prompt's ids
+    come from the prefill server's /tokenize, and the decode's events say what it holds of
+    them. Not held: a handoff, and the decode server's metrics say it found nothing cached.
+    The same history after that handoff put it in the decode's cache, through another fresh
+    client: decode-only, counting what the decode server then reports cached."""
+    pd = events_pair
+    decode = pd.decode_urls[0]
+    messages = few_shot()
+    body = {"model": pd.model, "messages": messages}
+    key = affinity_key(Kind.CHAT, messages, None, None)
+    costs = []
+    traces: list[PDTrace] = []
+    with events_client(pd, traces) as (client, index):
+        # What this client would decide without the ids: the estimate, on the call's word.
+        before = client.pd_fleet.memory.estimate(key, body, [decode], decode)
+        alone = decide_remote_prefill("auto", before, client.pd_options.conversations)
+        hits = tokens_by_source(decode, "local_cache_hit")
+        answer = client.chat.completions.create(model=pd.model, messages=messages, **GREEDY)  # type: ignore[arg-type]
+        t1 = traces[-1]
+        assert (t1.outcome, t1.conversation, t1.cache_source, t1.cached_tokens) == (
+            Outcome.DISAGGREGATED,
+            "unseen_history" if before.match.value == "unseen_history" else "extends_history",
+            "kv_events",
+            0,
+        )
+        assert answer.usage is not None and t1.estimated_prompt_tokens == answer.usage.prompt_tokens  # the ids' count
+        assert tokens_by_source(decode, "local_cache_hit") - hits == 0  # the decode held none of it
+        assert t1.tokenize_ms is not None
+        costs.append(t1.tokenize_ms)
+        settled(index)
+    traces = []
+    with events_client(pd, traces) as (client, index):
+        answer = client.chat.completions.create(model=pd.model, messages=messages, **GREEDY)  # type: ignore[arg-type]
+        t2 = traces[-1]
+        truth = answer.usage.prompt_tokens_details.cached_tokens if answer.usage else None  # type: ignore[union-attr]
+        assert (t2.outcome, t2.cache_source) == (Outcome.DECODE_ONLY, "kv_events")
+        assert t2.cached_tokens == truth and truth and truth > 0
+        assert t2.tokenize_ms is not None
+        costs.append(t2.tokenize_ms)
+    print(
+        f"\nunseen history of {t1.estimated_prompt_tokens} tokens: without the ids, estimate "
+        f"{before.cached_tokens} cached ({before.match.value}) -> "
+        f"{'handoff' if alone.remote_prefill else 'decode-only'} ({alone.reason.value}); "
+        f"with them: a handoff (0 held), then decode-only ({t2.cached_tokens} held, the server's {truth}); "
+        f"/tokenize {', '.join(f'{ms:.1f}' for ms in costs)} ms",
+        end="",
+    )
+
+
+def proxy_call(proxy: ServeProcess, messages: list[dict[str, Any]], model: str) -> tuple[dict[str, Any], int]:
+    """One chat call through the proxy on a new connection (the kernel hands it to either
+    worker): the call's trace headers, the decode's cached count, and the worker's pid (from
+    its JSON call line, by the request id the call carried)."""
+    request_id = f"kv-workers-{uuid.uuid4().hex}"
+    response = httpx.post(
+        proxy.url + "/v1/chat/completions",
+        json={"model": model, "messages": messages, **GREEDY},
+        headers={"x-request-id": request_id},
+        timeout=120,
+    )
+    assert response.status_code == 200, response.text
+    trace = PDTrace.from_headers(response.headers)
+    usage = response.json()["usage"]
+    found: list[int] = []
+
+    def logged() -> bool:
+        for line in list(proxy.lines):
+            if request_id in line and line.startswith("{"):
+                entry = json.loads(line)
+                if entry.get("request_id") == request_id and "pid" in entry:
+                    found.append(entry["pid"])
+                    return True
+        return False
+
+    wait_for(logged, "the call's log line")
+    decision = {
+        "outcome": trace.outcome.value if trace.outcome else None,
+        "cache_source": trace.cache_source,
+        "cached_tokens": trace.cached_tokens,
+        "decode_cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+        "tokenize_ms": trace.tokenize_ms,
+        "answer": response.json()["choices"][0]["message"]["content"],
+    }
+    return decision, found[0]
+
+
+def test_two_workers_of_one_proxy_decide_alike_and_as_the_decode_counts(events_pair: LocalPD) -> None:
+    """``pdclient serve --workers 2``, each worker with its own subscriptions and memory:
+    two-turn conversations, each call on a new connection (either worker may take either
+    turn), until each worker has decided a follow-up and one follow-up went to the worker
+    that never saw its first turn. Every follow-up is decode-only by the decode's events,
+    counting what the decode server itself then found cached, whichever worker decided it."""
+    pd = events_pair
+    proxy = ServeProcess(
+        *("--prefill", pd.prefill_urls[0], "--decode", pd.decode_urls[0], "--remote-prefill", "auto"),
+        *("--kv-events", "discover", "--trace-headers", "--log-format", "json"),
+        workers=2,
+    )
+    follow_ups: list[tuple[int, int, dict[str, Any]]] = []
+    try:
+        with events_client(pd, []) as (_client, index):
+            # Both workers subscribe in their fleets' background: give them the time this one took.
+            time.sleep(2.0)
+            for _ in range(8):
+                messages = conversation()
+                first, first_pid = proxy_call(proxy, messages, pd.model)
+                assert first["outcome"] == Outcome.DISAGGREGATED.value
+                settled(index)
+                messages = [
+                    *messages,
+                    {"role": "assistant", "content": first["answer"]},
+                    {"role": "user", "content": "Give it a title."},
+                ]
+                second, second_pid = proxy_call(proxy, messages, pd.model)
+                second.pop("answer")
+                follow_ups.append((first_pid, second_pid, second))
+                deciders = {pid for _, pid, _ in follow_ups}
+                crossed = any(a != b for a, b, _ in follow_ups)
+                if len(deciders) == 2 and crossed:
+                    break
+                settled(index)
+    finally:
+        proxy.stop()
+    print(f"\n(first turn's worker, follow-up's worker, its decision) per conversation: {follow_ups}", end="")
+    assert len({pid for _, pid, _ in follow_ups}) == 2, "one worker took every follow-up"
+    assert any(a != b for a, b, _ in follow_ups), "no follow-up went to the other worker"
+    for _, _, decision in follow_ups:
+        assert (decision["outcome"], decision["cache_source"]) == (Outcome.DECODE_ONLY.value, "kv_events")
+        assert decision["cached_tokens"] == decision["decode_cached_tokens"], follow_ups
 
 
 def tokens_by_source(base_v1_url: str, source: str) -> float:
