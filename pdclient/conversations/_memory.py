@@ -52,7 +52,10 @@ are then keyed with the prompt's (all its ids but the last, whose KV is never co
 the count is exact for them as well, P/D turn or not.
 
 A history the memory did not see answered (another replica's turns, or the caller's own
-invention) is taken as cached on the call's word only up to ``unseen_history_tokens``.
+invention) is taken as cached on the call's word only up to ``unseen_history_tokens``;
+with KV events current for its endpoint, the call's prompt ids (``wants_prompt_ids``: the
+transport asks a prefill server's /tokenize for them) say exactly how much of it the
+decode holds (``with_prompt_ids``).
 """
 
 from __future__ import annotations
