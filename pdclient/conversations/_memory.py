@@ -377,6 +377,15 @@ class ConversationMemory:
             while len(self._turns) > self.settings.max_conversations:
                 self._turns.popitem(last=False)
 
+    def known_keys(self, key: str, body: Mapping[str, Any]) -> list[int]:
+        """The chain keys of the remembered turn's ids that this call's prompt starts with
+        (``kv_events``: a prefix cache's holdings can be asked about them); none when the
+        call does not extend the remembered turn, or its ids were not kept."""
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return []
+        return unpack(self._known_prefix(key_digest(key), messages, shape_digest(body)))
+
     def _known_prefix(self, entry: bytes, messages: Sequence[object], shape: bytes) -> bytes:
         """The chain keys of the remembered turn this call extends in the same ``shape``
         (its prompt is this call's prefix: a decode-only turn knows no ids of its own);

@@ -52,7 +52,7 @@ from .._trace import Outcome, PDTrace
 from ..conversations import SHAPE_FIELDS
 from ..dialects import endpoint_for, names_a_response
 from ..fleet import Fleet
-from ..pools import AllEndpointsOpen, retry
+from ..pools import AllEndpointsOpen, EndpointPool, retry
 from ..routing import TENANT_EXTENSION, RouteRequest, plan_text
 from ..wire import EventTooLarge, error_event, redact_url
 from ._effective import EffectiveOptions
@@ -214,7 +214,22 @@ class Call:
             if self._prompt_text is None:  # once per call, and only for a policy that reads it
                 self._prompt_text = plan_text(plan) or ""
             text = self._prompt_text or None
-        return RouteRequest(leg=leg, affinity_key=plan.affinity_key, prompt_text=text, tenant=self.tenant)
+        held = self._held_by_prefill(pool) if text is not None and leg == "prefill" else None
+        return RouteRequest(
+            leg=leg, affinity_key=plan.affinity_key, prompt_text=text, tenant=self.tenant, held_tokens=held
+        )
+
+    def _held_by_prefill(self, pool: EndpointPool) -> dict[str, int] | None:
+        """How much of the conversation's known ids each prefill endpoint holds, by its KV
+        events, for a policy that follows a prefix cache; None when nothing says."""
+        turn, feeds = self.remote.conversation, self.context.fleet.kv_events
+        if turn is None or feeds is None:
+            return None
+        keys = turn.memory.known_keys(turn.plan.affinity_key, turn.body())
+        if not keys:
+            return None
+        block = turn.memory.settings.block_size
+        return {e.url: feeds.held_tokens(e.url, keys, block) or 0 for e in pool.endpoints}
 
     def prompt_ids_request(self) -> httpx.Request | None:
         """A prefill server's /tokenize of the call's prompt, when ``auto`` would decide on

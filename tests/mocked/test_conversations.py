@@ -569,3 +569,35 @@ async def test_without_the_decodes_view_or_the_ids_the_estimate_decides(mode: st
     assert tokenize.call_count == (0 if answer == "unknown-view" else 1)
     assert (trace.tokenize_ms is None) == (answer == "unknown-view")
     await t.close()
+
+
+async def test_cache_aware_prefill_routing_follows_the_prefill_servers_events(mode: str, pair: FakeVLLM) -> None:
+    """A handoff of a remembered conversation goes to the prefill endpoint whose KV events
+    hold most of its known ids, whatever this process last sent where."""
+    second_prefill = "http://prefill-2.test:8100/v1"
+    pair.router.post(f"{second_prefill}/chat/completions", name="prefill2").mock(
+        side_effect=lambda request: pair.respond(request, at_prefill=True)
+    )
+    t, traces = twin(
+        mode,
+        remote_prefill="auto",
+        kv_events="tcp://{host}:9",
+        prefill_base_url=[PREFILL, second_prefill],
+        decode_base_url=DECODE,
+        prefill_routing="cache_aware",
+        routing="least_outstanding",
+    )
+    assert await turn(t, TURN1, True) == ANSWER1
+    first_prefill = traces.traces[-1].prefill_url
+    holder = second_prefill if first_prefill == PREFILL else PREFILL
+
+    def held(endpoint: str, keys: Any, block: int) -> int | None:
+        # The decode holds nothing (the follow-up is a handoff); only the other prefill holds the keys.
+        return len(list(keys)) * block if endpoint == holder else 0
+
+    t.client.pd_fleet.kv_events.held_tokens = held  # type: ignore[method-assign, union-attr]
+    await turn(t, TURN2, True)
+    trace = traces.traces[-1]
+    assert (trace.outcome, trace.cache_source, trace.prefill_url) == (Outcome.DISAGGREGATED, "kv_events", holder)
+    assert trace.prefill_route is not None and trace.prefill_route.startswith("cache_aware/events held=")
+    await t.close()

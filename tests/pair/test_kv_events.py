@@ -260,12 +260,26 @@ def test_a_history_never_seen_is_decode_only_only_when_the_decode_holds_it(event
         assert t2.cached_tokens == truth and truth and truth > 0
         assert t2.tokenize_ms is not None
         costs.append(t2.tokenize_ms)
+    # /tokenize on its own, as the client sends it, for this prompt and one near the model's length.
+    direct = {}
+    long = [{**messages[0], "content": messages[0]["content"] * 3}, *messages[1:]]
+    with httpx.Client(timeout=10) as http:
+        for name, asked in (("this prompt", messages), ("a long one", long)):
+            times, count = [], 0
+            for _ in range(7):
+                started = time.perf_counter()
+                answered = http.post(
+                    pd.prefill_urls[0].removesuffix("/v1") + "/tokenize", json={"model": pd.model, "messages": asked}
+                )
+                times.append((time.perf_counter() - started) * 1000)
+                count = answered.json()["count"]
+            direct[f"{name} ({count} ids)"] = round(sorted(times)[3], 1)
     print(
         f"\nunseen history of {t1.estimated_prompt_tokens} tokens: without the ids, estimate "
         f"{before.cached_tokens} cached ({before.match.value}) -> "
         f"{'handoff' if alone.remote_prefill else 'decode-only'} ({alone.reason.value}); "
         f"with them: a handoff (0 held), then decode-only ({t2.cached_tokens} held, the server's {truth}); "
-        f"/tokenize {', '.join(f'{ms:.1f}' for ms in costs)} ms",
+        f"/tokenize in the calls {', '.join(f'{ms:.1f}' for ms in costs)} ms, alone (median of 7) {direct} ms",
         end="",
     )
 
