@@ -455,13 +455,16 @@ def test_a_decode_restart_is_seen_at_once_and_its_next_turn_is_a_handoff(events_
         synced = time.monotonic() - t0
         print(
             f"\nrestart: API down at {down:.2f} s, index unknown at {unknown:.2f} s, server ready at {ready:.2f} s, "
-            f"index current at {synced:.2f} s; stale kv_events estimates while down: {stale[:3]}",
+            f"index current at {synced:.2f} s; estimates on the old view after the API went down: "
+            f"{len(stale)}, the last at {stale[-1][0] if stale else None}",
             end="",
         )
         assert down is not None and unknown is not None
-        assert unknown - down < 1.0  # the publisher's going is seen within a second of the API's
+        # The publisher's going is seen within a second of the API's (its engine stops after
+        # its API server): only until then may an estimate count the old view's blocks.
+        assert unknown - down < 1.0
+        assert all(at < down + 1.0 for at, _ in stale), stale
         assert synced - ready < 1.0
-        assert not stale
         assert (estimate().cache_source, estimate().cached_tokens) == ("kv_events", 0)
 
         hits, pulled = tokens_by_source(decode, "local_cache_hit"), tokens_by_source(decode, "external_kv_transfer")
