@@ -157,6 +157,10 @@ class PDTrace(BaseModel):
     ``"estimate"`` (pdclient's memory and estimate alone)."""
     cached_tokens: int | None = None
     """``auto``: the prompt's tokens the decision counted as cached on the decode endpoint."""
+    tokenize_ms: float | None = None
+    """``auto``: how long the prefill server's ``/tokenize`` of the prompt took, asked for a
+    history no one here saw answered when the decode endpoint's KV events can say how much
+    of it the decode holds (then ``cache_source`` is ``"kv_events"``); None when not asked."""
     prefill_warm_up_url: str | None = None
     """``auto``, decode-only: the prefill endpoint the prompt was queued to, off the caller's
     path, to keep its prefix cache up with the conversation (``fleet._warm``)."""

@@ -52,7 +52,10 @@ are then keyed with the prompt's (all its ids but the last, whose KV is never co
 the count is exact for them as well, P/D turn or not.
 
 A history the memory did not see answered (another replica's turns, or the caller's own
-invention) is taken as cached on the call's word only up to ``unseen_history_tokens``.
+invention) is taken as cached on the call's word only up to ``unseen_history_tokens``;
+with KV events current for its endpoint, the call's prompt ids (``wants_prompt_ids``: the
+transport asks a prefill server's /tokenize for them) say exactly how much of it the
+decode holds (``with_prompt_ids``).
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..kv_events import unpack
+from ..kv_events import chain_keys, unpack
 from ._answer import Answer
 from ._decision import Estimate, Match
 from ._digests import (
@@ -374,6 +377,15 @@ class ConversationMemory:
             while len(self._turns) > self.settings.max_conversations:
                 self._turns.popitem(last=False)
 
+    def known_keys(self, key: str, body: Mapping[str, Any]) -> list[int]:
+        """The chain keys of the remembered turn's ids that this call's prompt starts with
+        (``kv_events``: a prefix cache's holdings can be asked about them); none when the
+        call does not extend the remembered turn, or its ids were not kept."""
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return []
+        return unpack(self._known_prefix(key_digest(key), messages, shape_digest(body)))
+
     def _known_prefix(self, entry: bytes, messages: Sequence[object], shape: bytes) -> bytes:
         """The chain keys of the remembered turn this call extends in the same ``shape``
         (its prompt is this call's prefix: a decode-only turn knows no ids of its own);
@@ -489,6 +501,35 @@ class ConversationMemory:
         if turn.answer_keyed or moved or tokens < len(keys) * block:
             cached = (min(tokens, estimate.total_tokens - 1) // block) * block
         total = estimate.total_tokens
+        return Estimate(total, total - cached, estimate.endpoint, estimate.match, estimate.adds_media, "kv_events")
+
+    def wants_prompt_ids(self, estimate: Estimate, held: HeldTokens | None) -> bool:
+        """Whether the call's prompt ids are worth asking a server for, to count what the
+        decode endpoint holds of a history this memory never saw answered (another
+        process's turns, or a made-up few-shot history): the estimate read it from the call
+        alone (``EXTENDS_HISTORY``, ``UNSEEN_HISTORY``), that endpoint's events are current,
+        and the prompt is long enough (two blocks) for a block of its history to be held."""
+        if held is None or estimate.endpoint is None:
+            return False
+        if estimate.match not in (Match.EXTENDS_HISTORY, Match.UNSEEN_HISTORY):
+            return False
+        block = self.settings.block_size
+        if estimate.total_tokens < 2 * block:
+            return False
+        return held(estimate.endpoint, (), block) is not None
+
+    def with_prompt_ids(self, estimate: Estimate, token_ids: Sequence[int], held: HeldTokens) -> Estimate:
+        """The estimate of a call whose prompt ids are known (``wants_prompt_ids``): its length
+        exact, and cached as far as its endpoint's events hold its leading blocks; the
+        estimate as it was when those events no longer say."""
+        if estimate.endpoint is None or not token_ids:
+            return estimate
+        block = self.settings.block_size
+        tokens = held(estimate.endpoint, chain_keys(token_ids, block), block)
+        if tokens is None:
+            return estimate
+        total = len(token_ids)
+        cached = (min(tokens, total - 1) // block) * block
         return Estimate(total, total - cached, estimate.endpoint, estimate.match, estimate.adds_media, "kv_events")
 
     def _from_history(

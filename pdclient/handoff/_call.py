@@ -206,7 +206,17 @@ class Call:
             if self._prompt_text is None:  # once per call, and only for a policy that reads it
                 self._prompt_text = plan_text(plan) or ""
             text = self._prompt_text or None
-        return RouteRequest(leg=leg, affinity_key=plan.affinity_key, prompt_text=text, tenant=self.tenant)
+        held = self.remote.held_by(pool, self.context.fleet.kv_events) if text and leg == "prefill" else None
+        return RouteRequest(
+            leg=leg, affinity_key=plan.affinity_key, prompt_text=text, tenant=self.tenant, held_tokens=held
+        )
+
+    def prompt_ids_request(self) -> httpx.Request | None:
+        """A prefill server's /tokenize of the call's prompt, when ``auto`` wants its ids (``RemotePrefill``)."""
+        assert self.plan is not None and self.dialect is not None
+        options, fleet, remote = self.context.options, self.context.fleet, self.remote
+        remote.prepare(self.plan, self.effective.remote_prefill, self.dialect, options, fleet, self.route_for)
+        return remote.tokenize_request(fleet.prefill, self.route_for, self.request, f"{self.leg_request_id}-tokenize")
 
     def wants_prefill(self) -> bool:
         """Whether this call gets a prefill leg (``remote_prefill``, ``_remote_prefill``), once after planning."""
@@ -261,8 +271,7 @@ class Call:
         if self.prefill.url:  # every prefill answer, either dispatch mode: where its server's NIXL agent is
             learn_coordinates(self.context.fleet, self.prefill.url, self.prefill_result.kv_transfer_params)
         self.record.cpu_seconds += time.thread_time() - cpu_start
-        if self.remote.conversation is not None and self.prefill_result.ids is not None:
-            self.remote.conversation.learn(self.prefill_result.count)  # the servers' own count
+        self.remote.prefilled(self.prefill_result)
         return None
 
     def prefill_failed(self, error: BaseException) -> httpx.Response | None:
@@ -415,11 +424,6 @@ class Call:
         if self.plan is not None and self.plan.stream and self.fallback_url is None and not moved:
             record.first_token_ms = record.first_byte_ms
         self.observers.first_byte(self)
-
-    def decode_streamed(self, reads: int) -> None:
-        """The decode's event stream is whole after ``reads`` network reads (the streams call
-        this): its endpoint learns the time per read, about one step of its batch."""
-        self.decode.answered(reads)
 
     def broken_stream(
         self, error: httpx.TransportError | httpx.DecodingError, received: int, not_moved: str | None = None

@@ -95,7 +95,7 @@ class PlainBody:
                     # it, so read it now and the connection goes back to the pool for reuse.
                     chunk += b"".join((yield from _until_error()))
                     self.drained = True
-                    call.decode_streamed(reads)
+                    call.decode.answered(reads)  # its endpoint learns the time per read, ~a step
                 if out := call.caller_body.feed(chunk):
                     yield out
             held = call.caller_body.rest()
@@ -146,7 +146,7 @@ class MovingBody:
                         # The answer is whole: read the body's end so the connection is reused.
                         out += [rest for rest in (yield from _until_error()) if rest]
                         self.drained = True
-                        self.call.decode_streamed(reads)
+                        self.call.decode.answered(reads)
                     if sent := self._pass_on(out):
                         yield sent
                     if self.drained:

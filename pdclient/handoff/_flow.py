@@ -9,6 +9,7 @@ move (``_move.move``) is a flow of the same steps, run by the same drivers.
     call_flow
       |-- pass-through: [ReadRequest] --> decode
       |-- ReadRequest, plan (400: ended)
+      |-- auto, a history no one here saw: [SendPrefill] (the prompt's ids, /tokenize)
       |-- decode-only (remote_prefill) ----------------------------------> decode
       |-- concurrent: Concurrently(decode, prefill) -> Await -> first event
       |               -> Stream (its answer)  |  Cut, Discard -> decode (sequential)
@@ -19,6 +20,7 @@ move (``_move.move``) is a flow of the same steps, run by the same drivers.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Generator
 from typing import Any
 
@@ -30,6 +32,7 @@ from . import _dispatch as dispatch
 from ._call import Call
 from ._failure import PREFILL_FAILURES
 from ._leg_requests import streams_upload
+from ._prompt_ids import prompt_ids
 from ._release import release_request
 from ._steps import (
     NEXT,
@@ -58,6 +61,8 @@ def call_flow(call: Call) -> Steps:
             return (yield from _pass_through(call))
         yield ReadRequest(call.request)
         ended = call.plan_or_refuse()
+        if ended is None:
+            yield from _prompt_ids(call)
         if ended is None and call.wants_prefill():
             sent = dispatch.concurrent_decode(call)
             if sent is not None:
@@ -75,6 +80,23 @@ def _pass_through(call: Call) -> Steps:
         yield ReadRequest(call.request)
     refused = call.check_pass_through(upload)
     return refused or (yield from _decode(call))
+
+
+def _prompt_ids(call: Call) -> Generator[Step, Any, None]:
+    """The prompt's ids from a prefill server's /tokenize, when ``auto`` would otherwise
+    decide a history no one here saw on the call's word (``_prompt_ids``); a failure of any
+    kind leaves the estimate to decide."""
+    request = call.prompt_ids_request()
+    if request is None:
+        return
+    started = time.perf_counter()
+    try:
+        response = yield SendPrefill(request)
+    except httpx.HTTPError:
+        ids = None
+    else:
+        ids = prompt_ids(response)
+    call.remote.use_prompt_ids(ids, (time.perf_counter() - started) * 1000)
 
 
 def _prefill(call: Call, *, outlive: bool = False) -> Generator[Step, Any, httpx.Response | None]:

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import httpx
 import orjson
 
 from .. import wire
@@ -37,12 +38,13 @@ from ..conversations import (
     rendered_chars,
 )
 from ..costs import CallCost, DispatchChoice
-from ..kv_events import turn_keys
+from ..kv_events import KVEventFeeds, turn_keys
 from ..migration import Tracker
 from ..pools import AllEndpointsOpen, EndpointPool
 from ..routing import RouteDecision, RouteRequest, conversation_routing, policy_decision
 from ._leg import Leg
 from ._leg_requests import LegRequests
+from ._prompt_ids import tokenize_request
 from ._record import CallRecord
 from ._report import STORED_STATE
 
@@ -240,7 +242,17 @@ class RemotePrefill:
     a decode-only call whose conversation's endpoint is out of reach becomes a handoff after
     all; a whole answer is remembered at the call's end."""
 
-    __slots__ = ("_tokens", "conversation", "decision", "home", "stored_state", "warm_up_url")
+    __slots__ = (
+        "_estimate",
+        "_prepared",
+        "_tokens",
+        "conversation",
+        "decision",
+        "home",
+        "stored_state",
+        "tokenize_ms",
+        "warm_up_url",
+    )
 
     def __init__(self) -> None:
         self.decision: Decision | None = None
@@ -254,6 +266,79 @@ class RemotePrefill:
         self.warm_up_url: str | None = None
         """The prefill endpoint this decode-only call's prompt was queued to (``fleet._warm``)."""
         self._tokens: int | None = None
+        self._estimate: Estimate | None = None
+        self._prepared = False
+        self.tokenize_ms: float | None = None
+        """How long the prefill server's /tokenize of the call's prompt took (``_prompt_ids``);
+        None when it was not asked."""
+
+    def prepare(
+        self,
+        plan: wire.Plan,
+        mode: str,
+        dialect: Dialect,
+        options: PDOptions,
+        fleet: Fleet,
+        route_for: Callable[[str], RouteRequest],
+    ) -> None:
+        """Once after planning: the stored state the call builds on, or its conversation,
+        that conversation's home and the estimate ``auto`` decides on. ``route_for``: what
+        a leg's policy may know of the call, asked only for a conversation's home."""
+        if self._prepared:
+            return
+        self._prepared = True
+        self.stored_state = dialect.stored_state(plan)
+        if self.stored_state is not None:
+            return  # the state is where it was stored, never on a prefill server
+        if mode != "always" and plan.messages is not None:  # a conversation, in chat messages
+            held = fleet.kv_events.held_tokens if fleet.kv_events is not None else None
+            self.conversation = ConversationTurn(plan, fleet.memory, held)
+            self.home = conversation_home(fleet.decode, options, route_for("decode"))
+        if mode == "auto" and self.conversation is not None:
+            self._estimate = self.conversation.estimate([e.url for e in fleet.decode.admitted()], self.home)
+
+    def wants_prompt_ids(self) -> bool:
+        """Whether the call's prompt ids are worth a /tokenize before deciding (``_prompt_ids``)."""
+        turn, estimate = self.conversation, self._estimate
+        return turn is not None and estimate is not None and turn.memory.wants_prompt_ids(estimate, turn.held)
+
+    def tokenize_request(
+        self, prefill: EndpointPool, route_for: Callable[[str], RouteRequest], caller: httpx.Request, request_id: str
+    ) -> httpx.Request | None:
+        """A prefill server's /tokenize of the call's prompt, when ``auto`` would decide on a
+        history no one here saw and the decode's events can say how much of it is held
+        (``_prompt_ids``); None otherwise (``prepare`` first)."""
+        if self.conversation is None or not self.wants_prompt_ids():
+            return None
+        try:
+            endpoint = prefill.decide(route_for("prefill")).endpoint
+        except AllEndpointsOpen:
+            return None
+        return tokenize_request(self.conversation.plan, endpoint.url, caller, request_id)
+
+    def prefilled(self, result: wire.PrefillResult) -> None:
+        """The prefill's answer: its servers' own token count teaches the conversation's estimate."""
+        if self.conversation is not None and result.ids is not None:
+            self.conversation.learn(result.count)
+
+    def held_by(self, pool: EndpointPool, feeds: KVEventFeeds | None) -> dict[str, int] | None:
+        """How much of the conversation's known ids each endpoint of ``pool`` holds, by its
+        KV events, for a policy that follows a prefix cache; None when nothing says."""
+        turn = self.conversation
+        if turn is None or feeds is None:
+            return None
+        keys = turn.memory.known_keys(turn.plan.affinity_key, turn.body())
+        if not keys:
+            return None
+        block = turn.memory.settings.block_size
+        return {e.url: feeds.held_tokens(e.url, keys, block) or 0 for e in pool.endpoints}
+
+    def use_prompt_ids(self, token_ids: list[int] | None, elapsed_ms: float) -> None:
+        """The prompt's ids (None: the tokenize failed) count what the decode holds of it."""
+        self.tokenize_ms = elapsed_ms
+        turn, estimate = self.conversation, self._estimate
+        if token_ids is not None and turn is not None and turn.held is not None and estimate is not None:
+            self._estimate = turn.memory.with_prompt_ids(estimate, token_ids, turn.held)
 
     def decide(
         self,
@@ -265,19 +350,14 @@ class RemotePrefill:
         route_for: Callable[[str], RouteRequest],
         requests: LegRequests,
     ) -> bool:
-        """Whether the call gets a prefill leg; a decode-only call's prompt queued for a warm-up
-        (``warm_up``). ``route_for``: what a leg's policy may know of the call, asked only for
-        a conversation's home and a warm-up's prefill endpoint."""
-        self.stored_state = dialect.stored_state(plan)
+        """Whether the call gets a prefill leg (``prepare`` first, if it was not); a decode-only
+        call's prompt queued for a warm-up (``warm_up``). ``route_for``: what a leg's policy
+        may know of the call, asked only for a conversation's home and a warm-up's prefill
+        endpoint."""
+        self.prepare(plan, mode, dialect, options, fleet, route_for)
         if self.stored_state is not None:
-            return False  # the state is where it was stored, never on a prefill server
-        if mode != "always" and plan.messages is not None:  # a conversation, in chat messages
-            held = fleet.kv_events.held_tokens if fleet.kv_events is not None else None
-            self.conversation = ConversationTurn(plan, fleet.memory, held)
-            self.home = conversation_home(fleet.decode, options, route_for("decode"))
-        estimate = None
-        if mode == "auto" and self.conversation is not None:
-            estimate = self.conversation.estimate([e.url for e in fleet.decode.admitted()], self.home)
+            return False
+        estimate = self._estimate
         self.decision = remote_prefill_decision(mode, estimate, options.conversations, self.home, fleet)
         if not self.decision.remote_prefill and mode == "auto" and options.conversations.warm_prefill:
             self.warm_up(fleet, route_for("prefill"), requests, dialect.warm_up_body(plan))

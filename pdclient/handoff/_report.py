@@ -62,6 +62,7 @@ def trace_of(call: Call) -> PDTrace:
         estimated_uncached_tokens=estimate.uncached_tokens if estimate is not None else None,
         cache_source=estimate.cache_source if estimate is not None else None,
         cached_tokens=estimate.cached_tokens if estimate is not None else None,
+        tokenize_ms=call.remote.tokenize_ms,
         prefill_warm_up_url=call.remote.warm_up_url,
         dispatch=call.record.dispatch,
         dispatch_fallback=call.record.dispatch_fallback,

@@ -438,6 +438,24 @@ class LocalPD(PairAccess):
         except (httpx.HTTPError, KeyError, ValueError) as exc:
             raise PDSetupError(f"handoff {prefill.name} -> {decode.name}: {exc!r}") from exc
 
+    def restart(self, server: VLLMServer) -> VLLMServer:
+        """Stops one of this pair's servers and starts it again on the same ports, as an
+        operator's restart would: a new process, an empty prefix cache, a new KV event
+        stream (sequence 0). Returns once it answers again, after a warm-up handoff with
+        each server of the other role when the pair warms up (its NIXL handshakes are new)."""
+        if server not in self._running():
+            raise PDConfigError(f"{server.name!r} is not one of this pair's servers")
+        server.stop()
+        server.start()
+        wait_all_ready([server], time.monotonic() + self._startup_timeout)
+        if self._warmup and self._kv_connector and self._decode_kv_connector:
+            pairs = [(p, d) for p, d in self._pairs() if server in (p, d)]
+            with httpx.Client(timeout=max(self._startup_timeout, 60.0)) as http:
+                for prefill, decode in pairs:
+                    self._handoff(http, prefill, decode)
+        logger.info("%s server restarted on port %d", server.name, server.port)
+        return server
+
     def stop(self) -> None:
         """Stops every server (SIGTERM, then SIGKILL after a grace period). Idempotent."""
         self._stop_servers()

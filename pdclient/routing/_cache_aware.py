@@ -166,7 +166,10 @@ class CacheAware:
     1. Imbalanced pool: if the most and least loaded candidates differ by more than
        ``balance_abs_threshold`` and the most is more than ``balance_rel_threshold``
        times the least, the least loaded, whatever the cache says.
-    2. Otherwise the endpoint whose index holds the longest prefix of the prompt, if
+    2. Otherwise the endpoint whose KV events (``RouteRequest.held_tokens``: the servers'
+       own word, for a prompt whose leading ids are known) hold most of the prompt, if any
+       holds some of it (ties: the less loaded); else the endpoint whose index holds the
+       longest prefix of the prompt, if
        that prefix is at least ``threshold`` of the prompt (ties: the less loaded).
     3. Otherwise (a new prompt) the conversation's rendezvous choice on its affinity key,
        as the ``Affinity`` policy makes it (least loaded when the call has no key).
@@ -175,7 +178,7 @@ class CacheAware:
     the module docstring).
 
     Every choice, whichever rule made it, is recorded in the index (``on_routed``); its
-    ``RouteDecision`` names the rule (``cache``, ``balance``, ``affinity``, ``least_loaded``)
+    ``RouteDecision`` names the rule (``events``, ``cache``, ``balance``, ``affinity``, ``least_loaded``)
     with ``match`` / ``prompt``: the characters of the prompt the chosen endpoint holds,
     and of the prompt (``low`` / ``high`` loads for ``balance``).
 
@@ -252,6 +255,14 @@ class CacheAware:
         least = endpoints[loads.index(low)]
         if high - low > self.balance_abs_threshold and high > low * self.balance_rel_threshold:
             return RouteDecision(self.name, least, "balance", {"low": round(low, 2), "high": round(high, 2)})
+        held_by = request.held_tokens
+        if held_by:
+            # The servers' own word (their KV events) on what they hold of the prompt's
+            # known ids, over what this process remembers sending where.
+            held_tokens = [held_by.get(e.url, 0) for e in endpoints]
+            best = max(range(len(endpoints)), key=lambda i: (held_tokens[i], -loads[i]))
+            if held_tokens[best] > 0:
+                return RouteDecision(self.name, endpoints[best], "events", {"held": held_tokens[best]})
         text = request.prompt_text
         detail: dict[str, float] = {}
         if text:

@@ -39,6 +39,10 @@ class RouteRequest:
     """Who is calling, as an opaque digest (``pdclient serve`` sets one per API key or per
     the header its operator names; None in process). State a policy keeps per prompt or
     conversation is kept per tenant, so no caller learns of or evicts another's."""
+    held_tokens: Mapping[str, int] | None = None
+    """How many of the prompt's leading tokens each endpoint holds (by URL), by its own KV
+    events: known only for a prompt whose leading ids are (a remembered conversation's),
+    and read only by a policy that follows a prefix cache (``CacheAware``); None otherwise."""
 
 
 @dataclass(frozen=True)

@@ -488,3 +488,116 @@ async def test_the_ids_asked_for_never_reach_the_caller(pair: FakeVLLM) -> None:
         raw = t.client.chat.completions.with_raw_response.create(model="m", messages=TURN2, stream=stream)  # type: ignore[call-overload]
         assert b'token_ids":[' not in raw.http_response.read()
     await t.close()
+
+
+# -- a history no one here saw, counted by the decode's KV events -------------------------
+
+FEW_SHOT: list[dict[str, Any]] = [
+    SYSTEM,
+    {"role": "user", "content": "Tell me a story."},
+    {"role": "assistant", "content": "Once, a robot painted the dawn."},
+    {"role": "user", "content": "Another one, please."},
+]
+PROMPT_IDS = list(range(1000, 2000))  # what the prefill's /tokenize answers for FEW_SHOT
+
+
+def decode_holding(blocks: int | None) -> Any:
+    """The decode's events as ``KVEventFeeds.held_tokens`` reads them: the first ``blocks``
+    of PROMPT_IDS held (None: its view is not current)."""
+    keys = chain_keys(PROMPT_IDS, 128)
+
+    def held(endpoint: str, chain: Any, block: int) -> int | None:
+        if blocks is None:
+            return None
+        count = 0
+        for key in list(chain)[:blocks]:
+            if key != keys[count]:
+                break
+            count += 1
+        return count * block
+
+    return held
+
+
+def fresh(mode: str) -> tuple[Twin, Traces]:
+    """A client that never saw a turn, its decode routed by the default policy (the
+    conversation's rendezvous home), reading KV events."""
+    return twin(
+        mode, remote_prefill="auto", kv_events="tcp://{host}:9", decode_base_url=DECODE, routing="least_outstanding"
+    )
+
+
+@pytest.mark.parametrize(
+    ("blocks", "outcome", "cached"),
+    [(0, Outcome.DISAGGREGATED, 0), (7, Outcome.DECODE_ONLY, 896)],
+    ids=["not-held", "held"],
+)
+async def test_a_history_never_seen_here_is_decode_only_only_when_the_decode_holds_it(
+    mode: str, pair: FakeVLLM, blocks: int, outcome: Outcome, cached: int
+) -> None:
+    """A fresh client, a few-shot history it never saw answered: the prefill server's
+    /tokenize gives the prompt's ids, and the decode's events say how much of them it holds."""
+    t, traces = fresh(mode)
+    t.client.pd_fleet.kv_events.held_tokens = decode_holding(blocks)  # type: ignore[method-assign, union-attr]
+    tokenize = pair.router.post(PREFILL.removesuffix("/v1") + "/tokenize", name="tokenize").mock(
+        return_value=httpx.Response(200, json={"count": len(PROMPT_IDS), "tokens": PROMPT_IDS, "max_model_len": 8192})
+    )
+    await turn(t, FEW_SHOT, True, max_tokens=4)
+    trace = traces.traces[-1]
+    assert (trace.outcome, trace.cache_source, trace.cached_tokens) == (outcome, "kv_events", cached)
+    assert trace.estimated_prompt_tokens == len(PROMPT_IDS)
+    assert trace.tokenize_ms is not None and trace.tokenize_ms >= 0
+    assert tokenize.call_count == 1
+    sent = json.loads(tokenize.calls[0].request.content)
+    assert sent == {"model": "m", "messages": FEW_SHOT}  # rendered as the chat call is, nothing else
+    await t.close()
+
+
+@pytest.mark.parametrize("answer", ["unknown-view", "error", "not-ids"])
+async def test_without_the_decodes_view_or_the_ids_the_estimate_decides(mode: str, pair: FakeVLLM, answer: str) -> None:
+    t, traces = fresh(mode)
+    t.client.pd_fleet.kv_events.held_tokens = decode_holding(None if answer == "unknown-view" else 0)  # type: ignore[method-assign, union-attr]
+    reply = {
+        "unknown-view": httpx.Response(200, json={"tokens": PROMPT_IDS}),
+        "error": httpx.Response(404, json={"detail": "Not Found"}),
+        "not-ids": httpx.Response(200, json={"tokens": ["a"]}),
+    }[answer]
+    tokenize = pair.router.post(PREFILL.removesuffix("/v1") + "/tokenize", name="tokenize").mock(return_value=reply)
+    await turn(t, FEW_SHOT, True, max_tokens=4)
+    trace = traces.traces[-1]
+    assert trace.cache_source == "estimate" and trace.outcome is not None
+    assert tokenize.call_count == (0 if answer == "unknown-view" else 1)
+    assert (trace.tokenize_ms is None) == (answer == "unknown-view")
+    await t.close()
+
+
+async def test_cache_aware_prefill_routing_follows_the_prefill_servers_events(mode: str, pair: FakeVLLM) -> None:
+    """A handoff of a remembered conversation goes to the prefill endpoint whose KV events
+    hold most of its known ids, whatever this process last sent where."""
+    second_prefill = "http://prefill-2.test:8100/v1"
+    pair.router.post(f"{second_prefill}/chat/completions", name="prefill2").mock(
+        side_effect=lambda request: pair.respond(request, at_prefill=True)
+    )
+    t, traces = twin(
+        mode,
+        remote_prefill="auto",
+        kv_events="tcp://{host}:9",
+        prefill_base_url=[PREFILL, second_prefill],
+        decode_base_url=DECODE,
+        prefill_routing="cache_aware",
+        routing="least_outstanding",
+    )
+    assert await turn(t, TURN1, True) == ANSWER1
+    first_prefill = traces.traces[-1].prefill_url
+    holder = second_prefill if first_prefill == PREFILL else PREFILL
+
+    def held(endpoint: str, keys: Any, block: int) -> int | None:
+        # The decode holds nothing (the follow-up is a handoff); only the other prefill holds the keys.
+        return len(list(keys)) * block if endpoint == holder else 0
+
+    t.client.pd_fleet.kv_events.held_tokens = held  # type: ignore[method-assign, union-attr]
+    await turn(t, TURN2, True)
+    trace = traces.traces[-1]
+    assert (trace.outcome, trace.cache_source, trace.prefill_url) == (Outcome.DISAGGREGATED, "kv_events", holder)
+    assert trace.prefill_route is not None and trace.prefill_route.startswith("cache_aware/events held=")
+    await t.close()

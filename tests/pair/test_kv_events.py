@@ -6,9 +6,11 @@ One pair for the module (``LocalPD(kv_events=True)``, with ``VLLM_SERVER_DEV_MOD
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -22,6 +24,7 @@ from pdclient.conversations import decide_remote_prefill
 from pdclient.kv_events import KVIndex
 from pdclient.local import LocalPD
 from pdclient.wire import Kind, affinity_key
+from tests.serve.process import ServeProcess, metric_samples
 
 from .helpers import GREEDY
 
@@ -50,6 +53,25 @@ def decode_index(client: PDChatClient, pd: LocalPD) -> KVIndex:
     return index
 
 
+@contextlib.contextmanager
+def events_client(pd: LocalPD, traces: list[PDTrace], **options: Any) -> Iterator[tuple[PDChatClient, KVIndex]]:
+    """An ``auto`` client reading both servers' events (``kv_events="discover"``), its fleet
+    started, and the decode's index once its view is current."""
+    with PDChatClient(
+        prefill_base_url=pd.prefill_urls,
+        decode_base_url=pd.decode_urls,
+        api_key="EMPTY",
+        remote_prefill="auto",
+        kv_events="discover",
+        on_trace=traces.append,
+        **options,
+    ) as client:
+        client.pd_fleet.start()
+        index = decode_index(client, pd)
+        wait_for(lambda: index.synced, "the decode's view to catch up")
+        yield client, index
+
+
 def conversation() -> list[dict[str, Any]]:
     system = f"Conversation {uuid.uuid4().hex}. " + "Notes: the robot paints in the morning and sleeps at noon. " * 40
     return [
@@ -61,17 +83,7 @@ def conversation() -> list[dict[str, Any]]:
 def test_a_turn_after_the_decodes_reset_is_a_handoff_by_its_events(events_pair: LocalPD) -> None:
     pd = events_pair
     traces: list[PDTrace] = []
-    with PDChatClient(
-        prefill_base_url=pd.prefill_urls,
-        decode_base_url=pd.decode_urls,
-        api_key="EMPTY",
-        remote_prefill="auto",
-        kv_events="discover",
-        on_trace=traces.append,
-    ) as client:
-        client.pd_fleet.start()
-        index = decode_index(client, pd)
-        wait_for(lambda: index.synced, "the decode's view to catch up")
+    with events_client(pd, traces) as (client, _index):
         turn1 = conversation()
         first = client.chat.completions.create(model=pd.model, messages=turn1, **GREEDY)  # type: ignore[arg-type]
         assert traces[0].outcome is Outcome.DISAGGREGATED
@@ -149,17 +161,7 @@ def test_a_decode_only_follow_up_is_counted_as_the_decode_server_counts_it(event
     cached (its usage), after a P/D turn and after a decode-only one."""
     pd = events_pair
     traces: list[PDTrace] = []
-    with PDChatClient(
-        prefill_base_url=pd.prefill_urls,
-        decode_base_url=pd.decode_urls,
-        api_key="EMPTY",
-        remote_prefill="auto",
-        kv_events="discover",
-        on_trace=traces.append,
-    ) as client:
-        client.pd_fleet.start()
-        index = decode_index(client, pd)
-        wait_for(lambda: index.synced, "the decode's view to catch up")
+    with events_client(pd, traces) as (client, index):
         messages = conversation()
         questions = ["Give it a title.", "And a moral?"]
         answer = client.chat.completions.create(model=pd.model, messages=messages, temperature=0, max_tokens=150)  # type: ignore[arg-type]
@@ -205,3 +207,281 @@ def test_two_client_processes_make_the_same_decision_for_the_same_call(events_pa
     assert a2["outcome"] == b2["outcome"] == Outcome.DECODE_ONLY.value
     assert a2["cache_source"] == b2["cache_source"] == "kv_events"
     assert a2["cached_tokens"] == b2["cached_tokens"] == a2["decode_cached_tokens"] == b2["decode_cached_tokens"]
+
+
+def few_shot() -> list[dict[str, Any]]:
+    """A history no server answered: the assistant turn is the caller's own invention."""
+    system = f"Few-shot {uuid.uuid4().hex}. " + "Notes: the robot paints in the morning and sleeps at noon. " * 40
+    return [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "Tell me a short story about the robot in the notes."},
+        {"role": "assistant", "content": "At dawn the robot painted the sky orange, then slept until noon."},
+        {"role": "user", "content": "Another one, about the evening."},
+    ]
+
+
+def test_a_history_never_seen_is_decode_only_only_when_the_decode_holds_it(events_pair: LocalPD) -> None:
+    """Fresh clients (no memory of any turn), a made-up few-shot history: its prompt's ids
+    come from the prefill server's /tokenize, and the decode's events say what it holds of
+    them. Not held: a handoff, and the decode server's metrics say it found nothing cached.
+    The same history after that handoff put it in the decode's cache, through another fresh
+    client: decode-only, counting what the decode server then reports cached."""
+    pd = events_pair
+    decode = pd.decode_urls[0]
+    messages = few_shot()
+    body = {"model": pd.model, "messages": messages}
+    key = affinity_key(Kind.CHAT, messages, None, None)
+    costs = []
+    traces: list[PDTrace] = []
+    with events_client(pd, traces) as (client, index):
+        # What this client would decide without the ids: the estimate, on the call's word.
+        before = client.pd_fleet.memory.estimate(key, body, [decode], decode)
+        alone = decide_remote_prefill("auto", before, client.pd_options.conversations)
+        hits = tokens_by_source(decode, "local_cache_hit")
+        answer = client.chat.completions.create(model=pd.model, messages=messages, **GREEDY)  # type: ignore[arg-type]
+        t1 = traces[-1]
+        assert (t1.outcome, t1.conversation, t1.cache_source, t1.cached_tokens) == (
+            Outcome.DISAGGREGATED,
+            "unseen_history" if before.match.value == "unseen_history" else "extends_history",
+            "kv_events",
+            0,
+        )
+        assert answer.usage is not None and t1.estimated_prompt_tokens == answer.usage.prompt_tokens  # the ids' count
+        assert tokens_by_source(decode, "local_cache_hit") - hits == 0  # the decode held none of it
+        assert t1.tokenize_ms is not None
+        costs.append(t1.tokenize_ms)
+        settled(index)
+    traces = []
+    with events_client(pd, traces) as (client, index):
+        answer = client.chat.completions.create(model=pd.model, messages=messages, **GREEDY)  # type: ignore[arg-type]
+        t2 = traces[-1]
+        truth = answer.usage.prompt_tokens_details.cached_tokens if answer.usage else None  # type: ignore[union-attr]
+        assert (t2.outcome, t2.cache_source) == (Outcome.DECODE_ONLY, "kv_events")
+        assert t2.cached_tokens == truth and truth and truth > 0
+        assert t2.tokenize_ms is not None
+        costs.append(t2.tokenize_ms)
+    # /tokenize on its own, as the client sends it, for this prompt and one near the model's length.
+    direct = {}
+    long = [{**messages[0], "content": messages[0]["content"] * 3}, *messages[1:]]
+    with httpx.Client(timeout=10) as http:
+        for name, asked in (("this prompt", messages), ("a long one", long)):
+            times, count = [], 0
+            for _ in range(7):
+                started = time.perf_counter()
+                answered = http.post(
+                    pd.prefill_urls[0].removesuffix("/v1") + "/tokenize", json={"model": pd.model, "messages": asked}
+                )
+                times.append((time.perf_counter() - started) * 1000)
+                count = answered.json()["count"]
+            direct[f"{name} ({count} ids)"] = round(sorted(times)[3], 1)
+    print(
+        f"\nunseen history of {t1.estimated_prompt_tokens} tokens: without the ids, estimate "
+        f"{before.cached_tokens} cached ({before.match.value}) -> "
+        f"{'handoff' if alone.remote_prefill else 'decode-only'} ({alone.reason.value}); "
+        f"with them: a handoff (0 held), then decode-only ({t2.cached_tokens} held, the server's {truth}); "
+        f"/tokenize in the calls {', '.join(f'{ms:.1f}' for ms in costs)} ms, alone (median of 7) {direct} ms",
+        end="",
+    )
+
+
+def proxy_call(proxy: ServeProcess, messages: list[dict[str, Any]], model: str) -> tuple[dict[str, Any], int]:
+    """One chat call through the proxy on a new connection (the kernel hands it to either
+    worker): the call's trace headers, the decode's cached count, and the worker's pid (from
+    its JSON call line, by the request id the call carried)."""
+    request_id = f"kv-workers-{uuid.uuid4().hex}"
+    response = httpx.post(
+        proxy.url + "/v1/chat/completions",
+        json={"model": model, "messages": messages, **GREEDY},
+        headers={"x-request-id": request_id},
+        timeout=120,
+    )
+    assert response.status_code == 200, response.text
+    trace = PDTrace.from_headers(response.headers)
+    usage = response.json()["usage"]
+    found: list[int] = []
+
+    def logged() -> bool:
+        for line in list(proxy.lines):
+            if request_id in line and line.startswith("{"):
+                entry = json.loads(line)
+                if entry.get("request_id") == request_id and "pid" in entry:
+                    found.append(entry["pid"])
+                    return True
+        return False
+
+    wait_for(logged, "the call's log line")
+    decision = {
+        "outcome": trace.outcome.value if trace.outcome else None,
+        "cache_source": trace.cache_source,
+        "cached_tokens": trace.cached_tokens,
+        "decode_cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+        "tokenize_ms": trace.tokenize_ms,
+        "answer": response.json()["choices"][0]["message"]["content"],
+    }
+    return decision, found[0]
+
+
+def test_two_workers_of_one_proxy_decide_alike_and_as_the_decode_counts(events_pair: LocalPD) -> None:
+    """``pdclient serve --workers 2``, each worker with its own subscriptions and memory:
+    two-turn conversations, each call on a new connection (either worker may take either
+    turn), until each worker has decided a follow-up and one follow-up went to the worker
+    that never saw its first turn. Every follow-up is decode-only by the decode's events,
+    counting what the decode server itself then found cached, whichever worker decided it."""
+    pd = events_pair
+    proxy = ServeProcess(
+        *("--prefill", pd.prefill_urls[0], "--decode", pd.decode_urls[0], "--remote-prefill", "auto"),
+        *("--kv-events", "discover", "--trace-headers", "--log-format", "json"),
+        workers=2,
+    )
+    follow_ups: list[tuple[int, int, dict[str, Any]]] = []
+    try:
+        with events_client(pd, []) as (_client, index):
+            # Both workers subscribe in their fleets' background: give them the time this one took.
+            time.sleep(2.0)
+            for _ in range(8):
+                messages = conversation()
+                first, first_pid = proxy_call(proxy, messages, pd.model)
+                assert first["outcome"] == Outcome.DISAGGREGATED.value
+                settled(index)
+                messages = [
+                    *messages,
+                    {"role": "assistant", "content": first["answer"]},
+                    {"role": "user", "content": "Give it a title."},
+                ]
+                second, second_pid = proxy_call(proxy, messages, pd.model)
+                second.pop("answer")
+                follow_ups.append((first_pid, second_pid, second))
+                deciders = {pid for _, pid, _ in follow_ups}
+                crossed = any(a != b for a, b, _ in follow_ups)
+                if len(deciders) == 2 and crossed:
+                    break
+                settled(index)
+    finally:
+        proxy.stop()
+    print(f"\n(first turn's worker, follow-up's worker, its decision) per conversation: {follow_ups}", end="")
+    assert len({pid for _, pid, _ in follow_ups}) == 2, "one worker took every follow-up"
+    assert any(a != b for a, b, _ in follow_ups), "no follow-up went to the other worker"
+    for _, _, decision in follow_ups:
+        assert (decision["outcome"], decision["cache_source"]) == (Outcome.DECODE_ONLY.value, "kv_events")
+        assert decision["cached_tokens"] == decision["decode_cached_tokens"], follow_ups
+
+
+def tokens_by_source(base_v1_url: str, source: str) -> float:
+    """A vLLM server's prompt tokens of one source so far (``local_cache_hit``: found in its
+    own prefix cache; ``external_kv_transfer``: pulled over NIXL; ``local_compute``)."""
+    text = httpx.get(base_v1_url.removesuffix("/v1") + "/metrics", timeout=10).text
+    samples = metric_samples(text)
+    return sum(
+        value
+        for (name, labels), value in samples.items()
+        if name == "vllm:prompt_tokens_by_source_total" and ("source", source) in labels
+    )
+
+
+def answering(base_v1_url: str) -> bool:
+    try:
+        return httpx.get(base_v1_url.removesuffix("/v1") + "/health", timeout=0.5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_a_decode_restart_is_seen_at_once_and_its_next_turn_is_a_handoff(events_pair: LocalPD) -> None:
+    """The decode server restarts (a new process on its ports: an empty cache, a new event
+    stream): the client's index goes unknown when its publisher goes, and is current again
+    (empty) by the time the server answers; meanwhile no estimate counts the old view's
+    blocks; the next follow-up is a handoff by the events, and the restarted server's own
+    metrics say it found nothing in its cache. Runs last in the module: the restart."""
+    pd = events_pair
+    traces: list[PDTrace] = []
+    with events_client(pd, traces) as (client, index):
+        messages = conversation()
+        answer = client.chat.completions.create(model=pd.model, messages=messages, **GREEDY)  # type: ignore[arg-type]
+        assert traces[-1].outcome is Outcome.DISAGGREGATED
+
+        def follow_up(question: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+            turn = [*messages, {"role": "assistant", "content": answer.choices[0].message.content}]
+            turn.append({"role": "user", "content": question})
+            return turn, {"model": pd.model, "messages": turn}
+
+        settled(index)
+        messages, body = follow_up("Give it a title.")
+        answer = client.chat.completions.create(model=pd.model, messages=messages, **GREEDY)  # type: ignore[arg-type]
+        truth = answer.usage.prompt_tokens_details.cached_tokens if answer.usage else None  # type: ignore[union-attr]
+        assert (traces[-1].outcome, traces[-1].cache_source, traces[-1].cached_tokens) == (
+            Outcome.DECODE_ONLY,
+            "kv_events",
+            truth,
+        )
+        settled(index)
+        messages, body = follow_up("And a moral?")
+        memory, feeds = client.pd_fleet.memory, client.pd_fleet.kv_events
+        assert feeds is not None
+        key = affinity_key(Kind.CHAT, messages, None, None)
+        decode = pd.decode_urls[0]
+
+        def estimate() -> Any:
+            return memory.estimate(key, body, [decode], held=feeds.held_tokens)
+
+        assert (estimate().cache_source, estimate().cached_tokens > 0) == ("kv_events", True)
+
+        restarted: list[BaseException | None] = []
+
+        def restart() -> None:
+            try:
+                assert pd.decode is not None
+                pd.restart(pd.decode)
+                restarted.append(None)
+            except BaseException as exc:
+                restarted.append(exc)
+
+        worker = threading.Thread(target=restart, daemon=True)
+        t0 = time.monotonic()
+        worker.start()
+        down = unknown = None
+        stale: list[tuple[float, int]] = []
+        while worker.is_alive():
+            now = time.monotonic() - t0
+            if down is None and not answering(decode):
+                down = now
+            if unknown is None and not index.synced:
+                unknown = now
+            seen = estimate()
+            if down is not None and seen.cache_source == "kv_events" and seen.cached_tokens > 0:
+                stale.append((now, seen.cached_tokens))
+            time.sleep(0.02)
+        assert restarted == [None], restarted
+        ready = time.monotonic() - t0
+        wait_for(lambda: index.synced, "the restarted decode's view", timeout=5)
+        synced = time.monotonic() - t0
+        print(
+            f"\nrestart: API down at {down:.2f} s, index unknown at {unknown:.2f} s, server ready at {ready:.2f} s, "
+            f"index current at {synced:.2f} s; estimates on the old view after the API went down: "
+            f"{len(stale)}, the last at {stale[-1][0] if stale else None}",
+            end="",
+        )
+        assert down is not None and unknown is not None
+        # The publisher's going is seen within a second of the API's (its engine stops after
+        # its API server): only until then may an estimate count the old view's blocks.
+        assert unknown - down < 1.0
+        assert all(at < down + 1.0 for at, _ in stale), stale
+        assert synced - ready < 1.0
+        assert (estimate().cache_source, estimate().cached_tokens) == ("kv_events", 0)
+
+        hits, pulled = tokens_by_source(decode, "local_cache_hit"), tokens_by_source(decode, "external_kv_transfer")
+        answer = client.chat.completions.create(model=pd.model, messages=messages, **GREEDY)  # type: ignore[arg-type]
+        t3 = traces[-1]
+        assert (t3.outcome, t3.cache_source, t3.cached_tokens) == (Outcome.DISAGGREGATED, "kv_events", 0)
+        # The server's own account: nothing of the conversation in its cache, all of it pulled.
+        assert tokens_by_source(decode, "local_cache_hit") - hits == 0
+        assert tokens_by_source(decode, "external_kv_transfer") - pulled > 0
+
+        settled(index)
+        messages, body = follow_up("Who else is in the story?")
+        answer = client.chat.completions.create(model=pd.model, messages=messages, **GREEDY)  # type: ignore[arg-type]
+        truth = answer.usage.prompt_tokens_details.cached_tokens if answer.usage else None  # type: ignore[union-attr]
+        # The index built again from the new stream counts as the restarted server does.
+        assert (traces[-1].outcome, traces[-1].cache_source, traces[-1].cached_tokens) == (
+            Outcome.DECODE_ONLY,
+            "kv_events",
+            truth,
+        )

@@ -22,7 +22,7 @@ from pdclient.conversations import (
     rendered_chars,
 )
 from pdclient.costs import RouteCosts
-from pdclient.kv_events import pack
+from pdclient.kv_events import chain_keys, pack
 from pdclient.wire import Kind, SSEFramer, affinity_key, event_json
 
 D1 = "http://decode-1:8200/v1"
@@ -1083,3 +1083,62 @@ def test_a_decode_only_turn_without_ids_does_not_claim_its_answer_keyed() -> Non
     mem.remember(key_of(turn2), turn2, Answer("A title.", completion_tokens=4), D1, prompt_tokens=1500)
     (entry,) = mem._turns.values()
     assert (entry.turn().prompt_keys, entry.turn().answer_keyed) == (KEYS_1477, False)
+
+
+# -- a history no one here saw, read against the decode's KV events ----------------------
+
+
+def few_shot() -> dict[str, Any]:
+    return body(
+        {"role": "system", "content": "x" * 2000},
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a"},
+        {"role": "user", "content": "r"},
+    )
+
+
+def test_an_unseen_history_asks_for_its_ids_only_when_the_endpoints_events_are_current() -> None:
+    mem = ConversationMemory()
+    call = few_shot()
+    estimate = mem.estimate("k", call, ADMITTED, home=D2)
+    assert estimate.match is Match.EXTENDS_HISTORY
+    live = lambda endpoint, keys, block: 0  # noqa: E731
+    unknown = lambda endpoint, keys, block: None  # noqa: E731
+    assert mem.wants_prompt_ids(estimate, live)
+    assert not mem.wants_prompt_ids(estimate, unknown)  # no view to ask: the estimate decides
+    assert not mem.wants_prompt_ids(estimate, None)
+    # A first turn, a remembered conversation, or a history too short to hold a block: no.
+    assert not mem.wants_prompt_ids(mem.estimate("k", body(*call["messages"][:2]), ADMITTED, home=D2), live)
+    short = body(*few_shot()["messages"][1:])
+    assert not mem.wants_prompt_ids(mem.estimate("k", short, ADMITTED, home=D2), live)
+
+
+def test_an_unseen_history_is_cached_as_far_as_the_decodes_events_hold_its_ids() -> None:
+    """The prompt's own ids (the prefill server's /tokenize): the count is exact, the
+    decode's index says how much of it the decode holds."""
+    mem = ConversationMemory()
+    estimate = mem.estimate("k", few_shot(), ADMITTED, home=D2)
+    ids = list(range(1000))
+    keys = chain_keys(ids, 128)
+    asked: list[tuple[str, int]] = []
+
+    def holds(blocks: int) -> Any:
+        def held(endpoint: str, chain: Any, block: int) -> int:
+            asked.append((endpoint, block))
+            held_blocks = 0
+            for key in chain:
+                if key not in keys[:blocks]:
+                    break
+                held_blocks += 1
+            return held_blocks * block
+
+        return held
+
+    nothing = mem.with_prompt_ids(estimate, ids, holds(0))
+    assert (nothing.total_tokens, nothing.cached_tokens, nothing.cache_source) == (1000, 0, "kv_events")
+    assert decide_remote_prefill("auto", nothing, mem.settings).remote_prefill
+    assert asked == [(D2, 128)]
+    most = mem.with_prompt_ids(estimate, ids, holds(7))
+    assert (most.total_tokens, most.cached_tokens, most.endpoint, most.match) == (1000, 896, D2, estimate.match)
+    # The view went unknown meanwhile: the estimate stands.
+    assert mem.with_prompt_ids(estimate, ids, lambda endpoint, keys, block: None) == estimate

@@ -157,3 +157,36 @@ def test_an_unknown_kv_connector_names_the_known_ones(tmp_path: Path) -> None:
             name="decode", python=Path(sys.executable), model=tmp_path, port=free_port(),
             log_path=tmp_path / "decode.log", workdir=tmp_path, kv_connector="push", cpu=None,
         )  # fmt: skip
+
+
+ANSWERS_HTTP = """
+import http.server, sys
+class Ok(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"{}")
+    def log_message(self, *args): pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Ok).serve_forever()
+"""
+
+
+def test_restart_starts_one_server_again_on_its_port(tmp_path: Path) -> None:
+    """A restart is a new process on the same port, ready when it returns; the other
+    server is left running."""
+    prefill, decode = stand_in(tmp_path, "prefill"), stand_in(tmp_path, "decode")
+    decode.argv = [sys.executable, "-c", ANSWERS_HTTP, str(decode.port)]
+    pd = LocalPD(warmup=False, cpus=None)
+    pd.prefills, pd.decodes = [prefill], [decode]
+    try:
+        for srv in pd.servers:
+            srv.start()
+        decode.wait_ready(time.monotonic() + 30)
+        before, prefill_pid = decode.pid, prefill.pid
+        assert pd.restart(decode) is decode
+        assert decode.pid != before and decode.running and decode.port == int(decode.argv[-1])
+        assert prefill.pid == prefill_pid and prefill.running
+        with socket.create_connection(("127.0.0.1", decode.port), timeout=5):
+            pass  # it answers at once
+        with pytest.raises(Exception, match="not one of this pair's servers"):
+            pd.restart(stand_in(tmp_path, "stranger"))
+    finally:
+        pd.stop()

@@ -312,3 +312,26 @@ def test_bad_policy_settings() -> None:
         CacheAware(threshold=1.5)
     with pytest.raises(PDConfigError):
         CacheAware(balance_rel_threshold=0.5)
+
+
+def test_the_servers_own_events_outrank_what_this_process_sent() -> None:
+    """A prompt whose leading ids are known (a remembered conversation's) goes to the
+    prefill endpoint whose KV events hold most of them, whatever this process sent where;
+    no endpoint holding any of them leaves the text rules to decide."""
+    p, policy = pool(), CacheAware(index=PrefixIndex(chunk_chars=16))
+    history = "<|user|>" + text(400)
+    sent_to = call(p, policy, history, key="c")
+    other = next(e for e in p.endpoints if e is not sent_to)
+    held = {sent_to.url: 128, other.url: 512}
+    decision = route_decision(p, policy, RouteRequest("prefill", "c", history, held_tokens=held))
+    assert (decision.endpoint, decision.rule, decision.detail) == (other, "events", {"held": 512})
+    # None held anywhere: the text rules decide, as without events.
+    nothing = {e.url: 0 for e in p.endpoints}
+    assert call_with(p, policy, history, nothing) is sent_to
+    assert RULES["cache"] == 1
+
+
+def call_with(pool: EndpointPool, policy: CacheAware, prompt: str, held: dict[str, int]) -> Endpoint:
+    decision = route_decision(pool, policy, RouteRequest("prefill", "c", prompt, held_tokens=held))
+    RULES[decision.rule] += 1
+    return decision.endpoint
