@@ -186,7 +186,7 @@ def test_a_decode_only_follow_up_is_counted_as_the_decode_server_counts_it(event
 def test_two_client_processes_make_the_same_decision_for_the_same_call(events_pair: LocalPD) -> None:
     """Nothing shared but the servers' events: two processes, one after the other, each
     running the same two turns of a conversation, decide its follow-up alike (decode-only,
-    from the events, the same cached count, the decode server's own)."""
+    from the events, the same cached count: the decode server's own for the first)."""
     pd = events_pair
     calls = [conversation(), "Give it a title."]
     decisions = []
@@ -206,7 +206,11 @@ def test_two_client_processes_make_the_same_decision_for_the_same_call(events_pa
     assert a1["answer"] == b1["answer"]  # the same conversation in both
     assert a2["outcome"] == b2["outcome"] == Outcome.DECODE_ONLY.value
     assert a2["cache_source"] == b2["cache_source"] == "kv_events"
-    assert a2["cached_tokens"] == b2["cached_tokens"] == a2["decode_cached_tokens"] == b2["decode_cached_tokens"]
+    assert a2["cached_tokens"] == b2["cached_tokens"] == a2["decode_cached_tokens"]
+    # The second process's follow-up is the first's, word for word, and the decode computed
+    # that whole prompt: it may hold a block past the ids a process knows (the answer's last
+    # id and the new user message, which no process has ids for), never less.
+    assert 0 <= b2["decode_cached_tokens"] - b2["cached_tokens"] <= BLOCK, follow_ups
 
 
 def few_shot() -> list[dict[str, Any]]:
