@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -115,7 +114,7 @@ class PrefillWarmer:
             for warm_up in self._queue:
                 if warm_up.target in self._posting:
                     kept.append(warm_up)
-                elif warm_up.held(time.monotonic()):
+                elif warm_up.held(now):
                     kept.append(warm_up)
                     self._held_at = now
                 else:
