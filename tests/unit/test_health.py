@@ -10,6 +10,7 @@ from pdclient import PDConfigError
 from pdclient.fleet import Fetch, Fetched, HealthProber, HealthSettings, LookedUp, ProbeState, step, verdict
 from pdclient.pools import BreakerSettings, EndpointPool
 from pdclient.routing import LeastOutstanding, RouteRequest
+from tests.clock import Clock
 
 SETTINGS = HealthSettings(failures=3, successes=2)
 UP, DOWN, UNCLEAR = Fetched(200), Fetched(503, "engine dead"), Fetched(404)
@@ -62,14 +63,6 @@ def test_step(
 
 def test_one_success_threshold_closes_at_once() -> None:
     assert step(ProbeState(5, 0), True, False, HealthSettings(successes=1)) == (ProbeState(), ("close",))
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def setup(failures: int = 3) -> tuple[EndpointPool, HealthProber, Clock]:

@@ -22,6 +22,7 @@ from pdclient.fleet import (
 )
 from pdclient.pools import BreakerSettings, EndpointPool, PeakEWMA
 from pdclient.routing import LeastOutstanding, LoadAware, LoadSample, RouteRequest
+from tests.clock import Clock
 
 # The shape of vLLM 0.32's answer (vllm/v1/metrics/loggers.py; a real one is in
 # data/vllm_0_32_metrics.txt): HELP and TYPE lines, labels model_name and engine,
@@ -181,14 +182,6 @@ def test_metrics_live_beside_v1(base: str, expected: str) -> None:
 # -- the scraper core -------------------------------------------------------------------
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def metrics(waiting: float, running: float, kv: float | None = None) -> str:
     text = f"vllm:num_requests_waiting {waiting}\nvllm:num_requests_running {running}\n"
     return text + (f"vllm:kv_cache_usage_perc {kv}\n" if kv is not None else "")
@@ -196,7 +189,7 @@ def metrics(waiting: float, running: float, kv: float | None = None) -> str:
 
 def make_pool(n: int = 3, clock: Clock | None = None) -> EndpointPool:
     urls = tuple(f"http://10.0.0.{i + 1}:8000/v1" for i in range(n))
-    return EndpointPool("decode", urls, LeastOutstanding(), BreakerSettings(), clock or Clock())
+    return EndpointPool("decode", urls, LeastOutstanding(), BreakerSettings(), clock or Clock(100.0))
 
 
 def test_scraper_schedules_each_member_once_per_interval() -> None:
@@ -268,7 +261,7 @@ REQUEST = RouteRequest("decode")
 
 
 def test_load_aware_takes_the_servers_view_over_this_process() -> None:
-    clock = Clock()
+    clock = Clock(100.0)
     a, b, c = make_pool(3, clock).endpoints
     a.load, b.load, c.load = sample(clock, 0, 9), sample(clock, 0, 2), sample(clock, 0, 5)
     for _ in range(2):
@@ -283,7 +276,7 @@ def test_load_aware_takes_the_servers_view_over_this_process() -> None:
 
 
 def test_calls_finished_since_the_scrape_lower_the_score() -> None:
-    clock = Clock()
+    clock = Clock(100.0)
     (a,) = make_pool(1, clock).endpoints
     for _ in range(3):
         a.acquire()
@@ -297,7 +290,7 @@ def test_calls_finished_since_the_scrape_lower_the_score() -> None:
 
 
 def test_calls_since_the_scrape_count_for_the_pools_other_clients_too() -> None:
-    clock = Clock()
+    clock = Clock(100.0)
     a, b, c = make_pool(3, clock).endpoints
     # at the scrape the servers held 12 requests, 3 of them ours: each of ours stands for 4
     a.load, b.load, c.load = sample(clock, 0, 2, local=1), sample(clock, 1, 4, local=1), sample(clock, 0, 5, local=1)
@@ -313,7 +306,7 @@ def test_calls_since_the_scrape_count_for_the_pools_other_clients_too() -> None:
 
 
 def test_extrapolation_is_bounded() -> None:
-    clock = Clock()
+    clock = Clock(100.0)
     a, b = make_pool(2, clock).endpoints
     a.load, b.load = sample(clock, 500, 500), sample(clock, 500, 500)  # none of it ours
     a.acquire()
@@ -321,7 +314,7 @@ def test_extrapolation_is_bounded() -> None:
 
 
 def test_weights() -> None:
-    clock = Clock()
+    clock = Clock(100.0)
     a, b = make_pool(2, clock).endpoints
     a.load, b.load = sample(clock, 3, 0), sample(clock, 0, 5)
     assert LoadAware(clock=clock).choose([a, b], REQUEST) is a
@@ -330,7 +323,7 @@ def test_weights() -> None:
 
 
 def test_full_kv_caches_are_avoided_unless_all_are_full() -> None:
-    clock = Clock()
+    clock = Clock(100.0)
     a, b, c = make_pool(3, clock).endpoints
     a.load, b.load, c.load = sample(clock, 0, 0, kv=0.95), sample(clock, 0, 7, kv=0.5), sample(clock, 0, 3, kv=None)
     policy = LoadAware(clock=clock)
@@ -342,7 +335,7 @@ def test_full_kv_caches_are_avoided_unless_all_are_full() -> None:
 
 
 def test_stale_or_missing_samples_mean_least_outstanding() -> None:
-    clock = Clock()
+    clock = Clock(100.0)
     a, b = make_pool(2, clock).endpoints
     a.acquire()
     policy = LoadAware(clock=clock, extrapolate=False)
@@ -358,7 +351,7 @@ def test_stale_or_missing_samples_mean_least_outstanding() -> None:
 
 
 def test_ties_go_to_fewer_of_ours_first() -> None:
-    clock = Clock()
+    clock = Clock(100.0)
     a, b, c = make_pool(3, clock).endpoints
     for e in (a, b, c):
         e.load = sample(clock, 0, 2, local=1)
@@ -370,7 +363,7 @@ def test_ties_go_to_fewer_of_ours_first() -> None:
 
 
 def test_ties_are_spread() -> None:
-    clock = Clock()
+    clock = Clock(100.0)
     endpoints = make_pool(3, clock).endpoints
     for e in endpoints:
         e.load = sample(clock, 0, 2)
@@ -389,7 +382,7 @@ def test_bad_settings_are_config_errors() -> None:
 
 
 def test_peak_ewma_jumps_to_a_peak_and_forgives_slowly() -> None:
-    clock = Clock()
+    clock = Clock(100.0)
     latency = PeakEWMA(tau=10.0, clock=clock)
     assert latency.estimate() is None
     latency.observe(40.0)
@@ -407,7 +400,7 @@ def test_peak_ewma_jumps_to_a_peak_and_forgives_slowly() -> None:
 
 
 def test_latency_is_a_penalty_relative_to_the_pool_never_a_bonus() -> None:
-    clock = Clock()
+    clock = Clock(100.0)
     a, b, c = make_pool(3, clock).endpoints
     for endpoint, ms in ((a, 30.0), (b, 40.0), (c, 160.0)):
         endpoint.latency.observe(ms)
@@ -420,7 +413,7 @@ def test_latency_is_a_penalty_relative_to_the_pool_never_a_bonus() -> None:
 
 
 def test_latency_needs_two_estimates_to_compare() -> None:
-    clock = Clock()
+    clock = Clock(100.0)
     a, b = make_pool(2, clock).endpoints
     a.latency.observe(500.0)
     assert LoadAware.slowness([a, b]) == [1.0, 1.0]

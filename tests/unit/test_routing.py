@@ -21,16 +21,9 @@ from pdclient.pools import (
     route_decision,
 )
 from pdclient.routing import Affinity, LeastOutstanding, PowerOfTwoChoices, RoundRobin, RouteRequest, make_policy
+from tests.clock import Clock
 
 URLS = ("http://a/v1", "http://b/v1", "http://c/v1")
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def pool(policy: object = None, failures: int = 2, cooldown: float = 10.0) -> tuple[EndpointPool, Clock]:
