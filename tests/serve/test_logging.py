@@ -9,6 +9,7 @@ import logging.config
 import httpx
 import pytest
 
+from pdclient.conversations import Reason
 from pdclient.serve._logging import CALL_FIELDS, JSONFormatter, logging_config
 from tests.stubserver import StubServer
 
@@ -29,6 +30,8 @@ async def test_one_info_line_per_call(proxy: RunningProxy, stub: StubServer, cap
     assert chat["leg_request_id"] == stub.legs("decode")[0].headers["x-request-id"] != "req-1"
     assert chat["prefill_url"] == chat["decode_url"] == stub.url
     assert chat["forwarded_tokens"] == PROMPT_TOKENS and chat["decode_status"] == 200
+    # Why it went P/D, and how: what an operator reads a slow call's line for.
+    assert chat["remote_prefill_reason"] in {r.value for r in Reason} and chat["dispatch"] == "sequential"
     for name in ("prefill_ms", "decode_headers_ms", "decode_first_byte_ms", "ttft_ms", "total_ms"):
         assert chat[name] > 0, name
     assert models["request_id"] == "req-2" and models["outcome"] == "passthrough" and models["path"] == "/v1/models"
