@@ -213,23 +213,14 @@ def _register() -> None:
 
         applied["push reclaim"] = _push_reclaim.install(grace_s)
 
-    if not _flag(STALE_WRITE_ENV):
-        applied["stale write"] = f"off ({STALE_WRITE_ENV} unset or 0)"
-    elif _version_tuple(version) not in PUSH_FIXES_VLLM:
-        applied["stale write"] = f"skipped (checked on vLLM {_versions(PUSH_FIXES_VLLM)} only)"
-    else:
-        from . import _stale_write
-
-        applied["stale write"] = _stale_write.install()
-
-    if not _flag(PUSH_FAIL_ENV):
-        applied["push fail"] = f"off ({PUSH_FAIL_ENV} unset or 0)"
-    elif _version_tuple(version) not in PUSH_FIXES_VLLM:
-        applied["push fail"] = f"skipped (checked on vLLM {_versions(PUSH_FIXES_VLLM)} only)"
-    else:
-        from . import _push_fail
-
-        applied["push fail"] = _push_fail.install()
+    push_fixes = (("stale write", STALE_WRITE_ENV, "_stale_write"), ("push fail", PUSH_FAIL_ENV, "_push_fail"))
+    for fix, env, module in push_fixes:
+        if not _flag(env):
+            applied[fix] = f"off ({env} unset or 0)"
+        elif _version_tuple(version) not in PUSH_FIXES_VLLM:
+            applied[fix] = f"skipped (checked on vLLM {_versions(PUSH_FIXES_VLLM)} only)"
+        else:
+            applied[fix] = importlib.import_module(f".{module}", __name__).install()
 
 
 def _find_chat_seam() -> tuple[Any, type, bool] | None:

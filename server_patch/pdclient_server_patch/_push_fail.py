@@ -32,6 +32,8 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from . import _seams
+
 logger = logging.getLogger("vllm.plugins.pdclient_reuse")
 
 PREFIX = b"PUSH_FAIL:"
@@ -47,13 +49,16 @@ def install() -> str:
         from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id
     except ImportError as why:
         return f"skipped (no NixlPushConnector in this vLLM: {why})"
-    missing = [
-        name
-        for name in ("_get_new_notifs", "_xfer_blocks", "_handle_push_reg_notif", "_pop_matching_finished_blocks")
-        if not callable(getattr(NixlPushConnectorWorker, name, None))
-    ]
-    if missing:
-        return f"skipped (seam changed: NixlPushConnectorWorker.{', '.join(missing)} missing)"
+    gone = _seams.missing(
+        [
+            (
+                NixlPushConnectorWorker,
+                ("_get_new_notifs", "_xfer_blocks", "_handle_push_reg_notif", "_pop_matching_finished_blocks"),
+            )
+        ]
+    )
+    if gone:
+        return _seams.skipped(gone)
     on = "on (a prefill server that posts no WRITE tells the decode, which fails the request instead of waiting)"
     if getattr(NixlPushConnectorWorker._get_new_notifs, PATCHED, False):
         return on

@@ -37,6 +37,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from . import _seams
+
 logger = logging.getLogger("vllm.plugins.pdclient_reuse")
 
 PATCHED = "__pdclient_push_reclaim__"
@@ -62,21 +64,17 @@ def install(grace_s: float) -> str:
         from vllm.v1.request import RequestStatus
     except ImportError as why:
         return f"skipped (no NixlPushConnector in this vLLM: {why})"
-    missing = [
-        f"{cls.__name__}.{name}"
-        for cls, names in (
-            (
-                Scheduler,
-                ("finish_requests", "update_from_output", "_update_from_kv_xfer_finished", "_free_blocks"),
-            ),
+    gone = _seams.missing(
+        [
+            (Scheduler, ("finish_requests", "update_from_output", "_update_from_kv_xfer_finished", "_free_blocks")),
             (NixlPushConnectorScheduler, ("build_connector_meta",)),
             (NixlPushConnectorWorker, ("start_load_kv",)),
-        )
-        for name in names
-        if not callable(getattr(cls, name, None))
-    ]
-    if missing or not hasattr(RequestStatus, "WAITING_FOR_REMOTE_KVS"):
-        return f"skipped (seam changed: {', '.join(missing) or 'RequestStatus.WAITING_FOR_REMOTE_KVS'} missing)"
+        ]
+    )
+    if not hasattr(RequestStatus, "WAITING_FOR_REMOTE_KVS"):
+        gone.append("RequestStatus.WAITING_FOR_REMOTE_KVS")
+    if gone:
+        return _seams.skipped(gone)
     on = (
         f"on (a push-mode decode aborted while waiting for its KV frees its blocks kv_lease_duration + {grace_s:g} s"
         " after the abort; late completions for it are dropped)"

@@ -27,6 +27,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from . import _seams
+
 logger = logging.getLogger("vllm.plugins.pdclient_reuse")
 
 PATCHED = "__pdclient_stale_write__"
@@ -44,13 +46,9 @@ def install() -> str:
         from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import NixlPushConnectorWorker
     except ImportError as why:
         return f"skipped (no NixlPushConnector in this vLLM: {why})"
-    missing = [
-        name
-        for name in ("get_transfer_results", "_do_start_push_kv")
-        if not callable(getattr(NixlPushConnectorWorker, name, None))
-    ]
-    if missing:
-        return f"skipped (seam changed: NixlPushConnectorWorker.{', '.join(missing)} missing)"
+    gone = _seams.missing([(NixlPushConnectorWorker, ("get_transfer_results", "_do_start_push_kv"))])
+    if gone:
+        return _seams.skipped(gone)
     on = "on (a prefill server posts no WRITE for a request whose lease ended or whose push completed)"
     if getattr(NixlPushConnectorWorker._do_start_push_kv, PATCHED, False):
         return on
