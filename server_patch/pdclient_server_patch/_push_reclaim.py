@@ -142,7 +142,7 @@ def wrap_finish_requests(finish: Callable[..., Any], waiting: Any, grace_s: floa
                     deadlines[rid] = deadline
                     logger.info(
                         "pdclient_reuse: request %s aborted while waiting for pushed KV; its blocks are "
-                        "reclaimed in %.0f s unless the WRITE completes first",
+                        "reclaimed in %.0f s unless its transfer ends first (a WRITE, or the prefill's PUSH_FAIL)",
                         rid,
                         lease_s + grace_s,
                     )
@@ -171,8 +171,9 @@ def reclaim_expired(scheduler: Any, now: float | None = None) -> list[str]:
     freed = []
     for rid, deadline in list(deadlines.items()):
         request = scheduler.requests.get(rid)
-        if request is None:  # the WRITE completed and vLLM freed the blocks itself
+        if request is None:  # the transfer ended (a WRITE, a PUSH_FAIL) and vLLM freed the blocks itself
             del deadlines[rid]
+            logger.info("pdclient_reuse: request %s: its transfer ended, vLLM freed its blocks; no reclaim", rid)
             continue
         if deadline > now:
             continue

@@ -5,6 +5,7 @@ arrives after that is dropped instead of failing the scheduler's assertion."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -170,14 +171,25 @@ def test_aborted_waiting_decode_is_reclaimed_after_the_lease_and_grace(vllm_conf
     assert sched.kv_cache_manager.usage == 0 and not sched.requests
 
 
-def test_a_write_within_the_lease_frees_as_vllm_does(vllm_config: Any, patched: None) -> None:
+def test_a_write_within_the_lease_frees_as_vllm_does(
+    vllm_config: Any, patched: None, caplog: pytest.LogCaptureFixture
+) -> None:
     sched = scheduler(vllm_config)
     waiting_decode(sched)
     abort(sched)
     step(sched, finished_recving={"d1"})
     assert sched.kv_cache_manager.usage == 0 and not sched.requests
-    assert _push_reclaim.reclaim_expired(sched, now=time.monotonic() + 10 * LEASE_S) == []
+    with caplog.at_level(logging.INFO, logger=_push_reclaim.logger.name):
+        _push_reclaim.logger.addHandler(caplog.handler)
+        try:
+            assert _push_reclaim.reclaim_expired(sched, now=time.monotonic() + 10 * LEASE_S) == []
+        finally:
+            _push_reclaim.logger.removeHandler(caplog.handler)
     assert not sched.__dict__[_push_reclaim.DEADLINES]
+    # The log says the transfer ended the wait (a WRITE here, a PUSH_FAIL alike), not a reclaim.
+    assert [r.getMessage() for r in caplog.records] == [
+        "pdclient_reuse: request d1: its transfer ended, vLLM freed its blocks; no reclaim"
+    ]
 
 
 def test_the_sweep_runs_in_the_engine_step(vllm_config: Any, patched: None, monkeypatch: pytest.MonkeyPatch) -> None:
