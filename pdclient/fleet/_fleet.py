@@ -14,6 +14,7 @@ warm-ups (``fleet._warm``) get a driver of their own, made when the first one is
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from typing import Protocol
 
@@ -30,7 +31,7 @@ from ._discovery import DiscoverySettings, DnsDiscovery, is_address
 from ._health import HealthProber, HealthSettings
 from ._kv_events import KVEventWatch
 from ._load import LoadScraper, ScrapeSettings
-from ._warm import PrefillWarmer
+from ._warm import PrefillWarmer, crowded
 
 _FLEET_FIELDS = (
     "prefill_base_url",
@@ -119,6 +120,11 @@ class Fleet:
         """Start the background work if there is any (called on every call; cheap once running)."""
         if self.background is not None:
             self.background.start()
+
+    def warms(self, endpoint: Endpoint) -> bool:
+        """Whether a warm-up for the prefill ``endpoint`` would be posted now, not dropped
+        because callers keep it busy (``fleet._warm``): asked before one is built."""
+        return not crowded(endpoint, time.monotonic())
 
     def warm(self, endpoint: Endpoint, post: Fetch) -> None:
         """Queue a prefill warm-up for ``endpoint``, posted off the caller's path as soon as no

@@ -61,6 +61,12 @@ WARM_UP_BUSY_POLL = 0.05
 caller's leg wakes no background driver, so a held warm-up is looked at again this often."""
 
 
+def crowded(endpoint: Endpoint, now: float) -> bool:
+    """Whether callers keep the prefill ``endpoint`` so busy that a warm-up there would more
+    likely delay the next of them than be of use to a later handoff (``WARM_UP_MAX_BUSY``)."""
+    return endpoint.busy.share(now) >= WARM_UP_MAX_BUSY
+
+
 @dataclass(frozen=True)
 class _WarmUp:
     post: Fetch
@@ -79,9 +85,7 @@ class _WarmUp:
         return load is not None and load.fresh(now) and load.waiting > 0
 
     def crowded(self, now: float) -> bool:
-        """Whether callers keep the endpoint so busy that a warm-up would more likely
-        delay the next of them than be of use to a later handoff (``WARM_UP_MAX_BUSY``)."""
-        return self.endpoint is not None and self.endpoint.busy.share(now) >= WARM_UP_MAX_BUSY
+        return self.endpoint is not None and crowded(self.endpoint, now)
 
 
 class PrefillWarmer:

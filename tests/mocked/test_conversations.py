@@ -210,6 +210,20 @@ async def test_no_warm_up_with_never_or_when_turned_off(mode: str, pair: FakeVLL
     await t.close()
 
 
+async def test_no_warm_up_for_a_prefill_server_its_callers_keep_busy(
+    mode: str, pair: FakeVLLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Any share of busy time counts as too busy here: the warm-up is not even built.
+    monkeypatch.setattr("pdclient.fleet._warm.WARM_UP_MAX_BUSY", 0.0)
+    t, traces = twin(mode, remote_prefill="auto")
+    await turn(t, TURN1, True)
+    await turn(t, TURN2, True)
+    assert traces.traces[1].outcome is Outcome.DECODE_ONLY and traces.traces[1].prefill_warm_up_url is None
+    await anyio.sleep(0.2)
+    assert pair.warm_up_bodies == []
+    await t.close()
+
+
 async def test_a_failing_warm_up_changes_nothing_for_the_caller(mode: str, pair: FakeVLLM) -> None:
     t, _ = twin(mode, remote_prefill="auto")
     await turn(t, TURN1, True)
