@@ -53,6 +53,8 @@ def test_the_run_summary_reports_follow_up_turns_apart() -> None:
     assert summary["ttft_p50_ms"] == 500.0
     assert summary["first_turn_ttft_p50_ms"] == 1100.0
     assert summary["follow_up_ttft_p50_ms"] == 400.0
+    assert summary["first_turn_ttft_p90_ms"] == pytest.approx(1180.0)
+    assert summary["follow_up_ttft_p90_ms"] == pytest.approx(480.0)
     assert summary["tpot_p50_ms"] == 10.0
     assert summary["latency_p50_ms"] == 500.0
     assert summary["ttft_p99_ms"] == pytest.approx(1192.0)
