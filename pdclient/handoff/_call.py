@@ -315,7 +315,8 @@ class Call:
         cpu_start = time.thread_time()
         first = self._decode_body is None
         if self._decode_body is None:
-            self._decode_body = self.armed_decode_body(self.prefill_result, asks_usage=self._asks_usage())
+            ids = self.prefill_result or self.remote.tokenized_prompt(self.plan)  # a decode-only call's
+            self._decode_body = self.armed_decode_body(ids, asks_usage=self._asks_usage())
         signed_with = self.requests.sign(base, self._decode_body)  # a fresh nonce per attempt
         if first:
             self.record.cpu_seconds += time.thread_time() - cpu_start

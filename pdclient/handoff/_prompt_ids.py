@@ -11,6 +11,11 @@ and the decode server, whose steps the other streams wait on, is never asked. As
 when the decode's events are current and the prompt could hold a block of history
 (``wants_prompt_ids``), under a short timeout; a failure of any kind leaves the estimate
 to decide, as before. Its time is the call's ``PDTrace.tokenize_ms``.
+
+When the call then goes decode-only, its decode leg takes those ids as a handoff's takes
+the prefill's (``kv_transfer_params.prompt_token_ids``, signed alike), so the decode
+server neither renders nor tokenizes the messages again; only when the ids are what its
+chat endpoint would render (``forwardable``), else the leg goes with its messages alone.
 """
 
 from __future__ import annotations
@@ -39,6 +44,11 @@ TOKENIZE_FIELDS = (
 )
 """The chat fields besides ``messages`` that vLLM's /tokenize renders a prompt with, as its
 chat endpoint does (all read when the call was planned: readable)."""
+UNRENDERED_FIELDS = ("documents", "reasoning_effort", "truncate_prompt_tokens", "mm_processor_kwargs")
+"""Chat fields that can change the prompt vLLM's chat endpoint renders and that its
+/tokenize does not read (vLLM 0.32's tokenize request has no such fields, ``documents``
+included, though it is sent): templates read ``documents`` and ``reasoning_effort``, chat
+cuts a prompt to ``truncate_prompt_tokens``. With any of them set, the ids are not forwarded."""
 _FORWARDED_HEADERS = frozenset({b"authorization", b"api-key", b"x-api-key"})
 
 
@@ -61,8 +71,30 @@ def tokenize_request(plan: wire.Plan, prefill_base: str, caller: httpx.Request, 
     )
 
 
+def forwardable(plan: wire.Plan) -> bool:
+    """Whether a /tokenize's ids of ``plan``'s messages are exactly the prompt the decode
+    server's chat endpoint would render, as the handoff assumes of a prefill's: a chat call
+    whose ids a handoff would forward (not ``ids_skipped``: media, ``echo``, ids turned
+    off), with nothing /tokenize does not render (``UNRENDERED_FIELDS``; a ``tool_choice``
+    other than ``auto`` beside tools, which some templates read and vLLM may drop the tools
+    for; a ``response_format`` other than text, which some renderers read)."""
+    if plan.kind is not wire.Kind.CHAT or plan.ids_skipped is not None:
+        return False
+    try:
+        if any(wire.field_value(plan.fields, name) is not None for name in UNRENDERED_FIELDS):
+            return False
+        tools, choice = wire.field_value(plan.fields, "tools"), wire.field_value(plan.fields, "tool_choice")
+        response_format = wire.field_value(plan.fields, "response_format")
+    except wire.Refusal:
+        return False
+    if tools and choice not in (None, "auto"):
+        return False
+    return response_format is None or response_format == {"type": "text"}
+
+
 def prompt_ids(response: httpx.Response) -> list[int] | None:
-    """The ids of a /tokenize answer (``{"count": n, "tokens": [...]}``); None for anything else."""
+    """The ids of a /tokenize answer (``{"count": n, "tokens": [...]}``); None for anything
+    else, or ids that are not as many as its own count says."""
     if response.status_code != 200:
         return None
     try:
@@ -70,6 +102,7 @@ def prompt_ids(response: httpx.Response) -> list[int] | None:
     except orjson.JSONDecodeError:
         return None
     tokens = answer.get("tokens") if isinstance(answer, dict) else None
-    if not isinstance(tokens, list) or not tokens or not all(type(token) is int for token in tokens):
+    if not isinstance(tokens, list) or not tokens or not all(type(token) is int and token >= 0 for token in tokens):
         return None
-    return tokens
+    count = answer.get("count", len(tokens))
+    return tokens if count == len(tokens) else None

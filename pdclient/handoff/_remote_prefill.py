@@ -44,7 +44,7 @@ from ..pools import AllEndpointsOpen, EndpointPool
 from ..routing import RouteDecision, RouteRequest, conversation_routing, policy_decision
 from ._leg import Leg
 from ._leg_requests import LegRequests
-from ._prompt_ids import tokenize_request
+from ._prompt_ids import forwardable, tokenize_request
 from ._record import CallRecord
 from ._report import STORED_STATE
 
@@ -248,7 +248,9 @@ class RemotePrefill:
         "_tokens",
         "conversation",
         "decision",
+        "forwarded_ids",
         "home",
+        "prompt_ids",
         "stored_state",
         "tokenize_ms",
         "warm_up_url",
@@ -271,6 +273,10 @@ class RemotePrefill:
         self.tokenize_ms: float | None = None
         """How long the prefill server's /tokenize of the call's prompt took (``_prompt_ids``);
         None when it was not asked."""
+        self.prompt_ids: list[int] | None = None
+        """The call's prompt ids that /tokenize gave (None: not asked, or it failed)."""
+        self.forwarded_ids: wire.PrefillResult | None = None
+        """Those ids as the decode-only leg took them (``tokenized_prompt``), for the trace."""
 
     def prepare(
         self,
@@ -336,9 +342,20 @@ class RemotePrefill:
     def use_prompt_ids(self, token_ids: list[int] | None, elapsed_ms: float) -> None:
         """The prompt's ids (None: the tokenize failed) count what the decode holds of it."""
         self.tokenize_ms = elapsed_ms
+        self.prompt_ids = token_ids
         turn, estimate = self.conversation, self._estimate
         if token_ids is not None and turn is not None and turn.held is not None and estimate is not None:
             self._estimate = turn.memory.with_prompt_ids(estimate, token_ids, turn.held)
+
+    def tokenized_prompt(self, plan: wire.Plan) -> wire.PrefillResult | None:
+        """The ids /tokenize gave, for a decode-only call's decode leg to take as a handoff's
+        takes the prefill's (its body built by the same code: ``wire.decode_fields``), when
+        they are exactly what the decode would render (``forwardable``); None otherwise."""
+        decision, ids = self.decision, self.prompt_ids
+        self.forwarded_ids = None
+        if ids is not None and decision is not None and not decision.remote_prefill and forwardable(plan):
+            self.forwarded_ids = wire.PrefillResult(orjson.dumps(ids), len(ids), None)
+        return self.forwarded_ids
 
     def decide(
         self,

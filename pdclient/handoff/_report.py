@@ -71,8 +71,11 @@ def trace_of(call: Call) -> PDTrace:
 
 
 def forwarded_tokens(call: Call) -> int:
-    """How many prompt ids the decode received from the prefill (0: it rendered the prompt itself)."""
+    """How many prompt ids the decode received from the prefill, or on a decode-only call
+    from a prefill server's /tokenize (0: it rendered the prompt itself)."""
     result, plan = call.prefill_result, call.plan
+    if result is None and call.record.outcome is Outcome.DECODE_ONLY:
+        result = call.remote.forwarded_ids  # a /tokenize's (``RemotePrefill.tokenized_prompt``)
     if result is None or result.ids is None or plan is None or plan.ids_skipped is not None:
         return 0
     if call.record.dispatch == CONCURRENT:

@@ -585,6 +585,127 @@ async def test_without_the_decodes_view_or_the_ids_the_estimate_decides(mode: st
     await t.close()
 
 
+def tokenized(pair: FakeVLLM, reply: httpx.Response | Exception | None = None) -> Any:
+    """The prefill's /tokenize route, answering PROMPT_IDS (or ``reply``)."""
+    answer = httpx.Response(200, json={"count": len(PROMPT_IDS), "tokens": PROMPT_IDS, "max_model_len": 8192})
+    route = pair.router.post(PREFILL.removesuffix("/v1") + "/tokenize", name="tokenize")
+    if isinstance(reply, Exception):
+        return route.mock(side_effect=reply)
+    return route.mock(return_value=reply or answer)
+
+
+async def test_a_decode_only_call_after_a_tokenize_sends_its_ids_as_a_handoff_does(mode: str, pair: FakeVLLM) -> None:
+    """The ids /tokenize gave for a history the decode holds go on the decode-only leg, in
+    the channel a handoff's prefill ids take (``kv_transfer_params.prompt_token_ids``): the
+    decode server takes them in place of rendering and tokenizing the messages again."""
+    t, traces = fresh(mode)
+    t.client.pd_fleet.kv_events.held_tokens = decode_holding(7)  # type: ignore[method-assign, union-attr]
+    tokenized(pair)
+    await turn(t, FEW_SHOT, True, max_tokens=4)
+    trace = traces.traces[-1]
+    assert trace.outcome is Outcome.DECODE_ONLY
+    (body,) = pair.decode_bodies
+    assert body["kv_transfer_params"] == {"prompt_token_ids": PROMPT_IDS}
+    assert body["messages"] == FEW_SHOT  # the caller's fields as sent
+    assert trace.forwarded_tokens == len(PROMPT_IDS) and trace.ids_skipped is None
+    await t.close()
+
+
+async def test_a_handoff_after_a_tokenize_forwards_the_prefills_ids(mode: str, pair: FakeVLLM) -> None:
+    t, traces = fresh(mode)
+    t.client.pd_fleet.kv_events.held_tokens = decode_holding(0)  # type: ignore[method-assign, union-attr]
+    tokenized(pair)
+    await turn(t, FEW_SHOT, True, max_tokens=4)
+    assert traces.traces[-1].outcome is Outcome.DISAGGREGATED
+    (body,) = pair.decode_bodies
+    assert body["kv_transfer_params"]["prompt_token_ids"] == ids_of_conversation({"messages": FEW_SHOT})
+    await t.close()
+
+
+async def test_a_signed_decode_only_leg_with_ids_is_signed_as_a_handoffs(mode: str, pair: FakeVLLM) -> None:
+    from tests.mocked.test_signing import verified
+
+    t, traces = twin(
+        mode,
+        remote_prefill="auto",
+        kv_events="tcp://{host}:9",
+        decode_base_url=DECODE,
+        routing="least_outstanding",
+        reuse_secret="s3cret",
+    )
+    t.client.pd_fleet.kv_events.held_tokens = decode_holding(7)  # type: ignore[method-assign, union-attr]
+    tokenized(pair)
+    await turn(t, FEW_SHOT, True, max_tokens=4)
+    assert traces.traces[-1].outcome is Outcome.DECODE_ONLY
+    request = pair.router.routes["decode"].calls[-1].request
+    assert json.loads(request.content)["kv_transfer_params"] == {"prompt_token_ids": PROMPT_IDS}
+    assert verified(request, "s3cret")
+    await t.close()
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        httpx.Response(404, json={"detail": "Not Found"}),
+        httpx.Response(200, json={"tokens": ["a"]}),
+        httpx.Response(200, json={"count": 3, "tokens": PROMPT_IDS}),
+        httpx.ReadTimeout("the prefill is busy"),
+        httpx.ConnectError("no route"),
+    ],
+    ids=["refused", "not-ids", "miscounted", "timeout", "unreachable"],
+)
+async def test_a_decode_only_call_without_the_ids_sends_its_messages_alone(
+    mode: str, pair: FakeVLLM, reply: httpx.Response | Exception
+) -> None:
+    """A /tokenize that failed in any way leaves the decode-only leg as it was: the messages,
+    no ``kv_transfer_params``; the decode server renders them itself."""
+    t, traces = fresh(mode)
+    t.client.pd_fleet.kv_events.held_tokens = decode_holding(7)  # type: ignore[method-assign, union-attr]
+    route = tokenized(pair, reply)
+    # The history is short and the estimate trusts it: decode-only on the call's word.
+    await turn(t, FEW_SHOT, True, max_tokens=4)
+    trace = traces.traces[-1]
+    assert route.call_count == 1 and trace.cache_source == "estimate"
+    assert trace.outcome is Outcome.DECODE_ONLY
+    (body,) = pair.decode_bodies
+    assert "kv_transfer_params" not in body
+    assert trace.forwarded_tokens == 0
+    await t.close()
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"reasoning_effort": "low"},
+        {"documents": [{"title": "t", "text": "x"}]},
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "tool_choice": "required"},
+        {"response_format": {"type": "json_object"}},
+        {"truncate_prompt_tokens": 512},
+        {"extra_body": {"pdclient": {"forward_ids": False}}},
+    ],
+    ids=["reasoning_effort", "documents", "tool_choice", "response_format", "truncate", "forward_ids-off"],
+)
+async def test_ids_a_tokenize_may_not_render_as_the_chat_call_does_are_not_forwarded(
+    mode: str, pair: FakeVLLM, extra: dict[str, Any]
+) -> None:
+    """/tokenize renders messages, tools and the template's options, not the chat fields some
+    templates read besides (``reasoning_effort``, ``documents``, a forced ``tool_choice``,
+    ``response_format``) nor chat's truncation: with any of them the ids might not be the
+    decode's, so its leg goes as before; as it does when the caller turned ids off."""
+    t, traces = fresh(mode)
+    t.client.pd_fleet.kv_events.held_tokens = decode_holding(7)  # type: ignore[method-assign, union-attr]
+    tokenized(pair)
+    body_extra = extra.get("extra_body", {})
+    fields = {k: v for k, v in extra.items() if k != "extra_body"}
+    await turn(t, FEW_SHOT, True, max_tokens=4, extra_body={**fields, **body_extra})
+    trace = traces.traces[-1]
+    assert trace.outcome is Outcome.DECODE_ONLY and trace.cache_source == "kv_events"
+    (body,) = pair.decode_bodies
+    assert "kv_transfer_params" not in body
+    assert trace.forwarded_tokens == 0
+    await t.close()
+
+
 async def test_cache_aware_prefill_routing_follows_the_prefill_servers_events(mode: str, pair: FakeVLLM) -> None:
     """A handoff of a remembered conversation goes to the prefill endpoint whose KV events
     hold most of its known ids, whatever this process last sent where."""

@@ -31,10 +31,50 @@ from .helpers import GREEDY
 BLOCK = 128  # vLLM's CPU block size, the memory's default
 
 
+REQUEST_INPUTS_LOGGING: dict[str, Any] = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {
+        "vllm": {
+            "()": "vllm.logging_utils.NewLineFormatter",
+            "datefmt": "%m-%d %H:%M:%S",
+            "format": "(%(vllm_process_name)s pid=%(process)d) %(levelname)s %(asctime)s "
+            "[%(fileinfo)s:%(lineno)d] %(message)s",
+        }
+    },
+    "handlers": {
+        "vllm": {"class": "logging.StreamHandler", "formatter": "vllm", "level": "DEBUG", "stream": "ext://sys.stdout"}
+    },
+    "loggers": {
+        "vllm": {"handlers": ["vllm"], "level": "INFO", "propagate": False},
+        "vllm.entrypoints.serve.utils.request_logger": {"level": "DEBUG"},
+    },
+}
+"""vLLM's own logging, but for its request logger's inputs line (DEBUG): each request's engine
+input as its server made it, ``prompt`` the text it rendered (None: it took ids given)."""
+
+
 @pytest.fixture(scope="module")
-def events_pair() -> Iterator[LocalPD]:
-    with LocalPD(kv_events=True, server_env={"VLLM_SERVER_DEV_MODE": "1"}) as pd:
+def events_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPD]:
+    logging_config = tmp_path_factory.mktemp("vllm-logging") / "logging.json"
+    logging_config.write_text(json.dumps(REQUEST_INPUTS_LOGGING))
+    with LocalPD(
+        kv_events=True,
+        server_env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_CONFIG_PATH": str(logging_config)},
+        extra_server_args=("--enable-log-requests",),
+    ) as pd:
         yield pd
+
+
+def engine_input(pd: LocalPD, leg_id: str) -> str:
+    """What the decode server's request logger says it gave its engine for the request with
+    ``leg_id`` (its ``x-request-id``): ``prompt: '<text>'`` when it rendered the messages,
+    ``prompt: None`` when it took ids it was given."""
+    assert pd.decode is not None
+    marker = f"Request chatcmpl-{leg_id} details: "
+    wait_for(lambda: marker in pd.decode.log_path.read_text(errors="replace"), "the request's inputs in the log")  # type: ignore[union-attr]
+    line = next(line for line in pd.decode.log_path.read_text(errors="replace").splitlines() if marker in line)
+    return line.split(marker, 1)[1]
 
 
 def wait_for(check: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
@@ -284,6 +324,56 @@ def test_a_history_never_seen_is_decode_only_only_when_the_decode_holds_it(event
         f"{'handoff' if alone.remote_prefill else 'decode-only'} ({alone.reason.value}); "
         f"with them: a handoff (0 held), then decode-only ({t2.cached_tokens} held, the server's {truth}); "
         f"/tokenize in the calls {', '.join(f'{ms:.1f}' for ms in costs)} ms, alone (median of 7) {direct} ms",
+        end="",
+    )
+
+
+def test_a_decode_only_call_after_a_tokenize_hands_the_decode_its_ids(events_pair: LocalPD) -> None:
+    """A fresh client, a made-up history the decode server holds (its own call of it): the
+    follow-up goes decode-only by the events after a /tokenize, and its decode leg carries
+    the ids /tokenize gave. The decode server's request logger says it took them and
+    rendered nothing (``prompt: None``), where the same messages sent to it without ids
+    were rendered there; and its answer, its prompt's ids and its usage are the server's
+    own for those messages, asked again right after on the same cache."""
+    pd = events_pair
+    decode = pd.decode_urls[0]
+    messages = few_shot()
+    body = {"model": pd.model, "messages": messages, **GREEDY, "return_token_ids": True}
+    with httpx.Client(timeout=120) as http:
+        http.post(decode + "/chat/completions", json=body).raise_for_status()  # the decode caches the history
+        traces: list[PDTrace] = []
+        with events_client(pd, traces) as (client, index):
+            settled(index)
+            raw = client.chat.completions.with_raw_response.create(
+                model=pd.model,
+                messages=messages,  # type: ignore[arg-type]
+                **GREEDY,
+                extra_body={"return_token_ids": True},
+            )
+        ours = raw.http_response.json()
+        trace = traces[-1]
+        own_id = f"kv-reference-{uuid.uuid4().hex}"
+        own = http.post(decode + "/chat/completions", json=body, headers={"x-request-id": own_id})
+        own.raise_for_status()
+    reference = own.json()
+    assert (trace.outcome, trace.cache_source) == (Outcome.DECODE_ONLY, "kv_events")
+    assert trace.tokenize_ms is not None
+    assert trace.forwarded_tokens == len(reference["prompt_token_ids"]) == ours["usage"]["prompt_tokens"]
+    # The server's own account of each request's engine input.
+    ours_input, own_input = engine_input(pd, trace.leg_request_id), engine_input(pd, own_id)
+    assert ours_input.startswith("prompt: None, prompt_token_ids: ["), ours_input[:200]
+    assert own_input.startswith("prompt: '<|im_start|>"), own_input[:200]
+    # The ids it took are the ones it renders itself, and so its answer and usage are its own.
+    assert ours["prompt_token_ids"] == reference["prompt_token_ids"]
+    assert ours["choices"][0]["message"]["content"] == reference["choices"][0]["message"]["content"]
+    counts = ("prompt_tokens", "completion_tokens")
+    assert [ours["usage"][name] for name in counts] == [reference["usage"][name] for name in counts]
+    cached = ours["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == reference["usage"]["prompt_tokens_details"]["cached_tokens"] == trace.cached_tokens
+    print(
+        f"\ndecode-only after /tokenize ({trace.tokenize_ms:.1f} ms): {trace.forwarded_tokens} ids forwarded, "
+        f"{trace.cached_tokens} decided cached, the server's {cached}; "
+        f"its engine input: ours {ours_input[:40]!r}..., without ids {own_input[:40]!r}...",
         end="",
     )
 
