@@ -132,13 +132,27 @@ class Fleet:
         with self._lock:
             if self._closed:
                 return
-            if self._warming is None:
-                self._warming = Background([self.warmer], asynchronous=self._asynchronous, name="pdclient-warm-up")
-                weakref.finalize(self, self._warming.close, wait=False).atexit = False
-            warming = self._warming
+            warming = self._warm_ups()
         self.warmer.add(post, endpoint)
         warming.start()
         warming.wake()
+
+    def start_warm_ups(self) -> None:
+        """Start the warm-ups' driver now, not with the first warm-up: its first start builds
+        an HTTP client (httpcore's import, a TLS context: ~0.15 s of CPU), which a server
+        pays at its own start, not on the loop its first decode-only call's streams share."""
+        with self._lock:
+            if self._closed:
+                return
+            warming = self._warm_ups()
+        warming.start()
+
+    def _warm_ups(self) -> Background:
+        """The warm-ups' driver, made on first use (with ``_lock`` held)."""
+        if self._warming is None:
+            self._warming = Background([self.warmer], asynchronous=self._asynchronous, name="pdclient-warm-up")
+            weakref.finalize(self, self._warming.close, wait=False).atexit = False
+        return self._warming
 
     def _stopped(self) -> list[Background]:
         with self._lock:

@@ -51,6 +51,9 @@ def create_app(
         # app, not with its first call: /ready is right before any traffic.
         fleet = proxy.transport.fleet
         fleet.start()
+        options = proxy.transport.options
+        if options.remote_prefill == "auto" and options.conversations.warm_prefill:
+            fleet.start_warm_ups()
         await first_probes(fleet)
         logger.info("pdclient serve %s: %s", __version__, startup_summary(proxy))
         try:

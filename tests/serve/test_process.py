@@ -151,3 +151,23 @@ def test_a_started_process_is_settled_out_of_full_collections() -> None:
         assert gc.get_count()[0] < 50  # collected just before, nothing of startup's garbage kept
     finally:
         gc.unfreeze()
+
+
+@pytest.mark.parametrize(("mode", "started"), [("auto", True), ("always", False)])
+def test_the_warm_up_driver_starts_with_the_app_when_calls_may_warm(mode: str, started: bool) -> None:
+    """Its first start imports httpcore and builds an HTTP client (~0.15 s of CPU here): with
+    the app, not in the middle of the first decode-only call, on the loop every stream runs on."""
+    import asyncio
+
+    from pdclient.serve import create_app
+    from pdclient.serve._config import ServeConfig
+
+    settings = {"prefill": ["http://127.0.0.1:9/v1"], "decode": ["http://127.0.0.1:9/v1"], "remote_prefill": mode}
+    app = create_app(ServeConfig.from_mapping(settings))
+
+    async def main() -> bool:
+        async with app.router.lifespan_context(app):
+            await asyncio.sleep(0)
+            return any(task.get_name() == "pdclient-warm-up" for task in asyncio.all_tasks())
+
+    assert asyncio.run(main()) is started
