@@ -195,27 +195,24 @@ async def test_a_decode_only_call_sends_its_prompt_to_the_prefill_server_as_a_pl
 
 
 @pytest.mark.parametrize(
-    "settings", [{"remote_prefill": "never"}, {"remote_prefill": "auto", "conversations": "off"}], ids=["never", "off"]
+    "settings",
+    [
+        {"remote_prefill": "never"},
+        {"remote_prefill": "auto", "conversations": "off"},
+        {"remote_prefill": "auto", "prefill": "busy"},
+    ],
+    ids=["never", "off", "prefill-busy"],
 )
-async def test_no_warm_up_with_never_or_when_turned_off(mode: str, pair: FakeVLLM, settings: dict[str, Any]) -> None:
+async def test_no_warm_up_with_never_when_turned_off_or_for_a_busy_prefill_server(
+    mode: str, pair: FakeVLLM, settings: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     settings = dict(settings)
     if settings.pop("conversations", None) == "off":
         settings["conversations"] = ConversationSettings(warm_prefill=False)
+    if settings.pop("prefill", None) == "busy":
+        # Any share of busy time counts as too busy: the warm-up is not even built.
+        monkeypatch.setattr("pdclient.fleet._warm.WARM_UP_MAX_BUSY", 0.0)
     t, traces = twin(mode, **settings)
-    await turn(t, TURN1, True)
-    await turn(t, TURN2, True)
-    assert traces.traces[1].outcome is Outcome.DECODE_ONLY and traces.traces[1].prefill_warm_up_url is None
-    await anyio.sleep(0.2)
-    assert pair.warm_up_bodies == []
-    await t.close()
-
-
-async def test_no_warm_up_for_a_prefill_server_its_callers_keep_busy(
-    mode: str, pair: FakeVLLM, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # Any share of busy time counts as too busy here: the warm-up is not even built.
-    monkeypatch.setattr("pdclient.fleet._warm.WARM_UP_MAX_BUSY", 0.0)
-    t, traces = twin(mode, remote_prefill="auto")
     await turn(t, TURN1, True)
     await turn(t, TURN2, True)
     assert traces.traces[1].outcome is Outcome.DECODE_ONLY and traces.traces[1].prefill_warm_up_url is None
