@@ -14,7 +14,6 @@ warm-ups (``fleet._warm``) get a driver of their own, made when the first one is
 from __future__ import annotations
 
 import threading
-import time
 import weakref
 from typing import Protocol
 
@@ -31,7 +30,7 @@ from ._discovery import DiscoverySettings, DnsDiscovery, is_address
 from ._health import HealthProber, HealthSettings
 from ._kv_events import KVEventWatch
 from ._load import LoadScraper, ScrapeSettings
-from ._warm import PrefillWarmer, crowded
+from ._warm import PrefillWarmer
 
 _FLEET_FIELDS = (
     "prefill_base_url",
@@ -120,11 +119,6 @@ class Fleet:
         """Start the background work if there is any (called on every call; cheap once running)."""
         if self.background is not None:
             self.background.start()
-
-    def warms(self, endpoint: Endpoint) -> bool:
-        """Whether a warm-up for the prefill ``endpoint`` would be posted now, not dropped
-        because callers keep it busy (``fleet._warm``): asked before one is built."""
-        return not crowded(endpoint, time.monotonic())
 
     def warm(self, endpoint: Endpoint, post: Fetch) -> None:
         """Queue a prefill warm-up for ``endpoint``, posted off the caller's path as soon as no

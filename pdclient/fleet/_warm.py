@@ -20,15 +20,6 @@ prefill server, and every P/D call (a conversation's first turn) queued behind t
 vLLM's multi-turn benchmark a first turn's prefill took 2.3 s (median; 4.0 s p90) under
 ``auto`` against 1.8 s (2.4 s) under ``always``, which was ``auto``'s whole TTFT p99.
 
-Nor does a warm-up go to a prefill server this process's callers keep busy half the time or
-more (``Endpoint.busy``, a moving share over half a minute): there a warm-up only fills
-the short gaps between callers' prefills, and the next caller to arrive waits for it,
-however it yields beforehand (vLLM finishes a step it started: on the CPU a step holds up
-to 2,048 tokens, a whole 1,000-token warm-up). With 1,000-token user turns that made
-``auto``'s first turns 1.3-1.6 times as slow as under ``always`` (docs/conversations.md,
-"Long turns"). Such a warm-up is dropped, not held: the conversation's next handoff
-prefills what it skipped, as it would have without warm-ups.
-
 ``PrefillWarmer`` is a sans-I/O core of ``fleet._background``: the fleet's background driver
 (a thread, or a task for an async client) posts what is due, each warm-up a job of its own
 within ``WARM_UP_TIMEOUT``.
@@ -53,18 +44,9 @@ WARM_UP_TIMEOUT = 60.0
 """Seconds a warm-up may take: a prefill of a few hundred tokens, on a busy server."""
 WARM_UP_QUEUE = 64
 """Warm-ups waiting at most; a newer one of the same conversation covers an older one's prefix."""
-WARM_UP_MAX_BUSY = 0.5
-"""A warm-up is posted only to a prefill server this process's callers kept busy less than
-this share of the recent time (``Endpoint.busy``); else it is dropped, not held."""
 WARM_UP_BUSY_POLL = 0.05
 """Seconds between looks at a prefill server a caller's prefill keeps busy: the end of a
 caller's leg wakes no background driver, so a held warm-up is looked at again this often."""
-
-
-def crowded(endpoint: Endpoint, now: float) -> bool:
-    """Whether callers keep the prefill ``endpoint`` so busy that a warm-up there would more
-    likely delay the next of them than be of use to a later handoff (``WARM_UP_MAX_BUSY``)."""
-    return endpoint.busy.share(now) >= WARM_UP_MAX_BUSY
 
 
 @dataclass(frozen=True)
@@ -83,9 +65,6 @@ class _WarmUp:
             return True
         load = self.endpoint.load
         return load is not None and load.fresh(now) and load.waiting > 0
-
-    def crowded(self, now: float) -> bool:
-        return self.endpoint is not None and crowded(self.endpoint, now)
 
 
 class PrefillWarmer:
@@ -106,8 +85,6 @@ class PrefillWarmer:
         self.posted = 0
         self.failed = 0
         self.dropped = 0
-        self.crowded = 0
-        """Warm-ups dropped because callers kept their prefill server busy."""
         self.prompt_tokens = 0
         self.cached_tokens = 0
 
@@ -117,7 +94,7 @@ class PrefillWarmer:
     @property
     def pending(self) -> int:
         """Warm-ups queued or in flight."""
-        return self.added - self.posted - self.failed - self.dropped - self.crowded
+        return self.added - self.posted - self.failed - self.dropped
 
     def add(self, post: Fetch, endpoint: Endpoint | None = None) -> None:
         """Queue ``post`` for the prefill ``endpoint``, held back while a caller's prefill is
@@ -137,8 +114,6 @@ class PrefillWarmer:
             for warm_up in self._queue:
                 if warm_up.target in self._posting:
                     kept.append(warm_up)
-                elif warm_up.crowded(now):
-                    self.crowded += 1
                 elif warm_up.held(now):
                     kept.append(warm_up)
                     self._held_at = now

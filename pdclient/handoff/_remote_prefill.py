@@ -387,8 +387,6 @@ class RemotePrefill:
             endpoint = fleet.prefill.decide(prefill_route).endpoint
         except AllEndpointsOpen:
             return  # no prefill endpoint admitted: nothing to keep warm
-        if not fleet.warms(endpoint):
-            return
         fleet.warm(endpoint, requests.warm_up(endpoint, body))
         self.warm_up_url = endpoint.url
 

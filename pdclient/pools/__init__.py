@@ -3,7 +3,6 @@ estimate), URL handling, and the retry decisions per leg (``retry``: the leg ret
 their policies, used as a namespace)."""
 
 from . import _retry as retry
-from ._busy import BusyShare
 from ._endpoints import (
     DECODE_ENV,
     PREFILL_ENV,
@@ -22,7 +21,6 @@ from ._retry import RetrySettings, Sleep, counts_against_server, is_transient_st
 __all__ = [
     "AllEndpointsOpen",
     "BreakerSettings",
-    "BusyShare",
     "DECODE_ENV",
     "Endpoint",
     "EndpointPool",

@@ -20,7 +20,6 @@ from .._durations import check_seconds
 from .._errors import PDConfigError, PDError
 from ..routing import LeastOutstanding, LoadSample, RouteDecision, RouteRequest, RoutingPolicy, policy_decision
 from ..wire import normalise_url, redact_url
-from ._busy import BusyShare
 from ._latency import PeakEWMA
 
 PREFILL_ENV = "PDCLIENT_PREFILL_BASE_URL"
@@ -78,8 +77,6 @@ class Endpoint:
         """The server's own load as its last /metrics scrape said (``fleet._load.LoadScraper`` writes it)."""
         self.latency = PeakEWMA(clock=clock)
         """How fast it answered this process's calls (``Leg.answered`` feeds it; see ``pools._latency``)."""
-        self.busy = BusyShare(clock=clock)
-        """How much of the recent time this process's requests kept it busy (``pools._busy``)."""
         self._breaker = breaker
         self._clock = clock
         self._failures = 0
@@ -104,8 +101,6 @@ class Endpoint:
     def acquire(self) -> None:
         with self._lock:
             self.in_flight += 1
-            if self.in_flight == 1:
-                self.busy.set(True)
             if self.state == "half-open":
                 self._probing = True
 
@@ -113,8 +108,6 @@ class Endpoint:
         """End one request; ``ok`` None means it says nothing of the server's health."""
         with self._lock:
             self.in_flight -= 1
-            if self.in_flight == 0:
-                self.busy.set(False)
             self._probing = False
             if ok is True:
                 self._failures = 0

@@ -195,23 +195,12 @@ async def test_a_decode_only_call_sends_its_prompt_to_the_prefill_server_as_a_pl
 
 
 @pytest.mark.parametrize(
-    "settings",
-    [
-        {"remote_prefill": "never"},
-        {"remote_prefill": "auto", "conversations": "off"},
-        {"remote_prefill": "auto", "prefill": "busy"},
-    ],
-    ids=["never", "off", "prefill-busy"],
+    "settings", [{"remote_prefill": "never"}, {"remote_prefill": "auto", "conversations": "off"}], ids=["never", "off"]
 )
-async def test_no_warm_up_with_never_when_turned_off_or_for_a_busy_prefill_server(
-    mode: str, pair: FakeVLLM, settings: dict[str, Any], monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_no_warm_up_with_never_or_when_turned_off(mode: str, pair: FakeVLLM, settings: dict[str, Any]) -> None:
     settings = dict(settings)
     if settings.pop("conversations", None) == "off":
         settings["conversations"] = ConversationSettings(warm_prefill=False)
-    if settings.pop("prefill", None) == "busy":
-        # Any share of busy time counts as too busy: the warm-up is not even built.
-        monkeypatch.setattr("pdclient.fleet._warm.WARM_UP_MAX_BUSY", 0.0)
     t, traces = twin(mode, **settings)
     await turn(t, TURN1, True)
     await turn(t, TURN2, True)

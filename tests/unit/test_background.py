@@ -13,7 +13,6 @@ import pytest
 from pdclient.fleet import (
     MAX_ANSWER_BYTES,
     WARM_UP_BUSY_POLL,
-    WARM_UP_MAX_BUSY,
     BackgroundTask,
     BackgroundThread,
     Fetch,
@@ -28,7 +27,6 @@ from pdclient.fleet import (
     system_resolver,
 )
 from pdclient.pools import BreakerSettings, Endpoint
-from tests.clock import Clock
 from tests.polling import until, wait_until
 
 
@@ -292,22 +290,3 @@ def test_a_warm_up_waits_while_a_caller_prefills_on_its_server() -> None:
     endpoint.release(ok=True)
     (job,) = warmer.due(5.05)
     assert job.action.content == b"1"  # type: ignore[union-attr]
-
-
-def test_a_warm_up_to_a_prefill_server_its_callers_keep_busy_is_dropped() -> None:
-    # On a saturated prefill server a warm-up only fills the gaps the next caller's prefill
-    # would have found free: it is dropped, where an idle server's still goes.
-    clock = Clock()
-    busy, idle = (Endpoint(url, BreakerSettings(), clock) for url in ("http://p/v1", "http://q/v1"))
-    busy.acquire()
-    clock.now += 60.0  # callers' prefills back to back for two look-backs
-    busy.release(ok=True)
-    idle.acquire()
-    clock.now += 5.0
-    idle.release(ok=True)
-    warmer = PrefillWarmer()
-    warmer.add(Fetch("http://p/v1/chat/completions", 1.0, None, b"1"), busy)
-    warmer.add(Fetch("http://q/v1/chat/completions", 1.0, None, b"2"), idle)
-    assert busy.busy.share(clock.now) >= WARM_UP_MAX_BUSY > idle.busy.share(clock.now)
-    assert [job.action.content for job in warmer.due(clock.now)] == [b"2"]  # type: ignore[union-attr]
-    assert (warmer.crowded, warmer.pending) == (1, 1)
