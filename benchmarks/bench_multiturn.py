@@ -542,6 +542,7 @@ def save(
     setup = {
         "workload": args.workload, **asdict(WORKLOADS[args.workload]), "conversations": args.conversations,
         "clients": args.clients, "rounds": args.rounds, "seed": args.seed, "serve_args": list(serve_args),
+        "kv_events": args.kv_events,
         "vllm": VLLM_VERSION, "router": ROUTER_REQUIREMENT, "load": os.getloadavg(),
     }  # fmt: skip
     results = {
@@ -562,6 +563,8 @@ def run_all(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"--arms: unknown {unknown}; the arms are {', '.join(ARMS)}")
     serve_args = shlex.split(args.serve_args)
+    if args.kv_events:
+        serve_args += ["--kv-events", "discover"]
     sdist, router = vllm_sdist(), router_binary()
     log(f"tool {sdist / 'benchmarks/multi_turn'}, router {router}")
     logs = Path(tempfile.mkdtemp(prefix="bench-multiturn-"))
@@ -570,7 +573,7 @@ def run_all(args: argparse.Namespace) -> int:
     runs: list[Run] = []
     skipped: dict[str, str] = {}
     with contextlib.ExitStack() as stack:
-        pd = stack.enter_context(LocalPD(max_model_len=workload.max_model_len))
+        pd = stack.enter_context(LocalPD(max_model_len=workload.max_model_len, kv_events=args.kv_events))
         prefill, decode = pd.prefill_url, pd.decode_url
         starts: dict[str, Callable[[], contextlib.AbstractContextManager[Proc]]] = {
             "pdclient auto": lambda: pdclient_serve(
@@ -637,6 +640,11 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0, help="the first run's; each run adds its index")
     parser.add_argument("--arms", default=",".join(ARMS), help=f"a subset of: {', '.join(ARMS)}")
     parser.add_argument("--serve-args", default="", help="extra flags for both `pdclient serve` arms, one string")
+    parser.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="the servers publish their KV events and both `pdclient serve` arms read them (--kv-events discover)",
+    )
     parser.add_argument("--quick", action="store_true", help="6 conversations, 1 round, results in benchmarks/out")
     parser.add_argument("--out", type=Path, help="default: benchmarks/results (--quick: benchmarks/out)")
     parser.add_argument("--verbose", action="store_true", help="print the tool's own summary of every run")

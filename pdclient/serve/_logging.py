@@ -91,6 +91,7 @@ class CallLog(PDObserver):
             "total_ms": _ms((now - call.started) * 1000),
             "forwarded_tokens": trace.forwarded_tokens,
             "remote_prefill_reason": trace.remote_prefill_reason,
+            "conversation": trace.conversation,
             "cache_source": trace.cache_source,
             "cached_tokens": trace.cached_tokens,
             "dispatch": trace.dispatch,
