@@ -15,12 +15,12 @@ from typing import Any
 import httpx
 import pytest
 
-from pdclient import ConversationSettings, Outcome, PDChatClient, PDTrace
+from pdclient import ConversationSettings, Outcome, PDTrace
 from pdclient.local import LocalPD
 from pdclient.wire import Kind, affinity_key
 
 from .helpers import GREEDY, metric
-from .test_kv_events import conversation, settled, wait_for
+from .test_kv_events import conversation, events_client, settled, wait_for
 
 HITS = "vllm:prefix_cache_hits_total"
 
@@ -45,18 +45,13 @@ def test_a_conversations_handoffs_follow_the_prefill_servers_events(two_prefills
     goes to B by B's events, although this process sent every earlier turn to A."""
     pd = two_prefills
     traces: list[PDTrace] = []
-    with PDChatClient(
-        prefill_base_url=pd.prefill_urls,
-        decode_base_url=pd.decode_urls,
-        api_key="EMPTY",
-        remote_prefill="auto",
-        kv_events="discover",
+    with events_client(
+        pd,
+        traces,
         prefill_routing="cache_aware",
         # Every follow-up a handoff: the prefill's routing is what is checked here.
         conversations=ConversationSettings(max_uncached_ratio=0.001),
-        on_trace=traces.append,
-    ) as client:
-        client.pd_fleet.start()
+    ) as (client, _decode):
         feeds = client.pd_fleet.kv_events
         assert feeds is not None
 
