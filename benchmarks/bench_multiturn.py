@@ -542,7 +542,7 @@ def save(
     setup = {
         "workload": args.workload, **asdict(WORKLOADS[args.workload]), "conversations": args.conversations,
         "clients": args.clients, "rounds": args.rounds, "seed": args.seed, "serve_args": list(serve_args),
-        "kv_events": args.kv_events,
+        "kv_events": args.kv_events, "server_args": shlex.split(args.server_args),
         "vllm": VLLM_VERSION, "router": ROUTER_REQUIREMENT, "load": os.getloadavg(),
     }  # fmt: skip
     results = {
@@ -573,7 +573,13 @@ def run_all(args: argparse.Namespace) -> int:
     runs: list[Run] = []
     skipped: dict[str, str] = {}
     with contextlib.ExitStack() as stack:
-        pd = stack.enter_context(LocalPD(max_model_len=workload.max_model_len, kv_events=args.kv_events))
+        pd = stack.enter_context(
+            LocalPD(
+                max_model_len=workload.max_model_len,
+                kv_events=args.kv_events,
+                extra_server_args=shlex.split(args.server_args),
+            )
+        )
         prefill, decode = pd.prefill_url, pd.decode_url
         starts: dict[str, Callable[[], contextlib.AbstractContextManager[Proc]]] = {
             "pdclient auto": lambda: pdclient_serve(
@@ -640,6 +646,9 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0, help="the first run's; each run adds its index")
     parser.add_argument("--arms", default=",".join(ARMS), help=f"a subset of: {', '.join(ARMS)}")
     parser.add_argument("--serve-args", default="", help="extra flags for both `pdclient serve` arms, one string")
+    parser.add_argument(
+        "--server-args", default="", help="extra vLLM flags for both servers of the pair (every arm's), one string"
+    )
     parser.add_argument(
         "--kv-events",
         action="store_true",
