@@ -290,3 +290,73 @@ def test_a_warm_up_waits_while_a_caller_prefills_on_its_server() -> None:
     endpoint.release(ok=True)
     (job,) = warmer.due(5.05)
     assert job.action.content == b"1"  # type: ignore[union-attr]
+
+
+def sliced_warmer() -> tuple[PrefillWarmer, Endpoint]:
+    """A warmer holding one sliced warm-up: a tokenize whose answer becomes three slices."""
+    endpoint = Endpoint("http://p/v1", BreakerSettings(), time.monotonic)
+    warmer = PrefillWarmer()
+
+    def slicer(answer: str) -> tuple[Fetch, ...]:
+        if answer != "ids":
+            return ()
+        return tuple(Fetch("http://p/v1/completions", 1.0, None, f"slice {n}".encode()) for n in range(3))
+
+    tokenize = Fetch("http://p/tokenize", 1.0, None, b"tokenize")
+    warmer.add(tokenize, endpoint, slicer=slicer, whole=Fetch("http://p/v1/chat/completions", 1.0, None, b"whole"))
+    return warmer, endpoint
+
+
+def usage(prompt: int, cached: int) -> str:
+    return f'{{"usage": {{"prompt_tokens": {prompt}, "prompt_tokens_details": {{"cached_tokens": {cached}}}}}}}'
+
+
+def test_a_sliced_warm_up_posts_its_slices_one_at_a_time_and_yields_to_a_caller_between_them() -> None:
+    warmer, endpoint = sliced_warmer()
+    warmer.add(Fetch("http://p/v1/chat/completions", 1.0, None, b"next"), endpoint)  # another conversation's
+    (tokenize,) = warmer.due(0.0)
+    assert tokenize.action.content == b"tokenize"  # type: ignore[union-attr]
+    warmer.apply(tokenize, Fetched(200, "ids"), 0.1)
+    (first,) = warmer.due(0.1)
+    assert first.action.content == b"slice 0"  # type: ignore[union-attr]
+    warmer.apply(first, Fetched(200, usage(512, 256)), 0.2)
+    endpoint.acquire()  # a caller's prefill: the next slice waits for it, not the caller for the slices
+    assert warmer.due(0.2) == [] and warmer.next_due() == 0.2 + WARM_UP_BUSY_POLL
+    endpoint.release(ok=True)
+    (second,) = warmer.due(0.3)
+    assert second.action.content == b"slice 1"  # type: ignore[union-attr]
+    warmer.apply(second, Fetched(200, usage(768, 512)), 0.4)
+    (third,) = warmer.due(0.4)  # the warm-up under way goes on before the queued one
+    assert third.action.content == b"slice 2" and warmer.pending == 2  # type: ignore[union-attr]
+    warmer.apply(third, Fetched(200, usage(1000, 768)), 0.5)
+    # One warm-up posted: a 1,000-token prompt of which the server computed 256 + 256 + 232.
+    assert (warmer.posted, warmer.sliced, warmer.prompt_tokens, warmer.cached_tokens) == (1, 1, 1000, 256)
+    (queued,) = warmer.due(0.5)
+    assert queued.action.content == b"next"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("answer", [Fetched(200, "not ids"), Fetched(404, "no"), Fetched(None, error="ConnectError")])
+def test_a_sliced_warm_up_whose_tokenize_fails_goes_as_one_request(answer: Fetched) -> None:
+    warmer, _ = sliced_warmer()
+    (tokenize,) = warmer.due(0.0)
+    warmer.apply(tokenize, answer, 0.1)
+    (whole,) = warmer.due(0.1)
+    assert whole.action.content == b"whole" and warmer.failed == 0  # type: ignore[union-attr]
+    warmer.apply(whole, Fetched(200, usage(1000, 512)), 0.2)
+    assert (warmer.posted, warmer.sliced, warmer.prompt_tokens, warmer.cached_tokens, warmer.pending) == (
+        1,
+        0,
+        1000,
+        512,
+        0,
+    )
+
+
+def test_a_failed_slice_ends_its_warm_up() -> None:
+    warmer, _ = sliced_warmer()
+    (tokenize,) = warmer.due(0.0)
+    warmer.apply(tokenize, Fetched(200, "ids"), 0.1)
+    (first,) = warmer.due(0.1)
+    warmer.apply(first, Fetched(500, "overloaded"), 0.2)
+    assert warmer.due(0.2) == [] and (warmer.failed, warmer.posted, warmer.pending) == (1, 0, 0)
+    assert warmer.next_due() == float("inf")
