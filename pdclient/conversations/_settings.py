@@ -51,10 +51,10 @@ class ConversationSettings:
     caller's path, so a later P/D turn prefills only what is new (``fleet._warm``)."""
     warm_up_slice_ms: float | None = 500.0
     """About the longest a caller's prefill waits behind a warm-up on its prefill server. A
-    chat warm-up the prefill would compute for longer (its uncached tokens at the handoff's
-    learnt ms per token) goes as its prompt's ids, in slices of about this long each: the
-    server caches each slice's blocks, and a caller's prefill arriving meanwhile is
-    scheduled before the next slice (``fleet._warm``). None: every warm-up is one request."""
+    chat warm-up the prefill would compute for longer (its uncached tokens at the learnt ms
+    per prompt token, ``CostModel.ms_per_prompt_token``) goes as its prompt's ids, in slices
+    of about this long each: the server caches each slice's blocks, and a caller's prefill
+    arriving meanwhile waits for one slice (``fleet._warm``). None: every warm-up is one request."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.warm_prefill, bool):

@@ -399,7 +399,8 @@ class RemotePrefill:
             return  # no prefill endpoint admitted: nothing to keep warm
         whole = requests.warm_up(endpoint, body)
         settings, estimate = options.conversations, self._estimate
-        size = slice_tokens(settings.warm_up_slice_ms, fleet.costs.handover().ms_per_token, settings.block_size)
+        rate = fleet.costs.ms_per_prompt_token(self.decision.decode_endpoint if self.decision is not None else None)
+        size = slice_tokens(settings.warm_up_slice_ms, rate, settings.block_size)
         uncached = estimate.uncached_tokens if estimate is not None else 0
         sliced = sliced_warm_up(plan, requests, endpoint, uncached, size, settings.block_size)
         if sliced is None:

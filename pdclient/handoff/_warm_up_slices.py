@@ -2,15 +2,15 @@
 of the call's messages, then one-token completions of ever longer prefixes of those ids.
 
 Each slice computes about ``ConversationSettings.warm_up_slice_ms`` of new tokens (at the
-handoff's learnt milliseconds per token) on the blocks the slice before left cached, so a
-caller's prefill arriving on that server waits for one slice, not the whole warm-up. The
-ids are exactly the prompt the chat endpoint renders (``forwardable``), and a completion
-of ids with the same model and cache salt leaves the same cached blocks as the chat call
-would: the next P/D turn finds them.
+learnt milliseconds per prompt token, ``CostModel.ms_per_prompt_token``) on the blocks the
+slice before left cached, so a caller's prefill arriving on that server waits for one
+slice, not the whole warm-up. The ids are exactly the prompt the chat endpoint renders
+(``forwardable``), and a completion of ids with the same model and cache salt leaves the
+same cached blocks as the chat call would: the next P/D turn finds them.
 
-Sliced only where it helps: a chat call whose uncached tokens come to two slices or more,
-once the handoff's rate is learnt (its prior has none: a fleet with no handoffs yet warms
-in one request). A tokenize that fails leaves the warm-up as one request, as before.
+Sliced only where it helps: a chat call whose uncached tokens come to two slices or more
+(a GPU's ~0.05 ms a token makes a slice ~10,000 tokens). A tokenize that fails leaves the
+warm-up as one request, as before.
 """
 
 from __future__ import annotations
