@@ -49,12 +49,6 @@ class ConversationSettings:
     warm_prefill: bool = True
     """A decode-only call by ``auto`` also sends its prompt to the prefill server, off the
     caller's path, so a later P/D turn prefills only what is new (``fleet._warm``)."""
-    warm_up_slice_ms: float | None = 500.0
-    """About the longest a caller's prefill waits behind a warm-up on its prefill server. A
-    chat warm-up the prefill would compute for longer (its uncached tokens at the learnt ms
-    per prompt token, ``CostModel.ms_per_prompt_token``) goes as its prompt's ids, in slices
-    of about this long each: the server caches each slice's blocks, and a caller's prefill
-    arriving meanwhile waits for one slice (``fleet._warm``). None: every warm-up is one request."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.warm_prefill, bool):
@@ -63,11 +57,6 @@ class ConversationSettings:
             value = self.threshold_tokens
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise PDConfigError(f"conversations.threshold_tokens must be an int >= 0 or None, got {value!r}")
-        slice_ms = self.warm_up_slice_ms
-        if slice_ms is not None and (
-            isinstance(slice_ms, bool) or not isinstance(slice_ms, int | float) or not 0 < slice_ms < float("inf")
-        ):
-            raise PDConfigError(f"conversations.warm_up_slice_ms must be a finite number > 0 or None, got {slice_ms!r}")
         stall = self.max_decode_stall_ms
         if isinstance(stall, bool) or not isinstance(stall, int | float) or not 0 <= stall < float("inf"):
             raise PDConfigError(f"conversations.max_decode_stall_ms must be a finite number >= 0, got {stall!r}")

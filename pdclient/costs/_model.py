@@ -117,15 +117,6 @@ class CostModel:
                 return self._handoff.line()
             return self._dispatch.line(prefill_endpoint, dispatch)
 
-    def ms_per_prompt_token(self, decode_endpoint: str | None) -> float:
-        """What a server takes per prompt token it computes: the slower of the handoff line's
-        rate and the decode endpoint's prefill line's (its prior before it learnt one). The
-        handoff line alone can learn a rate near 0 where queueing hides the prompt's length in
-        its times; the decode's is a server's own prefill, the same model on like hardware."""
-        with self._lock:
-            decode = self._decode_line(decode_endpoint).line() if decode_endpoint else self.priors.decode_prefill
-            return max(self._handoff.line().ms_per_token, decode.ms_per_token)
-
     def predict(self, decode_endpoint: str | None, uncached_tokens: int, streams: int) -> RouteCosts:
         """Each route's cost for a call of ``uncached_tokens`` whose conversation is held on
         ``decode_endpoint`` (None: no endpoint known, its prior), with ``streams`` running there."""

@@ -25,7 +25,7 @@ from ._fleet import Fleet
 from ._health import HealthProber, HealthSettings, ProbeState, step, verdict
 from ._kv_events import KVEventWatch
 from ._load import LoadScraper, ScrapeSettings, ServerLoad, parse_metrics, server_url
-from ._warm import WARM_UP_BUSY_POLL, WARM_UP_TIMEOUT, PrefillWarmer, Slicer
+from ._warm import WARM_UP_BUSY_POLL, WARM_UP_TIMEOUT, PrefillWarmer
 
 __all__ = [
     "KVEventWatch",
@@ -49,7 +49,6 @@ __all__ = [
     "MAX_ANSWER_BYTES",
     "JobResult",
     "PrefillWarmer",
-    "Slicer",
     "ProbeState",
     "Resolver",
     "ScrapeSettings",

@@ -30,7 +30,7 @@ from ._discovery import DiscoverySettings, DnsDiscovery, is_address
 from ._health import HealthProber, HealthSettings
 from ._kv_events import KVEventWatch
 from ._load import LoadScraper, ScrapeSettings
-from ._warm import PrefillWarmer, Slicer
+from ._warm import PrefillWarmer
 
 _FLEET_FIELDS = (
     "prefill_base_url",
@@ -120,16 +120,14 @@ class Fleet:
         if self.background is not None:
             self.background.start()
 
-    def warm(
-        self, endpoint: Endpoint, post: Fetch, *, slicer: Slicer | None = None, whole: Fetch | None = None
-    ) -> None:
+    def warm(self, endpoint: Endpoint, post: Fetch) -> None:
         """Queue a prefill warm-up for ``endpoint``, posted off the caller's path as soon as no
-        caller's prefill is in flight there (``fleet._warm``); sliced: ``PrefillWarmer.add``."""
+        caller's prefill is in flight there (``fleet._warm``)."""
         with self._lock:
             if self._closed:
                 return
             warming = self._warm_ups()
-        self.warmer.add(post, endpoint, slicer=slicer, whole=whole)
+        self.warmer.add(post, endpoint)
         warming.start()
         warming.wake()
 

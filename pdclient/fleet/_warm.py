@@ -20,15 +20,6 @@ prefill server, and every P/D call (a conversation's first turn) queued behind t
 vLLM's multi-turn benchmark a first turn's prefill took 2.3 s (median; 4.0 s p90) under
 ``auto`` against 1.8 s (2.4 s) under ``always``, which was ``auto``'s whole TTFT p99.
 
-Once posted, a warm-up is computed to its end, and a caller's prefill arriving just after
-waits for all of it: vLLM schedules a running request before a waiting one, and on a CPU
-it computes up to 2,048 prompt tokens a step (a ~1,000-token follow-up is one step of
-~2.3 s on a core here). So a chat warm-up that its prefill server would compute for longer
-than ``ConversationSettings.warm_up_slice_ms`` goes in slices: a ``/tokenize`` of its
-messages, then one-token completions of ever longer prefixes of those ids, each computing
-a slice's worth of new tokens on the blocks the slice before cached. Between two slices,
-a caller's prefill goes first.
-
 ``PrefillWarmer`` is a sans-I/O core of ``fleet._background``: the fleet's background driver
 (a thread, or a task for an async client) posts what is due, each warm-up a job of its own
 within ``WARM_UP_TIMEOUT``.
@@ -39,7 +30,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import orjson
@@ -59,27 +49,12 @@ WARM_UP_BUSY_POLL = 0.05
 caller's leg wakes no background driver, so a held warm-up is looked at again this often."""
 
 
-Slicer = Callable[[str], tuple[Fetch, ...]]
-"""A sliced warm-up's next requests, made from its tokenize's answer (its text): the slices,
-each a prefix of the prompt's ids longer than the one before; none when the answer is unusable."""
-
-
 @dataclass(frozen=True)
 class _WarmUp:
     post: Fetch
     target: str
     """The prefill server it warms: one warm-up at a time each."""
     endpoint: Endpoint | None
-    slicer: Slicer | None = None
-    """Set when ``post`` is a sliced warm-up's tokenize: makes its slices from the answer."""
-    whole: Fetch | None = None
-    """A sliced warm-up's prompt as one request: posted instead when its tokenize fails."""
-    rest: tuple[Fetch, ...] = ()
-    """The slices still to post after ``post``."""
-    sliced: bool = False
-    """``post`` is one of the warm-up's slices."""
-    computed: int = 0
-    """Tokens the prefill computed for this warm-up's slices before ``post``."""
 
     def held(self, now: float) -> bool:
         """Whether callers' prefills are in flight on the endpoint: this process's, or others'
@@ -91,17 +66,9 @@ class _WarmUp:
         load = self.endpoint.load
         return load is not None and load.fresh(now) and load.waiting > 0
 
-    def then(self, post: Fetch, rest: tuple[Fetch, ...] = (), *, sliced: bool, computed: int = 0) -> _WarmUp:
-        """This warm-up's next request, after ``post`` ended."""
-        return _WarmUp(post, self.target, self.endpoint, rest=rest, sliced=sliced, computed=computed)
-
 
 class PrefillWarmer:
     """The queue of warm-ups to post; the oldest is dropped when ``capacity`` are waiting.
-
-    A sliced warm-up (``add(..., slicer=...)``) is one warm-up of several requests: its
-    tokenize, then its slices one at a time, each posted as the queue's first for its
-    server and held back as any warm-up while a caller prefills there.
 
     Its counters say what became of them, and what the prefill servers computed for them
     (their ``usage``: ``cached_tokens`` needs vLLM's ``--enable-prompt-tokens-details``).
@@ -109,17 +76,13 @@ class PrefillWarmer:
 
     def __init__(self, capacity: int = WARM_UP_QUEUE) -> None:
         self._queue: deque[_WarmUp] = deque(maxlen=capacity)
-        self._next: dict[str, _WarmUp] = {}
-        """Per target, the next request of a sliced warm-up under way: before any queued one."""
-        self._posting: dict[str, _WarmUp] = {}
-        """The targets with a warm-up request in flight, and that warm-up."""
+        self._posting: set[str] = set()
+        """The targets with a warm-up in flight."""
         self._held_at: float | None = None
         """When ``due`` last held a warm-up back for its server's callers (None: it did not)."""
         self._lock = threading.Lock()
         self.added = 0
         self.posted = 0
-        self.sliced = 0
-        """Of the posted, those that went in slices."""
         self.failed = 0
         self.dropped = 0
         self.prompt_tokens = 0
@@ -133,86 +96,52 @@ class PrefillWarmer:
         """Warm-ups queued or in flight."""
         return self.added - self.posted - self.failed - self.dropped
 
-    def add(
-        self, post: Fetch, endpoint: Endpoint | None = None, *, slicer: Slicer | None = None, whole: Fetch | None = None
-    ) -> None:
+    def add(self, post: Fetch, endpoint: Endpoint | None = None) -> None:
         """Queue ``post`` for the prefill ``endpoint``, held back while a caller's prefill is
-        in flight there (None: an endpoint of its own, ``post``'s URL, never held). With
-        ``slicer``, ``post`` is a tokenize whose answer ``slicer`` makes into the slices to
-        post after it; ``whole`` the warm-up as one request, posted if that fails."""
+        in flight there (None: an endpoint of its own, ``post``'s URL, never held)."""
         with self._lock:
             if len(self._queue) == self._queue.maxlen:
                 self.dropped += 1
-            target = endpoint.url if endpoint is not None else post.url
-            self._queue.append(_WarmUp(post, target, endpoint, slicer, whole))
+            self._queue.append(_WarmUp(post, endpoint.url if endpoint is not None else post.url, endpoint))
             self.added += 1
 
     def due(self, now: float) -> list[Job]:
-        """Per server with no warm-up request in flight and no caller's prefill: a sliced
-        warm-up's next slice, else the oldest waiting warm-up."""
+        """The oldest waiting warm-up of each server with none in flight and no caller's prefill."""
         jobs: list[Job] = []
         with self._lock:
             self._held_at = None
-            for target, warm_up in list(self._next.items()):
-                if warm_up.held(now):
-                    self._held_at = now
-                else:
-                    del self._next[target]
-                    self._post(warm_up, jobs)
             kept: list[_WarmUp] = []
             for warm_up in self._queue:
-                if warm_up.target in self._posting or warm_up.target in self._next:
+                if warm_up.target in self._posting:
                     kept.append(warm_up)
                 elif warm_up.held(now):
                     kept.append(warm_up)
                     self._held_at = now
                 else:
-                    self._post(warm_up, jobs)
+                    self._posting.add(warm_up.target)
+                    jobs.append(Job(warm_up.target, warm_up.post))
             self._queue.clear()
             self._queue.extend(kept)
         return jobs
-
-    def _post(self, warm_up: _WarmUp, jobs: list[Job]) -> None:
-        self._posting[warm_up.target] = warm_up
-        jobs.append(Job(warm_up.target, warm_up.post))
 
     def next_due(self) -> float:
         with self._lock:
             if self._held_at is not None:
                 return self._held_at + WARM_UP_BUSY_POLL
-            waiting = [*self._next.values(), *self._queue]
-            return 0.0 if any(w.target not in self._posting for w in waiting) else float("inf")
+            return 0.0 if any(w.target not in self._posting for w in self._queue) else float("inf")
 
     def apply(self, job: Job, outcome: JobResult, now: float) -> None:
-        ok = isinstance(outcome, Fetched) and outcome.ok
         with self._lock:
-            warm_up = self._posting.pop(str(job.key), None)
-        if warm_up is not None and warm_up.slicer is not None:  # a tokenize: its slices follow
-            slices = warm_up.slicer(outcome.text) if ok and isinstance(outcome, Fetched) else ()
-            follow = warm_up.then(slices[0], slices[1:], sliced=True) if slices else None
-            if follow is None and warm_up.whole is not None:
-                follow = warm_up.then(warm_up.whole, sliced=False)
-            if follow is not None:
-                with self._lock:
-                    self._next[warm_up.target] = follow
-                return
-        if ok and isinstance(outcome, Fetched):
+            self._posting.discard(str(job.key))
+        if isinstance(outcome, Fetched) and outcome.ok:
             prompt, cached = _usage(outcome.text)
             with self._lock:
-                if warm_up is not None and warm_up.rest:
-                    computed = warm_up.computed + prompt - cached
-                    rest = warm_up.rest
-                    self._next[warm_up.target] = warm_up.then(rest[0], rest[1:], sliced=True, computed=computed)
-                    return
-                if warm_up is not None and warm_up.sliced:  # the last slice: its prompt is the whole one
-                    cached = max(0, cached - warm_up.computed)
-                    self.sliced += 1
                 self.prompt_tokens += prompt
                 self.cached_tokens += cached
                 self.posted += 1
             return
         with self._lock:
-            self.failed += 1  # a slice's failure ends its warm-up: the rest would compute its part again
+            self.failed += 1
         what = (
             outcome.error
             if isinstance(outcome, Fetched) and outcome.error

@@ -27,7 +27,6 @@ from ..fleet import WARM_UP_TIMEOUT, Fetch
 from ..migration import CallMigration
 from ..pools import Endpoint, EndpointPool
 from ..wire import CALL_OPTIONS_KEY, HOP_BY_HOP, PREFILL_FAILURE_POLICIES, SIGNATURE_HEADER, CallOptions, signature
-from ._prompt_ids import auth_headers, tokenize_request
 
 # Hop-by-hop or derived headers that must not be copied onto a leg's new request (the
 # request id is set anew, as the call's leg id).
@@ -179,23 +178,8 @@ class LegRequests:
         (``fleet._warm``): unsigned (no ``kv_transfer_params``), under an id of its own."""
         request = self.build(endpoint.url, content)
         request.headers["x-request-id"] = f"{self._leg_id}-warm-up"
-        return _warm_up_fetch(request, endpoint)
-
-    def warm_up_tokenize(self, endpoint: Endpoint, plan: wire.Plan) -> Fetch:
-        """A sliced warm-up's first request: the prefill endpoint's /tokenize of the call's messages."""
-        return _warm_up_fetch(tokenize_request(plan, endpoint.url, self._request, f"{self._leg_id}-warm-up"), endpoint)
-
-    def warm_up_slice(self, endpoint: Endpoint, content: bytes, index: int) -> Fetch:
-        """One of a sliced warm-up's completions (``content``), with the caller's key."""
-        request_id = f"{self._leg_id}-warm-up-{index}".encode("ascii")
-        headers = [*auth_headers(self._request), (b"content-type", b"application/json"), (b"x-request-id", request_id)]
-        url = leg_url(endpoint.url, "/completions", b"")
-        return _warm_up_fetch(request_with_content("POST", url, headers, content, {}), endpoint)
-
-
-def _warm_up_fetch(request: httpx.Request, endpoint: Endpoint) -> Fetch:
-    headers = tuple((k, v) for k, v in request.headers.multi_items() if k != "host")
-    return Fetch(str(request.url), WARM_UP_TIMEOUT, endpoint.host_name, request.content, headers)
+        headers = tuple((k, v) for k, v in request.headers.multi_items() if k != "host")
+        return Fetch(str(request.url), WARM_UP_TIMEOUT, endpoint.host_name, request.content, headers)
 
 
 def decode_body(

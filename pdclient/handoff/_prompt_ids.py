@@ -60,7 +60,7 @@ def tokenize_request(plan: wire.Plan, prefill_base: str, caller: httpx.Request, 
         value = wire.field_value(plan.fields, name)
         if value is not None:
             body[name] = value
-    headers = auth_headers(caller)
+    headers = [(k, v) for k, v in caller.headers.raw if k.lower() in _FORWARDED_HEADERS]
     headers += [(b"content-type", b"application/json"), (b"x-request-id", request_id.encode("ascii"))]
     return httpx.Request(
         "POST",
@@ -97,13 +97,8 @@ def prompt_ids(response: httpx.Response) -> list[int] | None:
     else, or ids that are not as many as its own count says."""
     if response.status_code != 200:
         return None
-    return tokenized_ids(response.content)
-
-
-def tokenized_ids(content: bytes | str) -> list[int] | None:
-    """The ids of a /tokenize answer's body; None as for ``prompt_ids``."""
     try:
-        answer = orjson.loads(content)
+        answer = orjson.loads(response.content)
     except orjson.JSONDecodeError:
         return None
     tokens = answer.get("tokens") if isinstance(answer, dict) else None
@@ -111,8 +106,3 @@ def tokenized_ids(content: bytes | str) -> list[int] | None:
         return None
     count = answer.get("count", len(tokens))
     return tokens if count == len(tokens) else None
-
-
-def auth_headers(caller: httpx.Request) -> list[tuple[bytes, bytes]]:
-    """The caller's key, as every request pdclient makes of a server in the caller's name carries it."""
-    return [(k, v) for k, v in caller.headers.raw if k.lower() in _FORWARDED_HEADERS]

@@ -47,7 +47,6 @@ from ._leg_requests import LegRequests
 from ._prompt_ids import forwardable, tokenize_request
 from ._record import CallRecord
 from ._report import STORED_STATE
-from ._warm_up_slices import slice_tokens, sliced_warm_up
 
 if TYPE_CHECKING:
     from ..dialects import Dialect
@@ -378,36 +377,17 @@ class RemotePrefill:
         estimate = self._estimate
         self.decision = remote_prefill_decision(mode, estimate, options.conversations, self.home, fleet)
         if not self.decision.remote_prefill and mode == "auto" and options.conversations.warm_prefill:
-            self.warm_up(plan, fleet, route_for("prefill"), requests, dialect.warm_up_body(plan), options)
+            self.warm_up(fleet, route_for("prefill"), requests, dialect.warm_up_body(plan))
         return self.decision.remote_prefill
 
-    def warm_up(
-        self,
-        plan: wire.Plan,
-        fleet: Fleet,
-        prefill_route: RouteRequest,
-        requests: LegRequests,
-        body: bytes,
-        options: PDOptions,
-    ) -> None:
+    def warm_up(self, fleet: Fleet, prefill_route: RouteRequest, requests: LegRequests, body: bytes) -> None:
         """Queue a decode-only call's prompt (``body``) for the prefill endpoint its
-        conversation's P/D turns are routed to, so that a later one prefills only what is new;
-        in slices when it is long for that server (``_warm_up_slices``)."""
+        conversation's P/D turns are routed to, so that a later one prefills only what is new."""
         try:
             endpoint = fleet.prefill.decide(prefill_route).endpoint
         except AllEndpointsOpen:
             return  # no prefill endpoint admitted: nothing to keep warm
-        whole = requests.warm_up(endpoint, body)
-        settings, estimate = options.conversations, self._estimate
-        rate = fleet.costs.ms_per_prompt_token(self.decision.decode_endpoint if self.decision is not None else None)
-        size = slice_tokens(settings.warm_up_slice_ms, rate, settings.block_size)
-        uncached = estimate.uncached_tokens if estimate is not None else 0
-        sliced = sliced_warm_up(plan, requests, endpoint, uncached, size, settings.block_size)
-        if sliced is None:
-            fleet.warm(endpoint, whole)
-        else:
-            tokenize, slicer = sliced
-            fleet.warm(endpoint, tokenize, slicer=slicer, whole=whole)
+        fleet.warm(endpoint, requests.warm_up(endpoint, body))
         self.warm_up_url = endpoint.url
 
     def pin_decode(self, leg: Leg, stored_at: str | None, settings: ConversationSettings) -> str | None:

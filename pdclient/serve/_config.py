@@ -236,7 +236,6 @@ _SPECIAL: Mapping[str, dict[str, Any]] = {
     "conversation_max_uncached_ratio": {"metavar": "RATIO"},
     "max_decode_stall_ms": {"metavar": "MS"},
     "conversation_initial_chars_per_token": {"metavar": "RATIO"},
-    "conversation_warm_up_slice_ms": {"metavar": "MS"},
 }
 
 _CLIENT_HELP: Mapping[str, str] = {
@@ -284,9 +283,6 @@ _CLIENT_HELP: Mapping[str, str] = {
     "conversation_unseen_history_tokens": "auto: of a call's history this process did not see answered, at most "
     "this many tokens count as cached (0: none)",
     "conversation_warm_prefill": "auto: a decode-only call's prompt also goes to the prefill server, off its path",
-    "conversation_warm_up_slice_ms": "auto: a warm-up the prefill would compute for longer goes as its prompt's ids, "
-    "in slices of about this many ms, so a caller's prefill waits at most about that long behind it ('none': one "
-    "request)",
 }
 
 

@@ -49,7 +49,6 @@ from ._prefill import (
     prefill_body_for_ids,
     read_prefill,
     warm_up_body,
-    warm_up_slice_body,
 )
 from ._signing import DEFAULT_TTL, SECRET_ENV, SIGNATURE_HEADER, signature
 from ._sse import (
@@ -149,7 +148,6 @@ __all__ = [
     "UsageMerge",
     "UsageStrip",
     "warm_up_body",
-    "warm_up_slice_body",
     "with_usage_asked",
     "without_call_options",
 ]

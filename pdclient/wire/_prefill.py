@@ -62,22 +62,6 @@ def warm_up_body(plan: Plan) -> bytes:
     return encode_fields(one_token(plan.fields))
 
 
-WARM_UP_SLICE_FIELDS = ("model", "cache_salt")
-"""What a chat call's cached blocks are keyed by besides its prompt's ids, on a call without
-media: the model (a LoRA adapter is one) and the caller's cache salt."""
-
-
-def warm_up_slice_body(plan: Plan, ids: list[int]) -> bytes:
-    """One slice of a sliced warm-up (``fleet._warm``): a one-token completion of ``ids``, a
-    prefix of a chat call's prompt ids, whose blocks the server caches as the chat call's."""
-    fields: dict[str, Any] = {"prompt": ids, "max_tokens": 1, "stream": False}
-    for name in WARM_UP_SLICE_FIELDS:
-        raw = plan.fields.get(name)
-        if raw is not None:
-            fields[name] = raw
-    return encode_fields(fields)
-
-
 def prefill_body_for_ids(plan: Plan, ids: bytes) -> bytes:
     """A prefill leg whose prompt is given as token ids (a JSON array), not rendered.
 

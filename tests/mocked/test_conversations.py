@@ -8,7 +8,6 @@ on the decode endpoint that answered it (block size 128), and goes there decode-
 
 from __future__ import annotations
 
-import itertools
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -208,33 +207,6 @@ async def test_no_warm_up_with_never_or_when_turned_off(mode: str, pair: FakeVLL
     assert traces.traces[1].outcome is Outcome.DECODE_ONLY and traces.traces[1].prefill_warm_up_url is None
     await anyio.sleep(0.2)
     assert pair.warm_up_bodies == []
-    await t.close()
-
-
-async def test_a_long_decode_only_turn_warms_the_prefill_in_slices_of_its_prompt_ids(mode: str, pair: FakeVLLM) -> None:
-    t, traces = twin(mode, remote_prefill="auto")
-    for tokens in (1000, 2000, 3000, 4000):  # handoffs at 10 ms a token: a 500 ms slice is one block
-        t.client.pd_fleet.costs.handoff(PREFILL, "sequential", tokens, 10.0 * tokens)
-    ids = list(range(5000, 5900))
-    tokenize = pair.router.post(PREFILL.removesuffix("/v1") + "/tokenize", name="tokenize").mock(
-        return_value=httpx.Response(200, json={"count": len(ids), "tokens": ids, "max_model_len": 8192})
-    )
-    await turn(t, TURN1, True)
-    messages = [*TURN1, {"role": "assistant", "content": ANSWER1}, {"role": "user", "content": "On. " * 200}]
-    await turn(t, messages, True, temperature=0.5)
-    await until(lambda: t.client.pd_fleet.warmer.posted == 1)
-    assert traces.traces[1].outcome is Outcome.DECODE_ONLY and traces.traces[1].prefill_warm_up_url == PREFILL
-    assert tokenize.call_count == 1 and json.loads(tokenize.calls.last.request.content)["messages"] == messages
-    ends = [len(body["prompt"]) for body in pair.warm_up_bodies]
-    # From the block the prefill holds on, a block at a time, the last at the prompt's end.
-    assert len(ends) >= 2 and ends[-1] == len(ids) and ends == sorted(ends)
-    assert all(end % 128 == 0 and end - before == 128 for before, end in itertools.pairwise(ends[:-1]))
-    for body in pair.warm_up_bodies:
-        assert body == {"prompt": ids[: len(body["prompt"])], "max_tokens": 1, "stream": False, "model": "m"}
-    request = pair.router.routes["prefill_completions"].calls.last.request
-    assert request.headers["authorization"] == "Bearer sk-test"
-    assert request.headers["x-request-id"].endswith(f"-warm-up-{len(ends) - 1}")
-    assert (t.client.pd_fleet.warmer.sliced, t.client.pd_fleet.warmer.failed) == (1, 0)
     await t.close()
 
 

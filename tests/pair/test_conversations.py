@@ -121,47 +121,6 @@ def test_a_p_d_turn_after_a_decode_only_turn_prefills_only_what_is_new(pd: PDSer
     )
 
 
-def test_a_long_decode_only_turn_warms_the_prefill_in_slices_that_leave_its_blocks_cached(pd: PDServers) -> None:
-    """A warm-up its prefill server would compute for longer than ``warm_up_slice_ms`` goes as
-    the prompt's ids from /tokenize, in slices (here of one block: the handoff's rate seeded at
-    2 ms a token, 250 tokens in 500 ms); a later P/D turn finds turn 2's blocks cached there."""
-    system = f"Conversation {uuid.uuid4().hex}. " + "Notes: the robot paints in the morning and sleeps at noon. " * 40
-    detail = "Add this: the robot keeps a red brush, a blue brush and a small ladder in its shed. " * 30
-    messages: list[dict[str, Any]] = [
-        {"role": "system", "content": system},
-        {"role": "user", "content": "Tell me a short story about the robot in the notes."},
-    ]
-    traces: list[PDTrace] = []
-    conversations = ConversationSettings(ratio_warmup=1)
-    with pd.client(remote_prefill="auto", conversations=conversations, on_trace=traces.append) as client:
-        for tokens in (500, 1000, 1500, 2000):
-            client.pd_fleet.costs.handoff(pd.prefill_url, "sequential", tokens, 2.0 * tokens)
-        first = client.chat.completions.create(model=pd.model, messages=messages, **GREEDY)
-        messages += [
-            {"role": "assistant", "content": first.choices[0].message.content},
-            {"role": "user", "content": detail},
-        ]
-        second = client.chat.completions.create(model=pd.model, messages=messages, **GREEDY)
-        warmer = client.pd_fleet.warmer
-        deadline = time.monotonic() + 60.0
-        while warmer.pending and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert (warmer.posted, warmer.sliced, warmer.failed) == (1, 1, 0), warmer
-    assert [t.outcome for t in traces] == [Outcome.DISAGGREGATED, Outcome.DECODE_ONLY], traces
-    assert second.usage is not None and traces[1].estimated_uncached_tokens is not None
-    assert traces[1].estimated_uncached_tokens >= 256, "two slices at least"
-    messages += [
-        {"role": "assistant", "content": second.choices[0].message.content},
-        {"role": "user", "content": "Why?"},
-    ]
-    with pd.client(remote_prefill="always") as client:
-        hits_before = metric(pd.prefill_url, HITS)
-        client.chat.completions.create(model=pd.model, messages=messages, **GREEDY)
-        hits = metric(pd.prefill_url, HITS) - hits_before
-    block = 128  # vLLM's CPU block size
-    assert hits >= second.usage.prompt_tokens // block * block, (hits, second.usage.prompt_tokens)
-
-
 def test_a_p_d_calls_usage_reports_the_prefill_servers_cache(pd: PDServers) -> None:
     """The caller's usage of a handoff: the prompt side is the prefill's (LocalPD runs
     ``--enable-prompt-tokens-details``). The decode reports 0 ``created_cache_tokens`` on

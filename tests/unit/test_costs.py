@@ -222,13 +222,3 @@ def test_changes_far_apart_do_not_make_dispatch_sequential() -> None:
     model.coordinates(P1, "engine-c", now=400.0)
     model.coordinates(P1, "engine-c", now=401.0)
     assert model.choose_dispatch(P1, 300, now=402.0).reason is DispatchReason.LEARNING
-
-
-def test_the_rate_a_warm_up_is_sliced_at_is_the_slower_of_the_handoff_s_and_the_decode_s() -> None:
-    model = CostModel()
-    assert model.ms_per_prompt_token(None) == 1.0  # the decode prior's (the handoff prior has no rate)
-    for tokens in (1000, 2000, 3000, 4000):  # handoffs whose queueing hides their prompts' lengths
-        model.handoff("http://p/v1", "sequential", tokens, 5000.0 + 0.2 * tokens)
-        model.decode_only("http://d/v1", tokens // 4, 10.0 + 2.0 * tokens // 4)
-    assert model.ms_per_prompt_token("http://d/v1") == pytest.approx(2.0)
-    assert model.ms_per_prompt_token("http://other/v1") == 1.0
