@@ -261,7 +261,6 @@ class Call:
         self.prefill.end(response.status_code, None)
         if retry.is_transient_status(response.status_code):
             raise retry.RetryableStatus(response)
-        self.remote.arrived()
         self.record.prefill_ms = self._elapsed_ms()
         if response.status_code >= 400:
             # The request itself is wrong (bad model, messages, ...): the decode leg would
@@ -277,7 +276,6 @@ class Call:
 
     def prefill_failed(self, error: BaseException) -> httpx.Response | None:
         """The prefill leg failed for good: the failure policy fails the call, or it goes on without it."""
-        self.remote.arrived()
         self.record.prefill_ms = self._elapsed_ms()
         self.prefill_result = None
         reason = prefill_failure(error, self.prefill.attempt)
@@ -474,7 +472,6 @@ class Call:
         if self.phase is Phase.ENDED:
             return
         self.phase = Phase.ENDED
-        self.remote.arrived()
         if self.decode.endpoint is not None and self.decode.status == 200 and self.record.error is None:
             self.remote.ended(
                 self.plan,

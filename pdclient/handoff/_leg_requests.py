@@ -137,10 +137,6 @@ class LegRequests:
         self._path = relative_path
         self._secret = secret
 
-    @property
-    def leg_id(self) -> str:
-        return self._leg_id
-
     def sign(self, base: str, content: bytes) -> str | None:
         """The leg's signature for servers whose server patch guards kv_transfer_params, if a
         secret is set (a fresh nonce each time: one per attempt)."""

@@ -40,7 +40,7 @@ from ..conversations import (
 from ..costs import CallCost, DispatchChoice
 from ..kv_events import KVEventFeeds, turn_keys
 from ..migration import Tracker
-from ..pools import AllEndpointsOpen, Endpoint, EndpointPool
+from ..pools import AllEndpointsOpen, EndpointPool
 from ..routing import RouteDecision, RouteRequest, conversation_routing, policy_decision
 from ._leg import Leg
 from ._leg_requests import LegRequests
@@ -75,17 +75,12 @@ def conversation_home(pool: EndpointPool, options: PDOptions, route: RouteReques
 def running_streams(pool: EndpointPool, url: str | None, now: float) -> int:
     """The streams running on the decode endpoint ``url``: this process's calls in flight
     there, or the server's own count when a fresh load sample says more (other processes')."""
-    endpoint = decode_endpoint(pool, url)
-    if endpoint is None:
-        return 0
-    load = endpoint.load
-    counted = int(load.running) if load is not None and load.fresh(now) else 0
-    return max(endpoint.in_flight, counted)
-
-
-def decode_endpoint(pool: EndpointPool, url: str | None) -> Endpoint | None:
-    """The decode pool's endpoint at ``url``, if it has one."""
-    return next((endpoint for endpoint in pool.endpoints if endpoint.url == url), None) if url else None
+    for endpoint in pool.endpoints:
+        if endpoint.url == url:
+            load = endpoint.load
+            counted = int(load.running) if load is not None and load.fresh(now) else 0
+            return max(endpoint.in_flight, counted)
+    return 0
 
 
 def remote_prefill_decision(
@@ -102,15 +97,8 @@ def remote_prefill_decision(
     costs, probe = None, None
     if mode == "auto" and estimate is not None and fleet is not None:
         held = estimate.endpoint or (home.endpoint.url if home is not None else None)
-        now = time.monotonic()
-        streams = running_streams(fleet.decode, held, now)
+        streams = running_streams(fleet.decode, held, time.monotonic())
         costs = fleet.costs.predict(held, estimate.uncached_tokens, streams)
-        # A handoff whose prefill ends while the decode computes this call's tokens waits for
-        # that compute before its first token, as a running stream waits.
-        endpoint = decode_endpoint(fleet.decode, held)
-        arriving = endpoint.arriving(now + costs.compute_ms / 1000) if endpoint is not None else 0
-        if arriving:
-            costs = fleet.costs.predict(held, estimate.uncached_tokens, streams + arriving)
         if held is not None:
             probe = functools.partial(fleet.costs.probe_due, held)
     decision = decide_remote_prefill(mode, estimate, settings, costs, probe)
@@ -255,7 +243,6 @@ class RemotePrefill:
     all; a whole answer is remembered at the call's end."""
 
     __slots__ = (
-        "_arriving_at",
         "_estimate",
         "_prepared",
         "_tokens",
@@ -281,8 +268,6 @@ class RemotePrefill:
         self.warm_up_url: str | None = None
         """The prefill endpoint this decode-only call's prompt was queued to (``fleet._warm``)."""
         self._tokens: int | None = None
-        self._arriving_at: tuple[Endpoint, str] | None = None
-        """The decode endpoint told to expect this handoff until its prefill ends, and its leg id."""
         self._estimate: Estimate | None = None
         self._prepared = False
         self.tokenize_ms: float | None = None
@@ -393,26 +378,7 @@ class RemotePrefill:
         self.decision = remote_prefill_decision(mode, estimate, options.conversations, self.home, fleet)
         if not self.decision.remote_prefill and mode == "auto" and options.conversations.warm_prefill:
             self.warm_up(fleet, route_for("prefill"), requests, dialect.warm_up_body(plan))
-        elif self.decision.remote_prefill:
-            self.expect_arrival(fleet.decode, requests.leg_id)
         return self.decision.remote_prefill
-
-    def expect_arrival(self, decode: EndpointPool, leg_id: str) -> None:
-        """Tell the decode endpoint a handoff goes to when its prefill is predicted to end, so
-        that ``auto`` counts it among the streams a decode-only turn there would stall."""
-        decision = self.decision
-        endpoint = decode_endpoint(decode, decision.decode_endpoint) if decision is not None else None
-        if decision is not None and endpoint is not None:
-            handoff_s = decision.costs.handoff_ms / 1000 if decision.costs is not None else 0.0
-            endpoint.expect(leg_id, time.monotonic() + handoff_s)
-            self._arriving_at = (endpoint, leg_id)
-
-    def arrived(self) -> None:
-        """The handoff's prefill ended (or its call did): it is no longer on its way."""
-        if self._arriving_at is not None:
-            endpoint, leg_id = self._arriving_at
-            endpoint.arrived(leg_id)
-            self._arriving_at = None
 
     def warm_up(self, fleet: Fleet, prefill_route: RouteRequest, requests: LegRequests, body: bytes) -> None:
         """Queue a decode-only call's prompt (``body``) for the prefill endpoint its

@@ -4,7 +4,6 @@ their policies, used as a namespace)."""
 
 from . import _retry as retry
 from ._endpoints import (
-    ARRIVAL_GRACE,
     DECODE_ENV,
     PREFILL_ENV,
     AllEndpointsOpen,
@@ -20,7 +19,6 @@ from ._latency import PeakEWMA
 from ._retry import RetrySettings, Sleep, counts_against_server, is_transient_status, retry_after_seconds
 
 __all__ = [
-    "ARRIVAL_GRACE",
     "AllEndpointsOpen",
     "BreakerSettings",
     "DECODE_ENV",

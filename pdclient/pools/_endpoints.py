@@ -63,10 +63,6 @@ class BreakerSettings:
         check_seconds("breaker.cooldown", self.cooldown, zero=True)
 
 
-ARRIVAL_GRACE = 600.0
-"""Seconds past its expected time that a handoff still counts as on its way (a prefill may queue that long)."""
-
-
 class Endpoint:
     """One server of a pool: its URL, its in-flight count and its circuit breaker."""
 
@@ -86,8 +82,6 @@ class Endpoint:
         self._failures = 0
         self._opened_at: float | None = None
         self._probing = False
-        self._arriving: dict[str, float] = {}
-        """Handoffs whose decode leg is to come here, their prefill in flight: when each is expected, by leg id."""
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -120,25 +114,6 @@ class Endpoint:
                 self._opened_at = None
             elif ok is False:
                 self._count_failure()
-
-    def expect(self, leg_id: str, at: float) -> None:
-        """A handoff whose decode leg is to come here, expected at ``at`` (the clock's seconds)."""
-        with self._lock:
-            self._arriving[leg_id] = at
-
-    def arrived(self, leg_id: str) -> None:
-        """That handoff's prefill ended (its decode leg is opened now, counted in ``in_flight``, or never)."""
-        with self._lock:
-            self._arriving.pop(leg_id, None)
-
-    def arriving(self, until: float) -> int:
-        """The handoffs expected here by ``until``, late ones included; one expected more than
-        ``ARRIVAL_GRACE`` seconds ago is forgotten (its call ended without saying so)."""
-        with self._lock:
-            stale = [leg_id for leg_id, at in self._arriving.items() if at < until - ARRIVAL_GRACE]
-            for leg_id in stale:
-                del self._arriving[leg_id]
-            return sum(1 for at in self._arriving.values() if at <= until)
 
     def note_failure(self) -> None:
         """A failure seen outside a request (a health probe): it counts as a failed request does."""

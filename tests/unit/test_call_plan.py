@@ -9,7 +9,6 @@ by the test (nothing is sent). The pure parts (``decide``, ``handoff_after_all``
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
 import httpx
@@ -35,7 +34,6 @@ from pdclient.handoff import (
     usage_merge_for,
 )
 from pdclient.handoff._flow import sequential_again
-from pdclient.pools import ARRIVAL_GRACE
 from pdclient.routing import RouteDecision
 from pdclient.wire import SIGNATURE_HEADER
 from tests.fake_vllm import NIXL_PARAMS, prefill_json
@@ -520,56 +518,3 @@ def test_no_release_once_a_decode_may_have_reached_its_server_or_without_kv_held
     request = call.prefill_request()
     assert call.check_prefill(httpx.Response(200, json=prefill_json(sent(request), kv_params=None))) is None
     assert release_request(call) is None
-
-
-# -- handoffs on their way to a decode endpoint ------------------------------------------
-
-
-def test_an_endpoint_counts_the_handoffs_expected_by_a_time() -> None:
-    endpoint = Fleet(PDOptions(prefill_base_url=PREFILL, decode_base_url=DECODES), asynchronous=False).decode.endpoints[
-        0
-    ]
-    endpoint.expect("pd-a", 10.0)
-    endpoint.expect("pd-b", 20.0)
-    assert (endpoint.arriving(5.0), endpoint.arriving(15.0), endpoint.arriving(25.0)) == (0, 1, 2)
-    endpoint.arrived("pd-a")
-    endpoint.arrived("pd-unknown")
-    assert endpoint.arriving(25.0) == 1
-    # A late one still counts, until it is so late that its call must have ended unsaid.
-    assert endpoint.arriving(20.0 + ARRIVAL_GRACE) == 1
-    assert endpoint.arriving(21.0 + ARRIVAL_GRACE) == 0
-
-
-@pytest.mark.parametrize(("arrives_in", "decode_only"), [(0.5, False), (-3.0, False), (5.0, True)])
-def test_a_handoff_whose_prefill_ends_during_a_decode_only_turn_counts_as_a_stream_it_stalls(
-    arrives_in: float, decode_only: bool
-) -> None:
-    fleet = Fleet(PDOptions(prefill_base_url=PREFILL, decode_base_url=DECODES), asynchronous=False)
-    for tokens in (1000, 2000, 3000, 4000):  # handoffs at 3 ms a token: decode-only is faster
-        fleet.costs.handoff(PREFILL, "sequential", tokens, 3.0 * tokens)
-    # 1,000 uncached tokens: ~1 s of the decode's compute (its prior, 1 ms a token).
-    cached = Estimate(2000, 1000, DECODES[0], Match.EXTENDS_ANSWER)
-    fleet.decode.endpoints[0].expect("pd-other", time.monotonic() + arrives_in)
-    fleet.decode.endpoints[1].expect("pd-elsewhere", time.monotonic())
-    decision = remote_prefill_decision("auto", cached, SETTINGS, None, fleet)
-    assert decision.costs is not None and decision.costs.streams == (0 if decode_only else 1)
-    assert decision.remote_prefill is not decode_only
-    assert decision.reason is (Reason.DECODE_ONLY_FASTER if decode_only else Reason.STALL_OVER_BUDGET)
-
-
-def test_a_handoff_is_expected_at_its_decode_endpoint_until_its_prefill_ends() -> None:
-    fleet = Fleet(PDOptions(prefill_base_url=PREFILL, decode_base_url=DECODES), asynchronous=False)
-    home = fleet.decode.endpoints
-    call = make_call(chat("a long first question " * 200), fleet=fleet, remote_prefill="auto")
-    assert call.wants_prefill()
-    assert call.remote.decision is not None and call.remote.decision.decode_endpoint is not None
-    expected = next(e for e in home if e.url == call.remote.decision.decode_endpoint)
-    assert expected.arriving(time.monotonic() + 60) == 1
-    prefilled(call)
-    assert expected.arriving(time.monotonic() + 60) == 0
-    # A call that ends before its prefill answers (a cancel) says so too.
-    other = make_call(chat("another long question " * 200), fleet=fleet, remote_prefill="auto")
-    assert other.wants_prefill()
-    assert sum(e.arriving(time.monotonic() + 60) for e in home) == 1
-    other.end()
-    assert sum(e.arriving(time.monotonic() + 60) for e in home) == 0
