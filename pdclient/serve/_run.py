@@ -75,13 +75,12 @@ def worker_app() -> Any:
 def run(config: ServeConfig) -> None:
     """Serve until SIGINT/SIGTERM; then stop accepting and give in-flight requests
     ``config.grace_period`` seconds before closing them (uvicorn's graceful shutdown)."""
-    import uvicorn
-
     if config.workers == 1:
         from ._app import create_app
+        from ._server import Server
 
         # What uvicorn.run does for one process, with the config above.
-        server = uvicorn.Server(server_config(config, create_app(config)))
+        server = Server(server_config(config, create_app(config)))
         settle()
         with contextlib.suppress(KeyboardInterrupt):
             server.run()

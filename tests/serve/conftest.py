@@ -15,11 +15,10 @@ import pytest
 pytest.importorskip("starlette", reason="pdclient[serve] is not installed")
 pytest.importorskip("uvicorn", reason="pdclient[serve] is not installed")
 
-import uvicorn
-
 from pdclient.serve import ServeConfig, create_app
 from pdclient.serve._proxy import Proxy
 from pdclient.serve._run import server_config
+from pdclient.serve._server import Server
 from tests.serve.process import ServeProcess, metric_samples
 from tests.stubserver import StubServer
 
@@ -49,7 +48,7 @@ def running_proxy(
     clients included), on an ephemeral loopback port, in a thread."""
     app = create_app(config, **app_options)
     options = {"host": "127.0.0.1", "port": 0, "log_config": None, "timeout_graceful_shutdown": 2}
-    server = uvicorn.Server(server_config(config, app, **{**options, **(server_options or {})}))
+    server = Server(server_config(config, app, **{**options, **(server_options or {})}))
     thread = threading.Thread(target=server.run, name="pdclient-serve-test", daemon=True)
     thread.start()
     deadline = time.monotonic() + 10

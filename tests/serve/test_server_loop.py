@@ -1,0 +1,55 @@
+"""The server's main loop: woken once a second, not ten times, and at once to stop."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import httpx
+
+from pdclient.serve._server import Server
+
+
+class CountingServer(Server):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.ticks: list[int] = []
+        self.stopped_at: float | None = None
+
+    async def on_tick(self, counter: int) -> bool:
+        self.ticks.append(counter)
+        stop = await super().on_tick(counter)
+        if stop:
+            self.stopped_at = time.monotonic()
+        return stop
+
+
+async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    if scope["type"] == "http":
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+
+def test_the_main_loop_wakes_once_a_second_and_at_once_to_stop() -> None:
+    import uvicorn
+
+    server = CountingServer(uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    first = httpx.get(f"http://127.0.0.1:{port}/").headers["date"]
+    time.sleep(2.5)
+    # uvicorn's own loop would have ticked ~25 times; its Date header is refreshed on tens.
+    assert 2 <= len(server.ticks) <= 5, server.ticks
+    assert all(counter % 10 == 0 for counter in server.ticks)
+    assert httpx.get(f"http://127.0.0.1:{port}/").headers["date"] != first
+    stopping = time.monotonic()
+    server.should_exit = True  # from another thread, as the tests and uvicorn's signal handler set it
+    thread.join(10)
+    assert not thread.is_alive()
+    assert server.stopped_at is not None and server.stopped_at - stopping < 0.5  # not at the next tick
