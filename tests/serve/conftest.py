@@ -40,6 +40,17 @@ class RunningProxy:
         return self.url + "/v1"
 
 
+def started_in_thread(server: Server) -> tuple[threading.Thread, int]:
+    """``server`` run in a daemon thread, once it listens: the thread and its port."""
+    thread = threading.Thread(target=server.run, name="pdclient-serve-test", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    return thread, server.servers[0].sockets[0].getsockname()[1]
+
+
 @contextlib.contextmanager
 def running_proxy(
     config: ServeConfig, *, server_options: dict[str, Any] | None = None, **app_options: Any
@@ -49,13 +60,7 @@ def running_proxy(
     app = create_app(config, **app_options)
     options = {"host": "127.0.0.1", "port": 0, "log_config": None, "timeout_graceful_shutdown": 2}
     server = Server(server_config(config, app, **{**options, **(server_options or {})}))
-    thread = threading.Thread(target=server.run, name="pdclient-serve-test", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the proxy did not start"
-        time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
+    thread, port = started_in_thread(server)
     try:
         yield RunningProxy(f"http://127.0.0.1:{port}", app.state.proxy)
     finally:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
 import httpx
 
 from pdclient.serve._server import Server
+
+from .conftest import started_in_thread
 
 
 class CountingServer(Server):
@@ -35,13 +36,7 @@ def test_the_main_loop_wakes_once_a_second_and_at_once_to_stop() -> None:
     import uvicorn
 
     server = CountingServer(uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
+    thread, port = started_in_thread(server)
     first = httpx.get(f"http://127.0.0.1:{port}/").headers["date"]
     time.sleep(2.5)
     # uvicorn's own loop would have ticked ~25 times; its Date header is refreshed on tens.
