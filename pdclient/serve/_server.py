@@ -16,8 +16,8 @@ import contextlib
 
 import uvicorn
 
-_TICK_SECONDS = 1.0
-_TICKS_PER_SECOND = 10
+_TICK_SECONDS = 1
+_TENTHS_PER_TICK = 10 * _TICK_SECONDS
 """uvicorn's ``on_tick`` counts tenths of a second: the ``Date`` header is refreshed on multiples of ten."""
 
 
@@ -44,7 +44,7 @@ class Server(uvicorn.Server):
         counter = 0
         stop = await self.on_tick(counter)
         while not stop:
-            counter = (counter + _TICKS_PER_SECOND) % 864000
+            counter = (counter + _TENTHS_PER_TICK) % 864000
             timer = loop.call_later(_TICK_SECONDS, wake.set)
             await wake.wait()
             timer.cancel()
