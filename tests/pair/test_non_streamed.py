@@ -30,7 +30,8 @@ from .extra_decode import ExtraDecode
 from .helpers import WITH_LOGPROBS, same_greedy_answer, tops, user
 
 GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": 48}
-LONG_ANSWER = 200
+LONG_ANSWER = 1000
+"""~35 s on D2: long enough to outlast a stalled reader (tests/pair/test_migration.py says why)."""
 CUT_AFTER = 16
 ATTEMPTS = 3
 
