@@ -67,7 +67,18 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from bench_proxies import ROUTER, Proc, _pyplot, free_port, log, pdclient_serve, root, started, vllm_router
+from bench_proxies import (
+    ROUTER,
+    Proc,
+    _pyplot,
+    bare_proxy,
+    free_port,
+    log,
+    pdclient_serve,
+    root,
+    started,
+    vllm_router,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdclient.cli.bench import quantile
@@ -89,7 +100,9 @@ ROUTER_REQUIREMENT = "vllm-router==0.1.17"
 TOOL_REQUIREMENTS = ("pandas==3.1.1", "xlsxwriter==3.3.1")
 TEXT = "tvm_ffi/3rdparty/libbacktrace/Isaac.Newton-Opticks.txt"
 
-ARMS = ("pdclient auto", "pdclient always", "vllm-router", "multiturn proxy", "decode alone")
+ARMS = ("pdclient auto", "pdclient always", "vllm-router", "multiturn proxy", "decode alone", "bare proxy")
+DEFAULT_ARMS = ARMS[:-1]
+"""``bare proxy`` (benchmarks/bare_proxy.py) is asked for by name: the CPU floor of pdclient serve's stack."""
 PDCLIENT_ARMS = ("pdclient auto", "pdclient always")
 BASELINE = "vllm-router"
 
@@ -512,7 +525,7 @@ def plot(runs: Sequence[Run], arms: Sequence[str], title: str, path: Path) -> st
         return "plot skipped: matplotlib is not installed"
     keys = [c for c in COLUMNS if c[1] != "latency_p50_ms"]
     figure, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 4.4))
-    colors = dict(zip(ARMS, ("tab:blue", "tab:cyan", "tab:orange", "tab:purple", "tab:gray"), strict=True))
+    colors = dict(zip(ARMS, ("tab:blue", "tab:cyan", "tab:orange", "tab:purple", "tab:gray", "tab:olive"), strict=True))
     table = medians(runs, arms)
     for axis, (name, key) in zip(axes, keys, strict=True):
         for k, arm in enumerate(arms):
@@ -590,6 +603,7 @@ def run_all(args: argparse.Namespace) -> int:
             ),
             "vllm-router": lambda: vllm_router(prefill, decode, logs),
             "multiturn proxy": lambda: multiturn_proxy(prefill, decode, sdist.parents[1] / MULTITURN_PROXY, logs),
+            "bare proxy": lambda: bare_proxy(prefill, decode, logs),
         }
         procs: dict[str, Proc | None] = {}
         for arm in arms:
@@ -644,7 +658,7 @@ def main() -> int:
     parser.add_argument("--conversations", type=int, default=16)
     parser.add_argument("--clients", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0, help="the first run's; each run adds its index")
-    parser.add_argument("--arms", default=",".join(ARMS), help=f"a subset of: {', '.join(ARMS)}")
+    parser.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"a subset of: {', '.join(ARMS)}")
     parser.add_argument("--serve-args", default="", help="extra flags for both `pdclient serve` arms, one string")
     parser.add_argument(
         "--server-args", default="", help="extra vLLM flags for both servers of the pair (every arm's), one string"
