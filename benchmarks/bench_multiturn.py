@@ -446,7 +446,7 @@ TAILS = ("first_turn_ttft_p90_ms", "follow_up_ttft_p90_ms")
 
 
 def value(run: Run, key: str) -> float | None:
-    found = run.rates.get(key) if key in run.rates else run.summary.get(key)
+    found = run.rates.get(key) if key in run.rates else run.summary.get(key, getattr(run, key, None))
     return None if found is None else float(found)
 
 
@@ -524,6 +524,8 @@ def plot(runs: Sequence[Run], arms: Sequence[str], title: str, path: Path) -> st
     if plt is None:
         return "plot skipped: matplotlib is not installed"
     keys = [c for c in COLUMNS if c[1] != "latency_p50_ms"]
+    if any(run.proxy_cpu_ms_per_call is not None for run in runs):
+        keys.append(("proxy CPU ms/call", "proxy_cpu_ms_per_call"))
     figure, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 4.4))
     colors = dict(zip(ARMS, ("tab:blue", "tab:cyan", "tab:orange", "tab:purple", "tab:gray", "tab:olive"), strict=True))
     table = medians(runs, arms)
