@@ -4,9 +4,11 @@ The next turn of a conversation resends the previous messages, the answer the de
 server streamed, and a short new message. Sent decode-only to that decode server, its
 prefix cache answers all of it but the new message and the partial last block: the
 previous prompt (whose KV it pulled over NIXL), and the answer's ids but the last one
-(sampled, never computed), because the chat template re-renders the answer to the very
-ids that were generated. Sent through a second handoff instead, the prefill server holds
-only the previous prompt, and the decode server pulls only the blocks it lacks.
+(sampled, never computed), as far as the chat template re-renders the answer to the ids
+that were generated: mostly all of it, but a model may generate a split the tokenizer
+would not make (two "\n" where it reads one "\n\n"), and from there the new prompt's
+ids differ. Sent through a second handoff instead, the prefill server holds only the
+previous prompt, and the decode server pulls only the blocks it lacks.
 
 Written against the wire contract (plain HTTP), so it checks the servers, not pdclient:
 ``pdclient/conversations/_memory.py`` counts cached tokens the way these tests measure them.
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import pytest
 
 from pdclient.local import PDServers
 
@@ -38,6 +41,7 @@ HITS = "vllm:prefix_cache_hits_total"
 QUERIES = "vllm:prefix_cache_queries_total"
 PULLED = "vllm:external_prefix_cache_hits_total"
 FILLER = " a"  # one token each in SmolLM2's tokenizer (and most BPE tokenizers)
+CONVERSATIONS = 3
 
 
 def block_size(base_v1_url: str) -> int:
@@ -106,6 +110,18 @@ def first_turn(http: httpx.Client, pd: PDServers, block: int) -> Turn:
     return Turn(messages(padding), prompt_ids, answer, answer_ids)
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def re_rendered(turn: Turn, prompt_ids: list[int]) -> int:
+    """How many ids of the previous prompt and answer the next prompt starts with: the whole
+    previous prompt always, the answer as far as it re-renders to its own ids."""
+    same = common_prefix(prompt_ids, turn.prompt_ids + turn.answer_ids)
+    assert same >= len(turn.prompt_ids), "the previous prompt's ids changed in the next turn's prompt"
+    return same
+
+
 def next_turn(turn: Turn) -> list[dict[str, Any]]:
     return [
         *turn.messages,
@@ -116,25 +132,31 @@ def next_turn(turn: Turn) -> list[dict[str, Any]]:
 
 def test_the_decode_server_holds_the_previous_turn_and_its_answer(pd: PDServers) -> None:
     block = block_size(pd.decode_url)
-    with httpx.Client(timeout=280) as http:
-        turn = first_turn(http, pd, block)
-        before = {name: metric(pd.decode_url, name) for name in (HITS, QUERIES)}
-        prefill_queries = metric(pd.prefill_url, QUERIES)
-        body = {"model": pd.model, "messages": next_turn(turn), "max_tokens": 4, "temperature": 0, "stream": True}
-        _, _, prompt_ids, _ = stream(http, pd.decode_url, {**body, "return_token_ids": True})
+    for _ in range(CONVERSATIONS):
+        with httpx.Client(timeout=280) as http:
+            turn = first_turn(http, pd, block)
+            before = {name: metric(pd.decode_url, name) for name in (HITS, QUERIES)}
+            prefill_queries = metric(pd.prefill_url, QUERIES)
+            body = {"model": pd.model, "messages": next_turn(turn), "max_tokens": 4, "temperature": 0, "stream": True}
+            _, _, prompt_ids, _ = stream(http, pd.decode_url, {**body, "return_token_ids": True})
+        same = re_rendered(turn, prompt_ids)
+        if whole_blocks(same, block) > whole_blocks(len(turn.prompt_ids), block):
+            break
+        print(f"\nthe answer re-rendered to other ids {same - len(turn.prompt_ids)} ids in: another conversation")
+    else:
+        pytest.fail(f"in {CONVERSATIONS} conversations no answer re-rendered to its own ids past a block")
     hits = metric(pd.decode_url, HITS) - before[HITS]
     queries = metric(pd.decode_url, QUERIES) - before[QUERIES]
     previous = len(turn.prompt_ids) + len(turn.answer_ids)
+    print(f"\n{same} of the previous turn's {previous} ids re-rendered alike")
 
-    # The template re-renders the streamed answer to the ids that were generated.
-    assert prompt_ids[:previous] == turn.prompt_ids + turn.answer_ids
     assert queries == len(prompt_ids)
-    # Whole blocks of the previous prompt and the answer, but the answer's last id (sampled,
-    # never computed): more than the previous prompt alone.
-    assert hits == whole_blocks(previous - 1, block)
+    # Whole blocks of the previous prompt and of the answer as far as it re-rendered alike,
+    # never its last id (sampled, never computed): more than the previous prompt alone.
+    assert hits == whole_blocks(min(same, previous - 1), block)
     assert hits > whole_blocks(len(turn.prompt_ids), block)
     # Most of the prompt: what is left is the new message, its template and a partial block.
-    assert queries - hits < len(prompt_ids) - len(turn.prompt_ids) - len(turn.answer_ids) + block
+    assert queries - hits < len(prompt_ids) - min(same, previous) + block
     assert hits / queries > 0.8, f"{hits:.0f} of {queries:.0f} prompt ids were cached"
     assert metric(pd.prefill_url, QUERIES) == prefill_queries  # the prefill server was not involved
 
@@ -153,10 +175,11 @@ def test_through_a_second_handoff_the_prefill_recomputes_the_answer(pd: PDServer
         kv = {**handoff["kv_transfer_params"], "prompt_token_ids": prompt_ids}
         stream(http, pd.decode_url, {**body, "max_tokens": 4, "stream": True, "kv_transfer_params": kv})
     previous = len(turn.prompt_ids) + len(turn.answer_ids)
+    same = re_rendered(turn, prompt_ids)
 
     # The prefill server holds the previous prompt's whole blocks, never the answer.
     assert metric(pd.prefill_url, HITS) - prefill_before == whole_blocks(len(turn.prompt_ids), block)
     # The decode server uses what it holds and pulls only the rest over NIXL.
     local = metric(pd.decode_url, HITS) - decode_before[HITS]
-    assert local == whole_blocks(previous - 1, block)
+    assert local == whole_blocks(min(same, previous - 1), block)
     assert metric(pd.decode_url, PULLED) - decode_before[PULLED] == len(prompt_ids) - local
