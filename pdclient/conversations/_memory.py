@@ -21,7 +21,11 @@ docs/conversations.md has the figures):
   the answer's later blocks with it), so they are counted as uncached;
 - the chat template re-renders a plain-text answer to the very ids that were generated, so
   the next prompt starts with those ``P + A`` ids; an answer with tool calls or reasoning
-  is re-rendered by the template in its own format, and its blocks are not counted.
+  is re-rendered by the template in its own format, and its blocks are not counted. Not
+  always to the last id: a model may generate a split its tokenizer would not make (a
+  real-pair run: two ``\n`` where re-rendering gives one ``\n\n``, 62 ids into the
+  answer), and the cache serves only up to it; counting on past it over-estimates by the
+  answer's later blocks, which the KV events, where they are read, do not.
 
 The prefill server holds only the previous prompt's blocks: through P/D the next turn
 prefills the answer and the new message there.
