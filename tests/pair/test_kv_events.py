@@ -29,6 +29,7 @@ from tests.serve.process import ServeProcess, metric_samples
 from .helpers import GREEDY
 
 BLOCK = 128  # vLLM's CPU block size, the memory's default
+WORKER_CONVERSATIONS = 40
 
 
 REQUEST_INPUTS_LOGGING: dict[str, Any] = {
@@ -418,9 +419,14 @@ def proxy_call(proxy: ServeProcess, messages: list[dict[str, Any]], model: str) 
 def test_two_workers_of_one_proxy_decide_alike_and_as_the_decode_counts(events_pair: LocalPD) -> None:
     """``pdclient serve --workers 2``, each worker with its own subscriptions and memory:
     two-turn conversations, each call on a new connection (either worker may take either
-    turn), until each worker has decided a follow-up and one follow-up went to the worker
-    that never saw its first turn. Every follow-up is decode-only by the decode's events,
-    counting what the decode server itself then found cached, whichever worker decided it."""
+    turn), until a follow-up went to the worker that never saw its first turn. Every
+    follow-up is decode-only by the decode's events, counting what the decode server itself
+    then found cached, whichever worker decided it.
+
+    Which worker accepts a connection is the kernel's choice, and it can favour one: in a CI
+    run one worker took 15 of 16 calls, and the only crossing was its first turn on the
+    other. So the test waits for a crossing (up to ``WORKER_CONVERSATIONS``), not for each
+    worker to decide a follow-up: the crossed worker decided one from events it alone read."""
     pd = events_pair
     proxy = ServeProcess(
         *("--prefill", pd.prefill_urls[0], "--decode", pd.decode_urls[0], "--remote-prefill", "auto"),
@@ -432,7 +438,7 @@ def test_two_workers_of_one_proxy_decide_alike_and_as_the_decode_counts(events_p
         with events_client(pd, []) as (_client, index):
             # Both workers subscribe in their fleets' background: give them the time this one took.
             time.sleep(2.0)
-            for _ in range(8):
+            for _ in range(WORKER_CONVERSATIONS):
                 messages = conversation()
                 first, first_pid = proxy_call(proxy, messages, pd.model)
                 assert first["outcome"] == Outcome.DISAGGREGATED.value
@@ -445,15 +451,12 @@ def test_two_workers_of_one_proxy_decide_alike_and_as_the_decode_counts(events_p
                 second, second_pid = proxy_call(proxy, messages, pd.model)
                 second.pop("answer")
                 follow_ups.append((first_pid, second_pid, second))
-                deciders = {pid for _, pid, _ in follow_ups}
-                crossed = any(a != b for a, b, _ in follow_ups)
-                if len(deciders) == 2 and crossed:
+                if any(a != b for a, b, _ in follow_ups):
                     break
                 settled(index)
     finally:
         proxy.stop()
     print(f"\n(first turn's worker, follow-up's worker, its decision) per conversation: {follow_ups}", end="")
-    assert len({pid for _, pid, _ in follow_ups}) == 2, "one worker took every follow-up"
     assert any(a != b for a, b, _ in follow_ups), "no follow-up went to the other worker"
     for _, _, decision in follow_ups:
         assert (decision["outcome"], decision["cache_source"]) == (Outcome.DECODE_ONLY.value, "kv_events")
