@@ -25,7 +25,7 @@ from ._fleet import Fleet
 from ._health import HealthProber, HealthSettings, ProbeState, step, verdict
 from ._kv_events import KVEventWatch
 from ._load import LoadScraper, ScrapeSettings, ServerLoad, parse_metrics, server_url
-from ._warm import WARM_UP_BUSY_POLL, WARM_UP_TIMEOUT, PrefillWarmer
+from ._warm import WARM_UP_LOAD_POLL, WARM_UP_TIMEOUT, PrefillWarmer
 
 __all__ = [
     "KVEventWatch",
@@ -53,7 +53,7 @@ __all__ = [
     "Resolver",
     "ScrapeSettings",
     "ServerLoad",
-    "WARM_UP_BUSY_POLL",
+    "WARM_UP_LOAD_POLL",
     "WARM_UP_TIMEOUT",
     "fetch",
     "host_header",

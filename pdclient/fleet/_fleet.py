@@ -145,6 +145,7 @@ class Fleet:
         """The warm-ups' driver, made on first use (with ``_lock`` held)."""
         if self._warming is None:
             self._warming = Background([self.warmer], asynchronous=self._asynchronous, name="pdclient-warm-up")
+            self.warmer.wake = self._warming.wake
             weakref.finalize(self, self._warming.close, wait=False).atexit = False
         return self._warming
 

@@ -14,11 +14,14 @@ spends; ``ConversationSettings.warm_prefill=False`` turns it off (then ``"auto"`
 that compute and pays for it on the next P/D turn).
 
 A warm-up is nobody's answer, so it yields to the callers' work on its prefill server: one
-at a time per server, and none while a caller's prefill from this process is in flight
-there. Posted at once instead, the warm-ups of fast decode-only turns piled up on the
-prefill server, and every P/D call (a conversation's first turn) queued behind them: on
-vLLM's multi-turn benchmark a first turn's prefill took 2.3 s (median; 4.0 s p90) under
-``auto`` against 1.8 s (2.4 s) under ``always``, which was ``auto``'s whole TTFT p99.
+at a time per server, none while a caller's prefill from this process is in flight there
+(the end of the last one wakes the driver: ``Endpoint.when_idle``), and none while the
+server's last fresh scrape counted requests waiting there (looked at again every
+``WARM_UP_LOAD_POLL``). Posted at once instead, the warm-ups of fast decode-only turns
+piled up on the prefill server, and every P/D call (a conversation's first turn) queued
+behind them: on vLLM's multi-turn benchmark a first turn's prefill took 2.3 s (median;
+4.0 s p90) under ``auto`` against 1.8 s (2.4 s) under ``always``, which was ``auto``'s
+whole TTFT p99.
 
 ``PrefillWarmer`` is a sans-I/O core of ``fleet._background``: the fleet's background driver
 (a thread, or a task for an async client) posts what is due, each warm-up a job of its own
@@ -30,6 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import orjson
@@ -44,9 +48,11 @@ WARM_UP_TIMEOUT = 60.0
 """Seconds a warm-up may take: a prefill of a few hundred tokens, on a busy server."""
 WARM_UP_QUEUE = 64
 """Warm-ups waiting at most; a newer one of the same conversation covers an older one's prefix."""
-WARM_UP_BUSY_POLL = 0.05
-"""Seconds between looks at a prefill server a caller's prefill keeps busy: the end of a
-caller's leg wakes no background driver, so a held warm-up is looked at again this often."""
+WARM_UP_LOAD_POLL = 0.25
+"""Seconds between looks at a prefill server whose last scrape counted requests waiting: a
+new count comes only with the next scrape (every 0.5 s by default). A warm-up held for
+this process's own callers is not looked at on a timer: polled every 50 ms, it cost the
+proxy's event loop ~8 ms of CPU a second while it waited."""
 
 
 @dataclass(frozen=True)
@@ -56,14 +62,14 @@ class _WarmUp:
     """The prefill server it warms: one warm-up at a time each."""
     endpoint: Endpoint | None
 
-    def held(self, now: float) -> bool:
-        """Whether callers' prefills are in flight on the endpoint: this process's, or others'
-        waiting there as the server's last fresh scrape said (load-aware routing scrapes it)."""
-        if self.endpoint is None:
-            return False
-        if self.endpoint.in_flight > 0:
-            return True
-        load = self.endpoint.load
+    def busy(self) -> bool:
+        """Whether this process's callers have prefills in flight on the endpoint."""
+        return self.endpoint is not None and self.endpoint.in_flight > 0
+
+    def queued(self, now: float) -> bool:
+        """Whether others' requests wait there, as the server's last fresh scrape said
+        (load-aware routing scrapes it)."""
+        load = self.endpoint.load if self.endpoint is not None else None
         return load is not None and load.fresh(now) and load.waiting > 0
 
 
@@ -74,12 +80,15 @@ class PrefillWarmer:
     (their ``usage``: ``cached_tokens`` needs vLLM's ``--enable-prompt-tokens-details``).
     """
 
-    def __init__(self, capacity: int = WARM_UP_QUEUE) -> None:
+    def __init__(self, capacity: int = WARM_UP_QUEUE, wake: Callable[[], object] | None = None) -> None:
         self._queue: deque[_WarmUp] = deque(maxlen=capacity)
         self._posting: set[str] = set()
         """The targets with a warm-up in flight."""
         self._held_at: float | None = None
-        """When ``due`` last held a warm-up back for its server's callers (None: it did not)."""
+        """When ``due`` last held a warm-up back for others' waiting requests (None: it did not)."""
+        self.wake = wake
+        """Asks the driver for ``due`` now (``Background.wake``): the end of a caller's prefill
+        that held a warm-up back calls it."""
         self._lock = threading.Lock()
         self.added = 0
         self.posted = 0
@@ -114,7 +123,11 @@ class PrefillWarmer:
             for warm_up in self._queue:
                 if warm_up.target in self._posting:
                     kept.append(warm_up)
-                elif warm_up.held(now):
+                elif warm_up.busy():
+                    kept.append(warm_up)
+                    if warm_up.endpoint is not None and self.wake is not None:
+                        warm_up.endpoint.when_idle(self.wake)
+                elif warm_up.queued(now):
                     kept.append(warm_up)
                     self._held_at = now
                 else:
@@ -127,8 +140,9 @@ class PrefillWarmer:
     def next_due(self) -> float:
         with self._lock:
             if self._held_at is not None:
-                return self._held_at + WARM_UP_BUSY_POLL
-            return 0.0 if any(w.target not in self._posting for w in self._queue) else float("inf")
+                return self._held_at + WARM_UP_LOAD_POLL
+            # A warm-up held back for a caller's prefill is due when that ends (``wake``).
+            return 0.0 if any(w.target not in self._posting and not w.busy() for w in self._queue) else float("inf")
 
     def apply(self, job: Job, outcome: JobResult, now: float) -> None:
         with self._lock:

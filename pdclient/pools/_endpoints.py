@@ -82,6 +82,7 @@ class Endpoint:
         self._failures = 0
         self._opened_at: float | None = None
         self._probing = False
+        self._idle_waiters: list[Callable[[], object]] = []
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -114,6 +115,22 @@ class Endpoint:
                 self._opened_at = None
             elif ok is False:
                 self._count_failure()
+            waiters: list[Callable[[], object]] = []
+            if self.in_flight <= 0:
+                waiters, self._idle_waiters = self._idle_waiters, []
+        for waiter in waiters:
+            waiter()
+
+    def when_idle(self, callback: Callable[[], object]) -> None:
+        """Call ``callback`` once, when no request of this process is in flight here: at once
+        if none is, else on the release of the last (from the releasing thread; once however
+        often it was asked for meanwhile)."""
+        with self._lock:
+            if self.in_flight > 0:
+                if callback not in self._idle_waiters:
+                    self._idle_waiters.append(callback)
+                return
+        callback()
 
     def note_failure(self) -> None:
         """A failure seen outside a request (a health probe): it counts as a failed request does."""

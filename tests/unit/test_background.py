@@ -12,7 +12,7 @@ import pytest
 
 from pdclient.fleet import (
     MAX_ANSWER_BYTES,
-    WARM_UP_BUSY_POLL,
+    WARM_UP_LOAD_POLL,
     BackgroundTask,
     BackgroundThread,
     Fetch,
@@ -27,6 +27,7 @@ from pdclient.fleet import (
     system_resolver,
 )
 from pdclient.pools import BreakerSettings, Endpoint
+from pdclient.routing import LoadSample
 from tests.polling import until, wait_until
 
 
@@ -282,11 +283,37 @@ def test_warm_ups_take_turns_on_their_prefill_server() -> None:
 def test_a_warm_up_waits_while_a_caller_prefills_on_its_server() -> None:
     # A warm-up is nobody's answer: a caller's prefill on that server must not queue behind it.
     endpoint = Endpoint("http://p/v1", BreakerSettings(), time.monotonic)
+    woken: list[str] = []
+    warmer = PrefillWarmer(wake=lambda: woken.append("woken"))
+    warmer.add(Fetch("http://p/v1/chat/completions", 1.0, None, b"1"), endpoint)
+    endpoint.acquire()  # two callers' prefill legs
+    endpoint.acquire()
+    assert warmer.due(5.0) == [] and warmer.due(5.01) == []
+    # No polling while it waits: the end of the last caller's leg wakes the driver, once.
+    assert warmer.next_due() == float("inf") and warmer.pending == 1
+    endpoint.release(ok=True)
+    assert woken == []
+    endpoint.release(ok=True)
+    assert woken == ["woken"] and warmer.next_due() == 0.0
+    (job,) = warmer.due(5.05)
+    assert job.action.content == b"1"  # type: ignore[union-attr]
+
+
+def test_an_endpoint_idle_already_calls_back_at_once() -> None:
+    # A release between the warmer's look and its asking must not leave the warm-up asleep.
+    endpoint = Endpoint("http://p/v1", BreakerSettings(), time.monotonic)
+    woken: list[int] = []
+    endpoint.when_idle(lambda: woken.append(1))
+    assert woken == [1]
+
+
+def test_a_warm_up_waits_while_others_requests_queue_on_its_server() -> None:
+    # Others' requests waiting there, by the last fresh scrape: looked at again with the next scrape.
+    endpoint = Endpoint("http://p/v1", BreakerSettings(), time.monotonic)
+    endpoint.load = LoadSample(waiting=2, running=1, kv_usage=None, taken_at=5.0, fresh_until=7.0, local_in_flight=0)
     warmer = PrefillWarmer()
     warmer.add(Fetch("http://p/v1/chat/completions", 1.0, None, b"1"), endpoint)
-    endpoint.acquire()  # a caller's prefill leg
     assert warmer.due(5.0) == []
-    assert warmer.next_due() == 5.0 + WARM_UP_BUSY_POLL and warmer.pending == 1
-    endpoint.release(ok=True)
-    (job,) = warmer.due(5.05)
+    assert warmer.next_due() == 5.0 + WARM_UP_LOAD_POLL
+    (job,) = warmer.due(7.0)  # the sample went stale
     assert job.action.content == b"1"  # type: ignore[union-attr]
