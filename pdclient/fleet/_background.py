@@ -486,6 +486,20 @@ class BackgroundTask(_Driver):
             done.set()
 
 
+class BorrowedTransport(httpx.AsyncBaseTransport):
+    """Another client's transport, for a background task's client to send with: closing the
+    background's client leaves it open for its owner (the proxy's legs)."""
+
+    def __init__(self, transport: httpx.AsyncBaseTransport) -> None:
+        self._transport = transport
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        return await self._transport.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        """Nothing: the transport is its owner's to close."""
+
+
 class Background:
     """One fleet's background work: its cores, and the driver that runs them once started."""
 
@@ -503,6 +517,9 @@ class Background:
         self.asynchronous = asynchronous
         """The fleet serves an async client: its driver is a task when started from an asyncio loop."""
         self._resolver = resolver
+        self.task_http: Callable[[], httpx.AsyncClient] = httpx.AsyncClient
+        """The HTTP client a task driver fetches with (``Fleet.send_background_with``); a
+        thread's loop is its own, so a thread driver always makes one of its own."""
         self._driver: BackgroundThread | BackgroundTask | None = None
         self._closed = False
         self._lock = threading.Lock()
@@ -548,7 +565,7 @@ class Background:
 
     def _new_driver(self) -> BackgroundThread | BackgroundTask:
         if self.asynchronous and running_library() is not None:  # no loop at all: a thread serves any caller
-            return BackgroundTask(self.cores, resolver=self._resolver, name=self.name)
+            return BackgroundTask(self.cores, resolver=self._resolver, http=self.task_http, name=self.name)
         return BackgroundThread(self.cores, resolver=self._resolver, name=self.name)
 
     def close(self, *, wait: bool = True) -> None:

@@ -13,8 +13,10 @@ warm-ups (``fleet._warm``) get a driver of their own, made when the first one is
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Protocol
 
 import httpx
@@ -24,7 +26,7 @@ from ..costs import CostModel
 from ..kv_events import KVEventFeeds
 from ..pools import BreakerSettings, Endpoint, EndpointPool
 from ..routing import RoutingPolicy, make_policy
-from ._background import Background, Core, Fetch, system_resolver
+from ._background import Background, BorrowedTransport, Core, Fetch, system_resolver
 from ._coordinates import CoordinateBook
 from ._discovery import DiscoverySettings, DnsDiscovery, is_address
 from ._health import HealthProber, HealthSettings
@@ -101,6 +103,7 @@ class Fleet:
         self.warmer = PrefillWarmer()
         """Prefill warm-ups waiting to be posted (``remote_prefill="auto"``, ``fleet._warm``)."""
         self._warming: Background | None = None
+        self._task_http: Callable[[], httpx.AsyncClient] = httpx.AsyncClient
         self._asynchronous = asynchronous
         self._closed = False
         self._lock = threading.Lock()
@@ -141,10 +144,22 @@ class Fleet:
             warming = self._warm_ups()
         warming.start()
 
+    def send_background_with(self, transport: httpx.AsyncBaseTransport) -> None:
+        """Have the background tasks (an async client's, on its loop) send with ``transport``,
+        the legs' own (``pdclient serve``'s aiohttp: a third of httpx's CPU a request), not
+        with a client and a connection pool of their own. Before the first call: a driver
+        already started keeps its client."""
+        with self._lock:
+            self._task_http = functools.partial(httpx.AsyncClient, transport=BorrowedTransport(transport))
+            for background in (self.background, self._warming):
+                if background is not None:
+                    background.task_http = self._task_http
+
     def _warm_ups(self) -> Background:
         """The warm-ups' driver, made on first use (with ``_lock`` held)."""
         if self._warming is None:
             self._warming = Background([self.warmer], asynchronous=self._asynchronous, name="pdclient-warm-up")
+            self._warming.task_http = self._task_http
             self.warmer.wake = self._warming.wake
             weakref.finalize(self, self._warming.close, wait=False).atexit = False
         return self._warming

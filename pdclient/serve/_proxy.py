@@ -186,6 +186,7 @@ class Proxy:
             observers=observers, allow_call_fallback_url=False, allow_call_overrides=config.allow_call_overrides
         )
         self.transport = AsyncPDTransport(options=options, leg_transport=legs)
+        self.transport.fleet.send_background_with(legs)  # warm-ups, probes and scrapes on aiohttp too
         self.metrics.watch(self.transport, registry=self.scrape_registry)
         self.api_base = options.decode_urls[0]
         self._base_paths = base_paths((*options.decode_urls, *options.prefill_urls))

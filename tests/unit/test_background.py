@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
+from pdclient import PDOptions
 from pdclient.fleet import (
     MAX_ANSWER_BYTES,
     WARM_UP_LOAD_POLL,
@@ -17,6 +18,7 @@ from pdclient.fleet import (
     BackgroundThread,
     Fetch,
     Fetched,
+    Fleet,
     Job,
     JobResult,
     LookedUp,
@@ -199,6 +201,28 @@ def test_thread_driver_posts_a_queued_warm_up_at_once() -> None:
     driver.wake()
     wait_until(lambda: warmer.posted == 1, timeout=2.0)
     driver.close()
+
+
+class Legs(httpx.MockTransport):
+    """The legs' transport of an async client: it answers, and says whether it was closed."""
+
+    closed = False
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+async def test_an_async_fleet_sends_its_warm_ups_with_the_legs_transport_and_leaves_it_open() -> None:
+    # pdclient serve's legs go by aiohttp, a third of httpx's CPU a request: its warm-ups too.
+    legs = Legs(echo_post)
+    urls = {"prefill_base_url": "http://10.0.0.1:8000/v1", "decode_base_url": "http://10.0.0.2:8000/v1"}
+    fleet = Fleet(PDOptions(**urls), asynchronous=True)
+    fleet.send_background_with(legs)
+    (endpoint,) = fleet.prefill.endpoints
+    fleet.warm(endpoint, Fetch("http://10.0.0.1:8000/v1/chat/completions", 1.0, None, b"{}", (("authorization", "B"),)))
+    await until(lambda: fleet.warmer.posted == 1, limit=2.0)
+    await fleet.aclose()
+    assert not legs.closed
 
 
 async def test_task_driver_posts_a_queued_warm_up_at_once() -> None:
