@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Iterator
 
 import openai
@@ -17,6 +18,8 @@ import pytest
 
 from pdclient.local import PDServers, _prepare, pair_from_env_or_local
 from pdclient.pools import DECODE_ENV, PREFILL_ENV
+
+from .helpers import WITH_LOGPROBS, user
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -59,3 +62,34 @@ def pd() -> Iterator[PDServers]:
         responses_store=True,
     ) as servers:
         yield servers
+
+
+KILLED_ANSWER_SECONDS = 35.0
+"""How long an answer a test kills its decode in the middle of lasts: a caller that one of the
+VM's stalls (30 s and more, ../shared/FIELD_NOTES.md) held behind still reads its 16th token
+before that decode has finished."""
+
+
+@pytest.fixture(scope="session")
+def killed_answer_tokens(pd: PDServers) -> int:
+    """The length of an answer lasting ``KILLED_ANSWER_SECONDS`` on this CPU's decode, from its
+    pace on a short answer of the same kind (greedy, with top logprobs): 300 to 1,000 tokens
+    (~1,000 on an AVX-512 EPYC; about half on an AVX2 one, where 1,000 took over a minute)."""
+    seen: list[float] = []
+    with pd.client(max_retries=0) as client:
+        stream = client.chat.completions.create(
+            model=pd.model,
+            stream=True,
+            messages=user("Write a long story about a lighthouse keeper and a storm."),
+            temperature=0,
+            max_tokens=64,
+            extra_body={"ignore_eos": True},
+            **WITH_LOGPROBS,
+        )
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content is not None:
+                seen.append(time.monotonic())
+    rate = (len(seen) - 1) / (seen[-1] - seen[0]) if len(seen) > 1 and seen[-1] > seen[0] else 28.0
+    tokens = min(1000, max(300, round(rate * KILLED_ANSWER_SECONDS)))
+    print(f"\nan answer to kill mid-way: {tokens} tokens ({rate:.1f} tokens/s on this decode)")
+    return tokens

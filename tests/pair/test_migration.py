@@ -36,15 +36,18 @@ from .helpers import WITH_LOGPROBS, Top, same_greedy_answer, tops
 
 CUT_AFTER = 16
 ATTEMPTS = 3
-ANSWER_TOKENS = 1000
-BODY: dict[str, Any] = {
-    "messages": [{"role": "user", "content": "Write a long story about a lighthouse keeper and a storm."}],
-    "temperature": 0,
-    "max_tokens": ANSWER_TOKENS,
-    **WITH_LOGPROBS,
-    "stream_options": {"include_usage": True},
-    "extra_body": {"ignore_eos": True, "return_token_ids": True},
-}
+
+
+def body(tokens: int) -> dict[str, Any]:
+    """A greedy answer of exactly ``tokens`` tokens (``killed_answer_tokens``), with its ids and top logprobs."""
+    return {
+        "messages": [{"role": "user", "content": "Write a long story about a lighthouse keeper and a storm."}],
+        "temperature": 0,
+        "max_tokens": tokens,
+        **WITH_LOGPROBS,
+        "stream_options": {"include_usage": True},
+        "extra_body": {"ignore_eos": True, "return_token_ids": True},
+    }
 
 
 class Prefer:
@@ -97,20 +100,20 @@ def trio(pd: PDServers, d2: ExtraDecode) -> ExtraDecode:
     return d2.ensure_running()
 
 
-def reference(pd: PDServers) -> Answer:
+def reference(pd: PDServers, tokens: int) -> Answer:
     """The survivor's own uninterrupted answer, through the same P/D handoff."""
     answer = Answer()
     with pd.client() as client:
-        for chunk in client.chat.completions.create(model=pd.model, stream=True, **BODY):
+        for chunk in client.chat.completions.create(model=pd.model, stream=True, **body(tokens)):
             answer.add(chunk)
     return answer
 
 
-def check_against(migrated: Answer, expected: Answer, trace: PDTrace) -> None:
+def check_against(migrated: Answer, expected: Answer, trace: PDTrace, tokens: int) -> None:
     """The same answer, up to a bf16 near-tie after the cut; the caller's stream is one stream."""
-    assert len(migrated.ids) == len(expected.ids) == len(migrated.top) == ANSWER_TOKENS
+    assert len(migrated.ids) == len(expected.ids) == len(migrated.top) == tokens
     assert migrated.roles == 1 and len(migrated.response_ids) == 1
-    assert migrated.usage.completion_tokens == ANSWER_TOKENS
+    assert migrated.usage.completion_tokens == tokens
     assert migrated.usage.prompt_tokens == expected.usage.prompt_tokens
     moved = trace.migrations[0]
     # The tokens before the cut are the first server's, shown as they came: equal to D1's.
@@ -135,7 +138,7 @@ def killer(d2: ExtraDecode, answer: Answer) -> Any:
     return take
 
 
-def kill_landed(trace: PDTrace, answer: Answer) -> bool:
+def kill_landed(trace: PDTrace, answer: Answer, tokens: int) -> bool:
     """Whether the kill landed mid-answer; if not, the attempt must be one D2 finished.
 
     A kill can land after D2 has sent its whole answer: a starved caller (two cores, three
@@ -146,12 +149,14 @@ def kill_landed(trace: PDTrace, answer: Answer) -> bool:
     assert trace.outcome.value == "disaggregated" and trace.error is None
     if trace.migrations:
         return True
-    assert len(answer.ids) == ANSWER_TOKENS and answer.usage.completion_tokens == ANSWER_TOKENS
+    assert len(answer.ids) == tokens and answer.usage.completion_tokens == tokens
     print("\nD2 had sent its whole answer before the kill landed: again")
     return False
 
 
-def test_sigkill_mid_answer_sync_decode_route(pd: PDServers, trio: ExtraDecode) -> None:
+def test_sigkill_mid_answer_sync_decode_route(pd: PDServers, trio: ExtraDecode, killed_answer_tokens: int) -> None:
+    tokens = killed_answer_tokens
+
     def run(take: Callable[[Any], None]) -> PDTrace:
         traces: list[PDTrace] = []
         with PDChatClient(
@@ -162,7 +167,7 @@ def test_sigkill_mid_answer_sync_decode_route(pd: PDServers, trio: ExtraDecode) 
             max_retries=0,
             on_trace=traces.append,
         ) as client:
-            for chunk in client.chat.completions.create(model=pd.model, stream=True, **BODY):
+            for chunk in client.chat.completions.create(model=pd.model, stream=True, **body(tokens)):
                 take(chunk)
         (trace,) = traces
         return trace
@@ -170,21 +175,22 @@ def test_sigkill_mid_answer_sync_decode_route(pd: PDServers, trio: ExtraDecode) 
     for _ in range(ATTEMPTS):
         migrated = Answer()
         trace = run(killer(trio.ensure_running(), migrated))
-        if kill_landed(trace, migrated):
+        if kill_landed(trace, migrated, tokens):
             break
     else:
         pytest.fail(f"in {ATTEMPTS} attempts D2 always finished before the kill landed")
     assert not trio.alive
     (moved,) = trace.migrations
     assert (moved.from_url, moved.to_url, moved.route) == (trio.url, pd.decode_url, "decode")
-    assert CUT_AFTER <= moved.after_tokens < ANSWER_TOKENS
-    check_against(migrated, reference(pd), trace)
+    assert CUT_AFTER <= moved.after_tokens < tokens
+    check_against(migrated, reference(pd, tokens), trace, tokens)
 
 
 async def test_sigkill_mid_answer_async_prefill_route(
-    pd: PDServers, trio: ExtraDecode, monkeypatch: pytest.MonkeyPatch
+    pd: PDServers, trio: ExtraDecode, killed_answer_tokens: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The continuation through the prefill server (its KV handed to D1 over NIXL)."""
+    tokens = killed_answer_tokens
     monkeypatch.setattr(migrate, "REMOTE_PREFILL_MIN_TOKENS", 1)
 
     async def run(take: Callable[[Any], None]) -> PDTrace:
@@ -198,7 +204,7 @@ async def test_sigkill_mid_answer_async_prefill_route(
             on_trace=traces.append,
         )
         async with client:
-            stream = await client.chat.completions.create(model=pd.model, stream=True, **BODY)
+            stream = await client.chat.completions.create(model=pd.model, stream=True, **body(tokens))
             async for chunk in stream:
                 take(chunk)  # the kill blocks the loop for a few ms: the stream is not read meanwhile anyway
         (trace,) = traces
@@ -207,14 +213,14 @@ async def test_sigkill_mid_answer_async_prefill_route(
     for _ in range(ATTEMPTS):
         migrated = Answer()
         trace = await run(killer(trio.ensure_running(), migrated))
-        if kill_landed(trace, migrated):
+        if kill_landed(trace, migrated, tokens):
             break
     else:
         pytest.fail(f"in {ATTEMPTS} attempts D2 always finished before the kill landed")
     (moved,) = trace.migrations
     assert (moved.from_url, moved.to_url, moved.route) == (trio.url, pd.decode_url, "prefill+decode")
     assert trace.prefill_attempts == 2, "the continuation's prefill is the call's second prefill attempt"
-    check_against(migrated, reference(pd), trace)
+    check_against(migrated, reference(pd, tokens), trace, tokens)
 
 
 def test_the_session_pair_is_untouched(pd: PDServers) -> None:

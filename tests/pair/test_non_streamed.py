@@ -30,7 +30,6 @@ from .extra_decode import ExtraDecode
 from .helpers import WITH_LOGPROBS, same_greedy_answer, tops, user
 
 GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": 48}
-LONG_ANSWER = 1000
 """~35 s on D2: long enough to outlast a stalled reader (tests/pair/test_migration.py says why)."""
 CUT_AFTER = 16
 ATTEMPTS = 3
@@ -177,12 +176,14 @@ def d2(pd: PDServers) -> Iterator[ExtraDecode]:
     server.stop()
 
 
-def test_a_non_streamed_call_whose_decode_is_killed_completes(pd: PDServers, d2: ExtraDecode) -> None:
+def test_a_non_streamed_call_whose_decode_is_killed_completes(
+    pd: PDServers, d2: ExtraDecode, killed_answer_tokens: int
+) -> None:
     request: Any = {
         "model": pd.model,
         "messages": user("Write a long story about a lighthouse keeper and a storm."),
         "temperature": 0,
-        "max_tokens": LONG_ANSWER,
+        "max_tokens": killed_answer_tokens,
         "extra_body": {"ignore_eos": True},
         **WITH_LOGPROBS,
     }
@@ -209,7 +210,7 @@ def test_a_non_streamed_call_whose_decode_is_killed_completes(pd: PDServers, d2:
         pytest.fail(f"in {ATTEMPTS} attempts D2 always finished before the kill landed")
     (moved,) = trace.migrations
     assert (moved.from_url, moved.to_url) == (d2.url, pd.decode_url) and moved.after_tokens >= CUT_AFTER
-    assert answer.usage is not None and answer.usage.completion_tokens == LONG_ANSWER
+    assert answer.usage is not None and answer.usage.completion_tokens == killed_answer_tokens
     with pd.client(max_retries=0) as survivor:
         expected = survivor.chat.completions.create(**request)
     found = same_greedy_answer(tops(answer.choices[0].logprobs), tops(expected.choices[0].logprobs))
