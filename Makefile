@@ -11,7 +11,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 VENV = $(shell tools/venv.sh requirements-frameworks.txt)
 # The client tiers again on openai 2.x.
 VENV_OPENAI2 = $(shell tools/venv.sh requirements-openai2.txt)
-PYTEST = -m pytest -ra -p no:cacheprovider
+PYTEST = -m pytest -ra --durations=25 -p no:cacheprovider
 
 .PHONY: test install system-packages install-openai2 lint typecheck test-client test-pair-avx2 test-openai2 test-server-patch test-fast demo \
         bench-client-overhead bench-decode-ttft bench-proxies bench-dispatch bench-serve-cpu bench-migration bench-conversations \

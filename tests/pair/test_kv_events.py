@@ -30,6 +30,7 @@ from .helpers import GREEDY
 
 BLOCK = 128  # vLLM's CPU block size, the memory's default
 WORKER_CONVERSATIONS = 40
+ATTEMPTS = 3
 
 
 REQUEST_INPUTS_LOGGING: dict[str, Any] = {
@@ -229,22 +230,31 @@ def test_two_client_processes_make_the_same_decision_for_the_same_call(events_pa
     running the same two turns of a conversation, decide its follow-up alike (decode-only,
     from the events, the same cached count: the decode server's own for the first)."""
     pd = events_pair
-    calls = [conversation(), "Give it a title."]
-    decisions = []
-    for _ in range(2):
-        run = subprocess.run(
-            [sys.executable, "-m", "tests.pair.kv_events_decider", pd.prefill_urls[0], pd.decode_urls[0], pd.model],
-            input=json.dumps(calls),
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=True,
-        )
-        decisions.append([json.loads(line) for line in run.stdout.splitlines()])
+    for _ in range(ATTEMPTS):
+        calls = [conversation(), "Give it a title."]
+        decisions = []
+        for _ in range(2):
+            run = subprocess.run(
+                [sys.executable, "-m", "tests.pair.kv_events_decider", pd.prefill_urls[0], pd.decode_urls[0], pd.model],
+                input=json.dumps(calls),
+                capture_output=True,
+                text=True,
+                timeout=300,
+                check=True,
+            )
+            decisions.append([json.loads(line) for line in run.stdout.splitlines()])
+        (a1, a2), (b1, b2) = decisions
+        # The first turn went P/D in the first process and decode-only on the cached prefix in
+        # the second: other kernels computed its last block, and at a near-tie the greedy
+        # answer may go another way (seen on an AVX2-only EPYC). Then the two follow-ups are
+        # not the same call, and the premise is spoiled: another conversation.
+        if a1["answer"] == b1["answer"]:
+            break
+        print("\nthe first turn's answers differ between the processes (a near-tie): another conversation", end="")
+    else:
+        pytest.fail(f"in {ATTEMPTS} conversations the two processes' first answers always differed")
     follow_ups = [{name: value for name, value in d[1].items() if name != "answer"} for d in decisions]
     print(f"\nthe follow-up, per process: {follow_ups}", end="")
-    (a1, a2), (b1, b2) = decisions
-    assert a1["answer"] == b1["answer"]  # the same conversation in both
     assert a2["outcome"] == b2["outcome"] == Outcome.DECODE_ONLY.value
     assert a2["cache_source"] == b2["cache_source"] == "kv_events"
     assert a2["cached_tokens"] == b2["cached_tokens"] == a2["decode_cached_tokens"]
