@@ -19,7 +19,7 @@ import pytest
 from pdclient.local import PDServers, _prepare, pair_from_env_or_local
 from pdclient.pools import DECODE_ENV, PREFILL_ENV
 
-from .helpers import WITH_LOGPROBS, user
+from .helpers import LONG_STORY, WITH_LOGPROBS, user
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -80,7 +80,7 @@ def killed_answer_tokens(pd: PDServers) -> int:
         stream = client.chat.completions.create(
             model=pd.model,
             stream=True,
-            messages=user("Write a long story about a lighthouse keeper and a storm."),
+            messages=user(LONG_STORY),
             temperature=0,
             max_tokens=64,
             extra_body={"ignore_eos": True},

@@ -14,6 +14,9 @@ TOP_LOGPROBS = 5
 WITH_LOGPROBS: dict[str, Any] = {"logprobs": True, "top_logprobs": TOP_LOGPROBS}
 """Asked for on both sides of a comparison that may meet a bf16 near-tie (``same_greedy_answer``)."""
 
+LONG_STORY = "Write a long story about a lighthouse keeper and a storm."
+"""The prompt of the answers the kill tests cut, and of the one whose pace sizes them (``killed_answer_tokens``)."""
+
 END_OF_TURN = "<|im_end|>"
 """SmolLM2's end of turn (ChatML), the token an answer that stops has chosen."""
 Top = list[tuple[str, float]]

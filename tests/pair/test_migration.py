@@ -32,7 +32,7 @@ from pdclient.local import PDServers
 from pdclient.migration import _continuation as migrate
 
 from .extra_decode import ExtraDecode
-from .helpers import WITH_LOGPROBS, Top, same_greedy_answer, tops
+from .helpers import LONG_STORY, WITH_LOGPROBS, Top, same_greedy_answer, tops, user
 
 CUT_AFTER = 16
 ATTEMPTS = 3
@@ -41,7 +41,7 @@ ATTEMPTS = 3
 def body(tokens: int) -> dict[str, Any]:
     """A greedy answer of exactly ``tokens`` tokens (``killed_answer_tokens``), with its ids and top logprobs."""
     return {
-        "messages": [{"role": "user", "content": "Write a long story about a lighthouse keeper and a storm."}],
+        "messages": user(LONG_STORY),
         "temperature": 0,
         "max_tokens": tokens,
         **WITH_LOGPROBS,

@@ -27,10 +27,9 @@ from pdclient import AsyncPDChatClient, PDChatClient, PDOptions, PDTrace, PDTran
 from pdclient.local import PDServers
 
 from .extra_decode import ExtraDecode
-from .helpers import WITH_LOGPROBS, same_greedy_answer, tops, user
+from .helpers import LONG_STORY, WITH_LOGPROBS, same_greedy_answer, tops, user
 
 GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": 48}
-"""~35 s on D2: long enough to outlast a stalled reader (tests/pair/test_migration.py says why)."""
 CUT_AFTER = 16
 ATTEMPTS = 3
 
@@ -181,7 +180,7 @@ def test_a_non_streamed_call_whose_decode_is_killed_completes(
 ) -> None:
     request: Any = {
         "model": pd.model,
-        "messages": user("Write a long story about a lighthouse keeper and a storm."),
+        "messages": user(LONG_STORY),
         "temperature": 0,
         "max_tokens": killed_answer_tokens,
         "extra_body": {"ignore_eos": True},
