@@ -77,14 +77,18 @@ def same_greedy_answer(answer: Sequence[Top], reference: Sequence[Top]) -> str:
     return "equal"
 
 
-async def agent_outcome(agents: Any, agent: Any, question: str, max_turns: int = 3) -> tuple[list[str], str]:
-    """What an Agents SDK run did, whatever the model says: its streamed deltas and how it ended.
+async def agent_outcome(agents: Any, agent: Any, question: str, max_turns: int = 3) -> tuple[str, str]:
+    """What an Agents SDK run did, whatever the model says: the text of its streamed deltas and
+    how it ended.
 
     The same tiny model gives different greedy answers on different CPUs, and on some of them
     it calls a tool with arguments that are not JSON, loops on the tool, or runs past the token
     budget, which the SDK reports as an error (``response.incomplete`` on the Responses
     model). Each is an outcome the direct run reaches too, so a P/D run is compared with it
-    token for token and ending for ending rather than asserted to succeed.
+    character for character and ending for ending rather than asserted to succeed. Not delta
+    for delta: a vLLM server whose API process falls behind its engine sends the tokens made
+    meanwhile as one delta (seen on a slow CPU: ``'La fem'`` through P/D, ``'La', ' fem'``
+    from the decode alone).
     """
     deltas: list[str] = []
     run = agents.Runner.run_streamed(agent, question, max_turns=max_turns)
@@ -94,5 +98,5 @@ async def agent_outcome(agents: Any, agent: Any, question: str, max_turns: int =
             if event.type == "raw_response_event" and str(getattr(data, "type", "")).endswith(".delta"):
                 deltas.append(str(getattr(data, "delta", "")))
     except agents.exceptions.AgentsException as error:
-        return deltas, f"{type(error).__name__}: {error}"
-    return deltas, f"final output: {run.final_output!r}"
+        return "".join(deltas), f"{type(error).__name__}: {error}"
+    return "".join(deltas), f"final output: {run.final_output!r}"
