@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 
 from .._errors import PDSetupError
+from ._cpu_isa import EMULATED_ISA_ENV, server_dtype
 from ._logscan import LogScanner
 from ._ports import HOST, claim_ports
 
@@ -151,7 +152,7 @@ class VLLMServer:
             "--host", HOST,
             "--port", str(port),
             "--max-model-len", str(max_model_len),
-            "--dtype", "bfloat16",
+            "--dtype", server_dtype((env or {}).get(EMULATED_ISA_ENV)),
             # Eager starts in ~35 s; compiled takes 2-3 min every start (its cache does not reload).
             "--enforce-eager",
             # usage.prompt_tokens_details (cached tokens): what the client's usage merge reports.

@@ -10,7 +10,7 @@ import pytest
 
 from pdclient import PDConfigError
 from pdclient.local import _cpu_isa
-from pdclient.local._cpu_isa import CPU_ISA_ENV, cpu_isa_env, cpu_isa_from_env
+from pdclient.local._cpu_isa import CPU_ISA_ENV, cpu_isa_env, cpu_isa_from_env, server_dtype
 
 
 def test_no_isa_changes_nothing() -> None:
@@ -32,6 +32,24 @@ def test_an_unknown_isa_or_one_this_cpu_lacks_is_an_error(monkeypatch: pytest.Mo
     monkeypatch.setattr(_cpu_isa, "_cpu_flags", lambda: {"avx2"})
     with pytest.raises(PDConfigError, match="this CPU has no avx512f; it can only take instruction sets away"):
         cpu_isa_env("avx512")
+
+
+@pytest.mark.parametrize(
+    ("flags", "emulated", "dtype"),
+    [
+        ({"avx2", "avx512f", "avx512_bf16"}, None, "bfloat16"),
+        ({"avx2", "avx512f", "amx_bf16"}, None, "bfloat16"),
+        ({"avx2", "avx512f"}, None, "float32"),  # AVX-512 without its bf16 emulates it
+        ({"avx2"}, None, "float32"),
+        ({"avx2", "avx512f", "avx512_bf16"}, "avx512", "float32"),  # capped: as such a CPU computes
+        (None, None, "bfloat16"),  # no /proc/cpuinfo: vLLM's own default
+    ],
+)
+def test_the_dtype_is_bf16_only_where_the_cpu_computes_it(
+    monkeypatch: pytest.MonkeyPatch, flags: set[str] | None, emulated: str | None, dtype: str
+) -> None:
+    monkeypatch.setattr(_cpu_isa, "_cpu_flags", lambda: flags)
+    assert server_dtype(emulated) == dtype
 
 
 def test_the_isa_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
