@@ -78,30 +78,6 @@ def test_a_taken_side_channel_port_fails_within_seconds_naming_server_log_and_li
     assert not any(_alive(srv.pid) for srv in pd.servers if srv.pid is not None)
 
 
-def test_a_start_that_hits_a_port_collision_is_retried_once_with_new_ports(caplog: pytest.LogCaptureFixture) -> None:
-    """The first attempt's prefill gets a side-channel port that is taken; the second gets new ports and works."""
-    port = free_port()
-
-    class FirstAttemptCollides(LocalPD):
-        plans = 0
-
-        def _plan_ports(self) -> list[tuple[int, int | None]]:
-            plan = super()._plan_ports()
-            self.plans += 1
-            if self.plans == 1:
-                plan[0] = (plan[0][0], port)
-            return plan
-
-    caplog.set_level(logging.WARNING, logger="pdclient.local")
-    with socket.create_server(("127.0.0.1", port)), FirstAttemptCollides() as pd:
-        assert pd.plans == 2
-        assert pd.start_stats is not None and pd.start_stats.attempts == 2
-        assert pd.start_stats.warmup_seconds is not None  # a KV handoff went through
-        assert pd.prefill is not None and pd.prefill.nixl_side_channel_port != port
-    assert "port collision, starting again with new ports: prefill server" in caplog.text
-    assert f"Address already in use (addr='tcp://localhost:{port}')" in caplog.text
-
-
 def _last_stamp_before(log: Path, marker: str) -> datetime:
     """The time of the last vLLM record (``INFO 12-01 02:27:11``) before the marker line."""
     stamp = None
@@ -189,53 +165,81 @@ def _available_memory_gb() -> float:
     return int(fields["MemAvailable"].split()[0]) / 2**20
 
 
-def test_one_prefill_two_decodes_hand_off_to_each_decode() -> None:
-    """LocalPD(decode_servers=2): three servers, each on its core, a KV handoff to each decode over NIXL.
+def test_a_trio_whose_first_start_hits_a_port_collision_starts_again_and_hands_off_to_each_decode(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """LocalPD(decode_servers=2) whose first attempt gives the prefill a side-channel port that
+    is taken: the second attempt gets new ports and works. Then three servers, each on its
+    core, and a KV handoff to each decode over NIXL.
 
-    Written against the wire contract with plain httpx, as LocalPD's warm-up is. Three
-    more servers (~3.7 GB each) beside the session pair: skipped when memory is short.
+    One start for both (a start costs a minute or more on a slow CPU). The handoffs are
+    written against the wire contract with plain httpx, as LocalPD's warm-up is. Three more
+    servers (~3.7 GB each) beside the session pair: skipped when memory is short.
     """
     if _available_memory_gb() < 13:
         pytest.skip(f"needs ~13 GB of available memory for three more servers; {_available_memory_gb():.1f} GB")
+    port = free_port()
+
+    class FirstAttemptCollides(LocalPD):
+        plans = 0
+
+        def _plan_ports(self) -> list[tuple[int, int | None]]:
+            plan = super()._plan_ports()
+            self.plans += 1
+            if self.plans == 1:
+                plan[0] = (plan[0][0], port)
+            return plan
+
+    caplog.set_level(logging.WARNING, logger="pdclient.local")
+    with socket.create_server(("127.0.0.1", port)), FirstAttemptCollides(decode_servers=2) as pd:
+        assert pd.plans == 2
+        assert pd.start_stats is not None and pd.start_stats.attempts == 2
+        assert pd.start_stats.warmup_seconds is not None  # a KV handoff went through
+        assert pd.prefill is not None and pd.prefill.nixl_side_channel_port != port
+        _hand_off_to_each_decode(pd)
+    assert "port collision, starting again with new ports: prefill server" in caplog.text
+    assert f"Address already in use (addr='tcp://localhost:{port}')" in caplog.text
+    assert not any(_alive(srv.pid) for srv in pd.servers if srv.pid is not None)
+
+
+def _hand_off_to_each_decode(pd: LocalPD) -> None:
     body = {
         "model": "smollm2",
         "messages": [{"role": "user", "content": "What is the capital of France?"}],
         "max_tokens": 8,
         "temperature": 0,
     }
-    with LocalPD(decode_servers=2) as pd:
-        assert len(pd.servers) == 3 and pd.decode_urls[0] == pd.decode_url
-        assert pd.cpus == assign_cpus(1, 2, sorted(os.sched_getaffinity(0)))
-        answers = []
-        with httpx.Client(timeout=300) as http:
-            for decode_url in pd.decode_urls:
-                pulls = metric(decode_url, "vllm:nixl_xfer_time_seconds_count")
-                prefill_body = {
-                    **body,
-                    "max_tokens": 1,
-                    "return_token_ids": True,
-                    "kv_transfer_params": dict(PREFILL_KV_TRANSFER_PARAMS),
-                }
-                prefill = http.post(f"{pd.prefill_url}/chat/completions", json=prefill_body).raise_for_status().json()
-                kv = {**prefill["kv_transfer_params"], "prompt_token_ids": prefill["prompt_token_ids"]}
-                decode = http.post(f"{decode_url}/chat/completions", json={**body, "kv_transfer_params": kv})
-                answers.append(decode.raise_for_status().json()["choices"][0]["message"]["content"])
-                assert metric(decode_url, "vllm:nixl_xfer_time_seconds_count") == pulls + 1, decode_url
-            # The prefill server's own answer (asked last: a decode server asked first would
-            # have the prompt in its prefix cache and pull nothing).
-            reference = http.post(f"{pd.prefill_url}/chat/completions", json=body).raise_for_status().json()
-        assert answers == [reference["choices"][0]["message"]["content"]] * 2
-        for srv, cpu in zip(pd.servers, pd.cpus, strict=True):
-            workers = [pid for pid, comm in _processes_in_session(srv.pid) if comm.startswith("VLLM::Worker")]
-            assert workers, f"no vLLM worker process found for the {srv.name} server"
-            strays = {
-                (pid, int(tid)): os.sched_getaffinity(int(tid))
-                for pid in workers
-                for tid in os.listdir(f"/proc/{pid}/task")
-                if os.sched_getaffinity(int(tid)) - {cpu}
+    assert len(pd.servers) == 3 and pd.decode_urls[0] == pd.decode_url
+    assert pd.cpus == assign_cpus(1, 2, sorted(os.sched_getaffinity(0)))
+    answers = []
+    with httpx.Client(timeout=300) as http:
+        for decode_url in pd.decode_urls:
+            pulls = metric(decode_url, "vllm:nixl_xfer_time_seconds_count")
+            prefill_body = {
+                **body,
+                "max_tokens": 1,
+                "return_token_ids": True,
+                "kv_transfer_params": dict(PREFILL_KV_TRANSFER_PARAMS),
             }
-            assert not strays, f"{srv.name} server threads off core {cpu}: {strays}"
-    assert not any(_alive(srv.pid) for srv in pd.servers if srv.pid is not None)
+            prefill = http.post(f"{pd.prefill_url}/chat/completions", json=prefill_body).raise_for_status().json()
+            kv = {**prefill["kv_transfer_params"], "prompt_token_ids": prefill["prompt_token_ids"]}
+            decode = http.post(f"{decode_url}/chat/completions", json={**body, "kv_transfer_params": kv})
+            answers.append(decode.raise_for_status().json()["choices"][0]["message"]["content"])
+            assert metric(decode_url, "vllm:nixl_xfer_time_seconds_count") == pulls + 1, decode_url
+        # The prefill server's own answer (asked last: a decode server asked first would
+        # have the prompt in its prefix cache and pull nothing).
+        reference = http.post(f"{pd.prefill_url}/chat/completions", json=body).raise_for_status().json()
+    assert answers == [reference["choices"][0]["message"]["content"]] * 2
+    for srv, cpu in zip(pd.servers, pd.cpus, strict=True):
+        workers = [pid for pid, comm in _processes_in_session(srv.pid) if comm.startswith("VLLM::Worker")]
+        assert workers, f"no vLLM worker process found for the {srv.name} server"
+        strays = {
+            (pid, int(tid)): os.sched_getaffinity(int(tid))
+            for pid in workers
+            for tid in os.listdir(f"/proc/{pid}/task")
+            if os.sched_getaffinity(int(tid)) - {cpu}
+        }
+        assert not strays, f"{srv.name} server threads off core {cpu}: {strays}"
 
 
 def test_the_servers_compute_with_the_instruction_sets_asked_for(pd: PDServers) -> None:
