@@ -165,6 +165,7 @@ def _available_memory_gb() -> float:
     return int(fields["MemAvailable"].split()[0]) / 2**20
 
 
+@pytest.mark.timeout(600)  # two starts of three servers on two cores: ~4 min on a Zen 1 EPYC
 def test_a_trio_whose_first_start_hits_a_port_collision_starts_again_and_hands_off_to_each_decode(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
