@@ -13,8 +13,8 @@ blocks of 128 tokens (8 usable) so that other prefill, a prompt of 8 blocks sent
 prefill server while the victim holds its blocks, waits for the lease to end and then takes
 every block, the victim's included. Prefix caching is off so no cached copy of the
 victim's prompt stands in for its KV. The pair starts once per switch position: off, the
-plugin saw the WRITE posted after another request took the blocks, and the decode answers
-200 (printed beside the single server's answer); on, the WRITE is refused, the caller gets
+plugin saw the WRITE posted after another request took the blocks (the caller's answer is
+printed beside the single server's); on, the WRITE is refused, the caller gets
 an error or the prompt's own answer, never a 200 from another KV, and both servers are idle
 again within the lease plus the reclaim's grace after the cut.
 """
@@ -35,6 +35,7 @@ import httpx
 import openai
 import pytest
 
+from pdclient import PDTrace
 from pdclient.local import LocalPD
 from pdclient.local._server import NIXL_PUSH_KV_TRANSFER_CONFIG
 
@@ -184,12 +185,13 @@ def learn_coordinates(client: Any, model: str) -> None:
     pytest.fail(f"no warm-up handoff answered in {WARM_UP_TRIES} tries of {WARM_UP_TIMEOUT_S:g} s")
 
 
-def test_a_write_of_blocks_another_request_took_is_refused_or_answers_wrong(pair: FaultyPair) -> None:
+def test_a_write_of_blocks_another_request_took_goes_out_unless_refused(pair: FaultyPair) -> None:
     pd, faults = pair.pd, pair.faults
     started = time.monotonic()
     plain = openai.OpenAI(base_url=pd.decode_url, api_key="EMPTY", max_retries=0)
     reference = plain.chat.completions.create(model=pd.model, messages=VICTIM, **ANSWER)
-    client = pd.client(dispatch="auto", remote_prefill="always", max_retries=0)
+    traces: list[PDTrace] = []
+    client = pd.client(dispatch="auto", remote_prefill="always", max_retries=0, on_trace=traces.append)
     learn_coordinates(client, pd.model)
     victim_client = client.with_options(dispatch="concurrent", timeout=CALL_TIMEOUT_S)  # learnt the coordinates
 
@@ -217,6 +219,7 @@ def test_a_write_of_blocks_another_request_took_is_refused_or_answers_wrong(pair
     cut = time.monotonic()
     record = events(faults)
     print(f"\nprefill server's record: {record}")
+    how = f"dispatch {traces[-1].dispatch}, sent again sequentially: {traces[-1].dispatch_fallback}"
     assert set(reused["blocks"]) == set(held["blocks"]), (held, reused)  # every victim block held another KV
     written = [e for e in record if e["event"] == "written"]
     prefill_log = pd.prefills[0].log_path.read_text(errors="replace")
@@ -225,19 +228,20 @@ def test_a_write_of_blocks_another_request_took_is_refused_or_answers_wrong(pair
         assert f"refusing the push of request {held['request']}" in prefill_log
         # Never a 200 from another request's KV: an error, or an answer computed again from the prompt.
         if isinstance(answer, Exception):
-            print(f"the caller got {type(answer).__name__}: {answer} after {cut - started:.1f} s")
+            print(f"the caller got {type(answer).__name__}: {answer} after {cut - started:.1f} s ({how})")
         else:
-            print(f"the caller got {answer.choices[0].message.content!r} after {cut - started:.1f} s")
+            print(f"the caller got {answer.choices[0].message.content!r} after {cut - started:.1f} s ({how})")
             same_greedy_answer(tops(answer.choices[0].logprobs), tops(reference.choices[0].logprobs))
     else:
         assert written and written[0]["at"] > reused["at"], record
         assert not isinstance(answer, Exception), answer
-        # The WRITE of blocks another request took, and the 200 after it, are what the refusal
-        # prevents. What the answer says is the model's business: on an AVX-512 EPYC (bf16) it
-        # differed from the single server's; on an AVX2 one (fp32) it was the same, logprobs too.
+        # The WRITE of blocks another request took is what the refusal prevents. What the caller
+        # got is not asserted: the concurrent decode may have been cut and sent again (its trace
+        # says so), and what another prompt's KV does to this tiny model's answer is the model's
+        # business (on an AVX-512 EPYC in bf16 it differed from the single server's).
         gap = largest_gap(tops(answer.choices[0].logprobs), tops(reference.choices[0].logprobs))
         print(
-            f"200 from another request's KV: {answer.choices[0].message.content!r} against the single server's "
+            f"the caller got {answer.choices[0].message.content!r} ({how}) against the single server's "
             f"{reference.choices[0].message.content!r}; logprobs apart by up to {gap:.3f} nats"
         )
     for url in (pd.prefill_url, pd.decode_url):
