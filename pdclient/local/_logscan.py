@@ -49,6 +49,7 @@ _VERDICTS = (
     "died unexpectedly",  # "Worker proc VllmWorker-0 died unexpectedly (exit code: ...), shutting down executor."
 )
 _COLLISION = re.compile(r"address already in use|errno 98\b|EADDRINUSE", re.IGNORECASE)
+_ZMQ_PORT = re.compile(r"addr='[^']*:(\d+)'")
 _CHAIN = ("During handling of the above exception", "The above exception was the direct cause")
 
 
@@ -64,6 +65,11 @@ class FatalLine:
     @property
     def port_collision(self) -> bool:
         return bool(_COLLISION.search(self.line))
+
+    @property
+    def ports(self) -> frozenset[int]:
+        """The ports the line names: a ZMQ address's (``addr='tcp://localhost:24897'``)."""
+        return frozenset(int(port) for port in _ZMQ_PORT.findall(self.line))
 
     def __str__(self) -> str:
         return f"{self.line} ({self.context})" if self.context else self.line

@@ -288,7 +288,7 @@ class LocalPD(PairAccess):
                 except ServerStartError as exc:
                     # A server that failed to start has nothing to shut down cleanly.
                     self._stop_servers(grace=_FAILED_START_GRACE_S)
-                    if not exc.port_collision or attempt == 2:
+                    if not exc.port_collision or attempt == 2 or exc.ports & self._fixed_ports():
                         raise
                     logger.warning("port collision, starting again with new ports: %s", str(exc).split("\n--- ")[0])
         except BaseException:
@@ -339,6 +339,16 @@ class LocalPD(PairAccess):
             self._warm_up()
             warmup = time.monotonic() - t1
         self.start_stats = StartStats(attempts=attempt, ready_seconds=ready, warmup_seconds=warmup)
+
+    def _fixed_ports(self) -> set[int]:
+        """The ports a start with new ports would give the servers again: the caller's own (the
+        explicit API ports, a NIXL side-channel port set in ``server_env``). A collision on one
+        of them fails at once: a retry would collide again."""
+        fixed = {port for port in (self._prefill_port, self._decode_port) if port is not None}
+        side_channel = self._server_env.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "")
+        if side_channel.isdigit():
+            fixed.add(int(side_channel))
+        return fixed
 
     def _plan_ports(self) -> list[tuple[int, int | None]]:
         """(API port, NIXL side-channel port or None) per server, prefills first.

@@ -91,10 +91,12 @@ def check_port_free(port: int, what: str) -> None:
 class ServerStartError(PDSetupError):
     """A server exited, or logged a fatal error, while starting or warming up."""
 
-    def __init__(self, message: str, *, port_collision: bool) -> None:
+    def __init__(self, message: str, *, port_collision: bool, ports: frozenset[int] = frozenset()) -> None:
         super().__init__(message)
         self.port_collision = port_collision
         """The log says a port it was given was taken: a start with other ports may work."""
+        self.ports = ports
+        """The ports the offending line names, where it names them."""
 
 
 def _tail(path: Path, lines: int = 25) -> str:
@@ -290,6 +292,7 @@ class VLLMServer:
             f"{self.name} server {what} while {doing} ({self.ports}); log: {self.log_path}{line}\n"
             f"--- last lines ---\n{_tail(self.log_path)}",
             port_collision=fatal is not None and fatal.port_collision,
+            ports=fatal.ports if fatal is not None else frozenset(),
         )
 
     def poll_ready(self, client: httpx.Client) -> bool:

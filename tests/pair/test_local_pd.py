@@ -47,15 +47,18 @@ def test_server_that_exits_names_its_log_and_nothing_is_left_running() -> None:
     assert not any(_alive(pid) for pid in pids)
 
 
-def test_a_taken_side_channel_port_fails_within_seconds_naming_server_log_and_line() -> None:
-    """Issue 13: the NIXL side-channel port is taken before the server binds it.
+def test_a_taken_side_channel_port_fails_within_seconds_naming_server_log_and_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The NIXL side-channel port is taken before the server binds it.
 
     Both servers get a side-channel port this test holds (``server_env`` overrides
-    LocalPD's choice, on the retry too): each handshake listener thread dies with
-    ``Address already in use``, the engine waits for it forever and /health never
-    answers. Before the fix, start() waited out the whole startup timeout and said only
-    that; now it fails as soon as the line is in the log, after one retry.
+    LocalPD's choice): each handshake listener thread dies with ``Address already in
+    use``, the engine waits for it forever and /health never answers. start() fails as
+    soon as the line is in the log, and at once: the port is the caller's, which a start
+    with new ports would give the servers again, so it does not start again.
     """
+    caplog.set_level(logging.WARNING, logger="pdclient.local")
     port = free_port()
     with socket.create_server(("127.0.0.1", port)):
         pd = LocalPD(server_env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}, startup_timeout=600)
@@ -75,6 +78,7 @@ def test_a_taken_side_channel_port_fails_within_seconds_naming_server_log_and_li
     # 5 s stop of the wedged servers, against 600 s.
     assert (failed_at - _last_stamp_before(log, "Exception in thread nixl_handshake_listener")).total_seconds() < 20
     assert elapsed < 600
+    assert "port collision, starting again" not in caplog.text
     assert not any(_alive(srv.pid) for srv in pd.servers if srv.pid is not None)
 
 

@@ -88,6 +88,13 @@ def test_a_dead_handshake_listener_is_a_port_collision_named_by_its_thread() -> 
     )
 
 
+def test_a_zmq_collision_names_its_port() -> None:
+    fatal = LogScanner(Path("/nonexistent")).feed(HEALTHY + LISTENER_DIED)
+    assert fatal is not None and fatal.ports == {24897}
+    api = LogScanner(Path("/nonexistent")).feed(API_PORT_TAKEN)
+    assert api is not None and api.ports == frozenset()  # uvicorn's line names none
+
+
 def test_a_traceback_logged_by_vllm_names_its_process() -> None:
     assert scan(HEALTHY + ENGINE_FAILED) == (
         "(EngineCore pid=17127) ERROR 12-01 02:30:37 [core.py:1510] RuntimeError: cannot allocate the KV cache "
