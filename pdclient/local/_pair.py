@@ -151,7 +151,8 @@ class LocalPD(PairAccess):
     traceback, a dead NIXL handshake listener, ``Address already in use``), fails the
     start within a poll (0.5 s) with a PDSetupError naming the server, its log and the
     offending line, instead of waiting for the timeout. A start that failed on a port
-    collision is retried once with new ports. Ports chosen here lie outside the kernel's
+    collision is retried once with new ports, unless the port was the caller's (given here
+    or in ``server_env``): new ports would not change it. Ports chosen here lie outside the kernel's
     ephemeral range, where vLLM's own sockets cannot take them (see ``_ports``).
 
     Args:
