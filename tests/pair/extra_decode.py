@@ -20,6 +20,7 @@ import httpx
 
 from pdclient import PDChatClient
 from pdclient.local import _prepare
+from pdclient.local._cpu_isa import cpu_isa_env
 from pdclient.local._server import SERVED_MODEL_NAME, VLLMServer, free_port
 
 STARTUP_TIMEOUT = 900.0
@@ -28,9 +29,14 @@ TOOL_ARGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
 
 
 class ExtraDecode:
-    def __init__(self, prefill_url: str, *, cpu: int | None, extra_args: Sequence[str] = TOOL_ARGS) -> None:
+    def __init__(
+        self, prefill_url: str, *, cpu: int | None, cpu_isa: str | None = None, extra_args: Sequence[str] = TOOL_ARGS
+    ) -> None:
         self.prefill_url = prefill_url
         self.cpu = cpu
+        self.cpu_isa = cpu_isa
+        """As the pair's (``LocalPD.cpu_isa``): D2's answers are compared with D1's, so it
+        computes as D1 does (the same kernels, the same dtype)."""
         self.extra_args = tuple(extra_args)
         self.server: VLLMServer | None = None
         self.starts = 0
@@ -63,6 +69,7 @@ class ExtraDecode:
             cpu=self.cpu,
             nixl_side_channel_port=free_port(),
             extra_args=self.extra_args,
+            env=cpu_isa_env(self.cpu_isa),
         )
         self.server.start()
         try:

@@ -89,7 +89,8 @@ def d2(pd: PDServers) -> Iterator[ExtraDecode]:
     # polls while it waits for remote KV, and on the prefill's core it would starve the very
     # prefill it waits for (the prefill's engine then dies of an execute_model timeout).
     cpu = pd.local.cpus[-1] if pd.local is not None else None
-    server = ExtraDecode(pd.prefill_url, cpu=cpu).start()
+    cpu_isa = pd.local.cpu_isa if pd.local is not None else None
+    server = ExtraDecode(pd.prefill_url, cpu=cpu, cpu_isa=cpu_isa).start()
     yield server
     server.stop()
 

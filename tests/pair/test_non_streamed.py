@@ -170,7 +170,8 @@ class KillAfter(httpx.HTTPTransport):
 def d2(pd: PDServers) -> Iterator[ExtraDecode]:
     # On the session decode's core, as tests/pair/test_migration.py places it (and for its reason).
     cpu = pd.local.cpus[-1] if pd.local is not None else None
-    server = ExtraDecode(pd.prefill_url, cpu=cpu).start()
+    cpu_isa = pd.local.cpu_isa if pd.local is not None else None
+    server = ExtraDecode(pd.prefill_url, cpu=cpu, cpu_isa=cpu_isa).start()
     yield server
     server.stop()
 
