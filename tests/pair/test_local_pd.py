@@ -134,16 +134,21 @@ def _cpu_seconds_by_session(sessions: set[int | None]) -> dict[int | None, float
 def test_each_server_computes_on_its_own_core(servers: list[VLLMServer]) -> None:
     """vLLM's NIXL worker moves its model thread to the machine's last core unless told not to."""
     for srv in servers:
-        core = {int(srv.env["VLLM_CPU_OMP_THREADS_BIND"])}
-        workers = [pid for pid, comm in _processes_in_session(srv.pid) if comm.startswith("VLLM::Worker")]
-        assert workers, f"no vLLM worker process found for the {srv.name} server"
-        strays = {
-            (pid, int(tid)): os.sched_getaffinity(int(tid))
-            for pid in workers
-            for tid in os.listdir(f"/proc/{pid}/task")
-            if os.sched_getaffinity(int(tid)) - core
-        }
-        assert not strays, f"{srv.name} server threads off core {core}: {strays}"
+        _computes_on(srv, int(srv.env["VLLM_CPU_OMP_THREADS_BIND"]))
+
+
+def _computes_on(srv: VLLMServer, cpu: int | None) -> None:
+    """Every thread of the server's vLLM worker process is allowed on ``cpu`` only."""
+    core = {cpu}
+    workers = [pid for pid, comm in _processes_in_session(srv.pid) if comm.startswith("VLLM::Worker")]
+    assert workers, f"no vLLM worker process found for the {srv.name} server"
+    strays = {
+        (pid, int(tid)): os.sched_getaffinity(int(tid))
+        for pid in workers
+        for tid in os.listdir(f"/proc/{pid}/task")
+        if os.sched_getaffinity(int(tid)) - core
+    }
+    assert not strays, f"{srv.name} server threads off core {core}: {strays}"
 
 
 def _processes_in_session(session: int | None) -> list[tuple[int, str]]:
@@ -236,15 +241,7 @@ def _hand_off_to_each_decode(pd: LocalPD) -> None:
         reference = http.post(f"{pd.prefill_url}/chat/completions", json=body).raise_for_status().json()
     assert answers == [reference["choices"][0]["message"]["content"]] * 2
     for srv, cpu in zip(pd.servers, pd.cpus, strict=True):
-        workers = [pid for pid, comm in _processes_in_session(srv.pid) if comm.startswith("VLLM::Worker")]
-        assert workers, f"no vLLM worker process found for the {srv.name} server"
-        strays = {
-            (pid, int(tid)): os.sched_getaffinity(int(tid))
-            for pid in workers
-            for tid in os.listdir(f"/proc/{pid}/task")
-            if os.sched_getaffinity(int(tid)) - {cpu}
-        }
-        assert not strays, f"{srv.name} server threads off core {cpu}: {strays}"
+        _computes_on(srv, cpu)
 
 
 def test_the_servers_compute_with_the_instruction_sets_asked_for(pd: PDServers) -> None:
