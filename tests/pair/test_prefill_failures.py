@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from pdclient import PDChatClient, PDTrace
+from pdclient import PDChatClient, PDTrace, RetrySettings
 from pdclient.local import PDServers
 from pdclient.local._server import free_port
 
@@ -64,8 +64,9 @@ def bad_prefill(request: pytest.FixtureRequest) -> Iterator[str]:
 
 
 def _client(pd: PDServers, prefill_url: str, traces: list[PDTrace], policy: str) -> PDChatClient:
-    # timeout bounds the prefill phase (and each decode read: leave room for a loaded
-    # 2-core machine); max_retries=0 keeps openai from repeating the whole call.
+    # timeout bounds each decode read (leave room for a loaded 2-core machine and the VM's
+    # stalls); prefill_timeout bounds the prefill phase alone, so a hung prefill costs 15 s,
+    # not the read timeout's 60; max_retries=0 keeps openai from repeating the whole call.
     return PDChatClient(
         prefill_base_url=prefill_url,
         decode_base_url=pd.decode_url,
@@ -73,6 +74,7 @@ def _client(pd: PDServers, prefill_url: str, traces: list[PDTrace], policy: str)
         on_trace=traces.append,
         on_prefill_failure=policy,  # type: ignore[arg-type]
         timeout=60,
+        retries=RetrySettings(prefill_timeout=15),
         max_retries=0,
     )
 
