@@ -15,6 +15,7 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,7 +37,7 @@ def main() -> int:
 
     python = str(server_python())  # also reinstalls server_patch/ into the venv if it changed
     model = str(model_dir())
-    results = {}
+    passes: list[tuple[str, list[str], dict[str, str], bool]] = []
     for version in args.versions.split(","):
         src = vllm_src(version, python)
         env = dict(os.environ)
@@ -48,15 +49,41 @@ def main() -> int:
         if src:
             env["PDCLIENT_TEST_VLLM_SRC"] = str(src)
         cmd = [python, "-m", "pytest", "-c", str(HERE / "pytest.ini"), str(HERE), "-q", "-rs"]
-        if args.no_live or src:  # old versions: their CPU torch does not install here, so no server can run
+        live = not (args.no_live or src)  # old versions: their CPU torch does not install here, so no server can run
+        if not live:
             cmd += ["-m", "not live"]
-        print(f"\n=== server_patch tests on vLLM {version} ===", flush=True)
-        start = time.monotonic()
-        # cwd = repo root, never server_patch/ (a same-named folder would shadow the plugin).
-        code = subprocess.run([*cmd, *pytest_args], cwd=REPO, env=env).returncode
-        results[version] = (code, time.monotonic() - start)
+        passes.append((version, [*cmd, *pytest_args], env, live))
+
+    results: dict[str, tuple[int, float]] = {}
+    # The passes that start no server run side by side (each is one busy Python process: on
+    # two cores the two old versions take ~1.5 min together, not ~3 one after the other),
+    # their output printed whole as each ends; a pass with a real server runs alone after.
+    # cwd = repo root, never server_patch/ (a same-named folder would shadow the plugin).
+    with tempfile.TemporaryDirectory() as tmp:
+        running = []
+        for version, cmd, env, live in passes:
+            if not live:
+                output = open(Path(tmp) / f"{version}.log", "w+b")  # noqa: SIM115
+                started = time.monotonic()
+                process = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT)
+                running.append((version, process, output, started))
+        for version, process, output, started in running:
+            code = process.wait()
+            results[version] = (code, time.monotonic() - started)
+            print(f"\n=== server_patch tests on vLLM {version} ===", flush=True)
+            output.seek(0)
+            sys.stdout.buffer.write(output.read())
+            sys.stdout.flush()
+            output.close()
+    for version, cmd, env, live in passes:
+        if live:
+            print(f"\n=== server_patch tests on vLLM {version} ===", flush=True)
+            started = time.monotonic()
+            code = subprocess.run(cmd, cwd=REPO, env=env).returncode
+            results[version] = (code, time.monotonic() - started)
     print("\n=== server_patch summary ===")
-    for version, (code, seconds) in results.items():
+    for version, *_ in passes:
+        code, seconds = results[version]
         print(f"vLLM {version}: {'passed' if code == 0 else f'FAILED (exit {code})'} in {seconds:.0f} s")
     return 0 if all(code == 0 for code, _ in results.values()) else 1
 
