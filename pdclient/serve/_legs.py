@@ -42,7 +42,7 @@ import httpx
 from aiohttp.helpers import get_env_proxy_for_url
 from yarl import URL
 
-from ..transport import with_url_auth  # the clients' rule, so both send the same
+from ..transport import IDLE_CONNECTION_SECONDS, with_url_auth  # the clients' rules, so both send the same
 from ..wire import HOP_BY_HOP
 
 _SENDING = "http11.send_request_headers.started"
@@ -97,7 +97,9 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         session = self._sessions.get(traced)
         if session is None:
             if self._connector is None:
-                self._connector = aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=0)
+                self._connector = aiohttp.TCPConnector(
+                    limit=self._max_connections, limit_per_host=0, keepalive_timeout=IDLE_CONNECTION_SECONDS
+                )
             traces = [aiohttp.TraceConfig()] if traced else []
             for trace in traces:
                 trace.on_request_headers_sent.append(_headers_sent)

@@ -25,8 +25,15 @@ import httpx
 
 C = TypeVar("C", httpx.Client, httpx.AsyncClient)
 
-# The openai SDK's own pool limits, kept for the legs so a drop-in client pools alike.
-LEG_LIMITS = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+IDLE_CONNECTION_SECONDS = 4.0
+"""How long a leg's idle connection is kept for reuse: less than vLLM keeps it (uvicorn's
+``timeout_keep_alive``, ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``: 5 s). Kept as long as the server
+keeps it (httpx's default is 5 s too), the server can close it just as a leg is sent on it:
+the leg fails with "Server disconnected without sending a response", and a decode leg is
+not sent again (it may have reached the server)."""
+# The openai SDK's own pool limits, kept for the legs so a drop-in client pools alike, but for
+# the idle time.
+LEG_LIMITS = httpx.Limits(max_connections=1000, max_keepalive_connections=100, keepalive_expiry=IDLE_CONNECTION_SECONDS)
 
 
 def _with_url_auth(request: httpx.Request) -> httpx.Request:
@@ -110,4 +117,4 @@ class AsyncLegClient(_Legs[httpx.AsyncClient]):
         await self._client.aclose()
 
 
-__all__ = ["LEG_LIMITS", "AsyncLegClient", "LegClient"]
+__all__ = ["IDLE_CONNECTION_SECONDS", "LEG_LIMITS", "AsyncLegClient", "LegClient"]

@@ -27,6 +27,7 @@ import pytest
 from pdclient import AsyncPDChatClient, PDChatClient, PDOptions, PDTrace, PDTransport
 from pdclient.local import LocalPD
 from pdclient.local._server import NIXL_PUSH_KV_TRANSFER_CONFIG
+from pdclient.transport import LEG_LIMITS
 
 from .helpers import metric
 
@@ -135,7 +136,7 @@ class EditThePrefill(httpx.BaseTransport):
     length in tokens: what a prefill server with another chat template renders."""
 
     def __init__(self, prefill_url: str) -> None:
-        self.inner = httpx.HTTPTransport()
+        self.inner = httpx.HTTPTransport(limits=LEG_LIMITS)  # idle connections dropped before vLLM drops them
         self.prefill_url = prefill_url
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
@@ -207,7 +208,7 @@ class FailThePrefill(httpx.BaseTransport):
     """Leg transport: once armed, prefills answer 503 after a moment (the decode has registered by then)."""
 
     def __init__(self, prefill_url: str) -> None:
-        self.inner = httpx.HTTPTransport()
+        self.inner = httpx.HTTPTransport(limits=LEG_LIMITS)  # idle connections dropped before vLLM drops them
         self.prefill_url = prefill_url
         self.armed = False
 
@@ -254,7 +255,7 @@ def test_a_decode_whose_prefill_server_died_is_reclaimed(push: LocalPD) -> None:
 
     class KillThePrefillServer(httpx.BaseTransport):
         def __init__(self) -> None:
-            self.inner = httpx.HTTPTransport()
+            self.inner = httpx.HTTPTransport(limits=LEG_LIMITS)  # idle connections dropped before vLLM drops them
             self.armed = False
 
         def handle_request(self, request: httpx.Request) -> httpx.Response:
