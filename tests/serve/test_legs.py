@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from pdclient.serve._legs import AiohttpTransport
+from pdclient.transport import IDLE_CONNECTION_SECONDS, LEG_LIMITS
 from tests.stubserver import Fault, StubServer, closed_port_url, forward_proxy
 
 from .conftest import MESSAGES
@@ -87,6 +88,20 @@ async def test_a_cut_body_delivers_what_arrived_then_raises(stub: StubServer) ->
     await response.aclose()
     await transport.aclose()
     assert received.count(b"data: ") == 2
+
+
+async def test_idle_connections_are_let_go_before_vllm_closes_them(stub: StubServer) -> None:
+    """vLLM's server closes an idle connection after 5 s; a leg sent on one just as it closes
+    fails, and a decode leg is not sent again: both leg clients let go of theirs sooner."""
+    assert IDLE_CONNECTION_SECONDS < 5 and LEG_LIMITS.keepalive_expiry == IDLE_CONNECTION_SECONDS
+    transport = AiohttpTransport()
+    try:
+        response = await transport.handle_async_request(httpx.Request("GET", stub.url + "/models"))
+        await response.aread()
+        assert transport._connector is not None
+        assert transport._connector._keepalive_timeout == IDLE_CONNECTION_SECONDS
+    finally:
+        await transport.aclose()
 
 
 async def test_legs_honour_http_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
