@@ -237,8 +237,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     samples: list[Sample] = []
     with LocalPD(extra_server_args=TOOL_ARGS) as pd:
-        # On the decode core, as LocalPD places decodes, computing as the pair does.
-        d2 = ExtraDecode(pd.prefill_url, cpu=pd.cpus[-1], cpu_isa=pd.cpu_isa)
+        d2 = ExtraDecode.beside(pd.prefill_url, pd)
         try:
             for round_ in range(2 * args.rounds):
                 d2.ensure_running()

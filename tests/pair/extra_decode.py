@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import httpx
 
 from pdclient import PDChatClient
-from pdclient.local import _prepare
+from pdclient.local import LocalPD, _prepare
 from pdclient.local._cpu_isa import cpu_isa_env
 from pdclient.local._server import SERVED_MODEL_NAME, VLLMServer, free_port
 
@@ -40,6 +40,17 @@ class ExtraDecode:
         self.extra_args = tuple(extra_args)
         self.server: VLLMServer | None = None
         self.starts = 0
+
+    @classmethod
+    def beside(cls, prefill_url: str, local: LocalPD | None) -> ExtraDecode:
+        """A second decode for the pair whose prefill is at ``prefill_url``, placed and computing
+        as that pair's decode when the pair is ``local`` (None: an attached pair, unpinned): on
+        the decode's core, since a decode polls while it waits for remote KV and on the
+        prefill's core it would starve the very prefill it waits for (whose engine then dies of
+        an execute_model timeout); with the pair's ``cpu_isa``, since their answers are compared."""
+        if local is None:
+            return cls(prefill_url, cpu=None)
+        return cls(prefill_url, cpu=local.cpus[-1], cpu_isa=local.cpu_isa)
 
     @property
     def url(self) -> str:

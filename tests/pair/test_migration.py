@@ -85,12 +85,7 @@ class Answer:
 
 @pytest.fixture(scope="module")
 def d2(pd: PDServers) -> Iterator[ExtraDecode]:
-    # On the session decode's core, as LocalPD places a second decode server: a decode server
-    # polls while it waits for remote KV, and on the prefill's core it would starve the very
-    # prefill it waits for (the prefill's engine then dies of an execute_model timeout).
-    cpu = pd.local.cpus[-1] if pd.local is not None else None
-    cpu_isa = pd.local.cpu_isa if pd.local is not None else None
-    server = ExtraDecode(pd.prefill_url, cpu=cpu, cpu_isa=cpu_isa).start()
+    server = ExtraDecode.beside(pd.prefill_url, pd.local).start()
     yield server
     server.stop()
 

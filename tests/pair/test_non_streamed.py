@@ -168,10 +168,7 @@ class KillAfter(httpx.HTTPTransport):
 
 @pytest.fixture(scope="module")
 def d2(pd: PDServers) -> Iterator[ExtraDecode]:
-    # On the session decode's core, as tests/pair/test_migration.py places it (and for its reason).
-    cpu = pd.local.cpus[-1] if pd.local is not None else None
-    cpu_isa = pd.local.cpu_isa if pd.local is not None else None
-    server = ExtraDecode(pd.prefill_url, cpu=cpu, cpu_isa=cpu_isa).start()
+    server = ExtraDecode.beside(pd.prefill_url, pd.local).start()
     yield server
     server.stop()
 

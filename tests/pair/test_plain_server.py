@@ -1,7 +1,7 @@
 """With a third vLLM server that has no KV connector: doctor says no, and killing it mid-run is safe.
 
 The server starts once for this module (~40-80 s) and its two tests run in order: the
-second kills it. It shares core 1 with the decode server, not core 0 with the prefill: the
+second kills it. It shares the decode server's core, not the prefill's: the
 doctor's handoff to it leaves KV on the prefill server that nothing pulls, and until that
 lease runs out (120 s) the prefill's worker spins at 100 % of its core. A server beside it
 answered a 12-token prompt in 122 s there, against 4.5 s beside the idle decode (measured on
@@ -38,7 +38,7 @@ def plain_server(pd: PDServers) -> Iterator[VLLMServer]:
         log_path=_prepare.cache_dir() / "logs" / f"plain-{port}.log",
         workdir=_prepare.cache_dir(),
         kv_connector=None,
-        cpu=1,
+        cpu=pd.local.cpus[-1] if pd.local is not None else None,
     )
     server.start()
     try:
