@@ -3,8 +3,9 @@
 The decode body passes through up to four steps, each chosen once, when the decode's
 response arrives (``CallerBody.begin``): the usage merge of a disaggregated call
 (the prompt side is the prefill's, as vllm-router reports it), the decode endpoint's tag
-in a Responses answer's ids, the answer collected for the conversation memory, and the
-usage event pdclient asked for itself taken out again.
+in a Responses answer's ids, and the usage event pdclient asked for itself taken out
+again. The conversation memory's answer collector is handed the decode's bytes as they
+come, and reads them itself, in batches, off the per-event path.
 """
 
 from __future__ import annotations
@@ -58,9 +59,10 @@ class CallerBody:
     ``feed`` and end with ``rest``): the usage merged, the ids tagged, the answer collected,
     the asked usage stripped.
 
-    An event stream is framed once, here (``wire.SSEFramer``), and each whole event's data
-    parsed at most once (``wire.event_json``) for every step that reads it; a JSON body goes
-    through each step's own hold-until-whole.
+    An event stream is framed once, here (``wire.SSEFramer``), when a step rewrites events,
+    and each whole event's data parsed at most once (``wire.event_json``) for every step
+    that reads it; a JSON body goes through each step's own hold-until-whole. The answer
+    collector gets the decode's bytes unchanged (``AnswerCollector.feed``).
     """
 
     __slots__ = ("_framer", "_usage_only", "collector", "merge", "stream", "strip", "tags")
@@ -80,10 +82,10 @@ class CallerBody:
         """The steps for the decode response's body, chosen before the caller reads a byte."""
         self.merge, self.tags, self.strip = merge, tags, strip
         self.stream = content_type.startswith("text/event-stream")
-        steps = (merge, tags, self.collector, strip)
+        steps = (merge, tags, strip)
         self._framer = SSEFramer() if self.stream and any(step is not None for step in steps) else None
-        # The merge and the strip read the usage event alone; the tags and the collector every event.
-        self._usage_only = tags is None and self.collector is None
+        # The merge and the strip read the usage event alone; the tags every event.
+        self._usage_only = tags is None
 
     @property
     def recounted(self) -> bool:
@@ -92,6 +94,11 @@ class CallerBody:
 
     def feed(self, data: bytes) -> bytes:
         """What goes on now (a partial SSE event waits for its end, a JSON body until it is whole)."""
+        if self.collector is not None:
+            self.collector.feed(data)  # the decode's own bytes: its usage, not the merged one
+        return self._through_steps(data)
+
+    def _through_steps(self, data: bytes) -> bytes:
         framer = self._framer
         if framer is not None:
             if self._usage_only and USAGE_KEY not in data and framer.whole(data):
@@ -103,16 +110,16 @@ class CallerBody:
             data = self.merge.feed(data)
         if self.tags is not None:
             data = self.tags.feed(data)
-        if data and self.collector is not None:
-            self.collector.feed(data)
         return data
 
     def events(self, events: list[bytes]) -> bytes:
         """Whole events framed already (a tracked stream's, ``migration.Tracker``): through
         every step without being framed again, nor parsed again where the tracker parsed
         one (``wire.ParsedEvent``)."""
+        if self.collector is not None:
+            self.collector.feed_events(events)
         if self._framer is None:
-            return self.feed(b"".join(events))
+            return self._through_steps(b"".join(events))
         return b"".join([self._event(event) for event in events])
 
     def rest(self) -> bytes:
@@ -125,21 +132,16 @@ class CallerBody:
         rest = self.merge.end() if self.merge is not None else b""
         if self.tags is not None:
             rest = self.tags.feed(rest) + self.tags.end()
-        if rest and self.collector is not None:
-            self.collector.feed(rest)
         return rest
 
     def _event(self, raw: bytes) -> bytes:
-        """One whole event through every step, its data parsed once if any step reads it."""
-        collector = self.collector
-        reads = collector is not None or (USAGE_KEY in raw and (self.merge is not None or self.strip is not None))
+        """One whole event through every step, its data parsed once if a step reads it."""
+        reads = USAGE_KEY in raw and (self.merge is not None or self.strip is not None)
         payload = event_json(raw) if reads else None
         if self.merge is not None:
             raw = self.merge.event(raw, payload)
         if self.tags is not None:
             raw = self.tags.event(raw)
-        if collector is not None:
-            collector.event(payload)
         if self.strip is not None:
             raw = self.strip.event(raw, payload)
         return raw

@@ -363,7 +363,9 @@ def test_the_answers_ids_are_tagged_in_json_and_event_streams_only() -> None:
     assert id_tags_for(False, DECODES[0], 200, "application/json", None) is None
 
 
-def test_the_callers_stream_is_framed_once_and_each_event_parsed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_callers_steps_parse_the_usage_event_alone_and_the_answer_is_read_after(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     import pdclient.handoff._to_caller as to_caller
 
     parsed: list[bytes] = []
@@ -387,9 +389,10 @@ def test_the_callers_stream_is_framed_once_and_each_event_parsed_once(monkeypatc
     strip = usage_strip()
     caller.begin("text/event-stream", None, None, strip)
     out = b"".join(caller.feed(body[i : i + 5]) for i in range(0, len(body), 5)) + caller.rest()
-    # One parse per event, shared by the collector and the strip (a CRLF cut between two
-    # reads completes its event as a bare LF, which holds no data).
-    assert len([raw for raw in parsed if raw.strip()]) == 4
+    # On the way, the strip's usage event alone is parsed (a CRLF cut between two reads
+    # completes its event as a bare LF, which holds no data); the collector reads the
+    # decode's bytes once asked, every event of them.
+    assert [raw for raw in parsed if raw.strip()] == [b"data: " + json.dumps(chunks[2]).encode() + b"\r\n\r"]
     assert b'"usage"' not in out and out.endswith(b"data: [DONE]\r\n\r\n")
     assert call.remote.conversation.collector.answer() == Answer("Hello", (), 2, False)
 
@@ -427,10 +430,11 @@ def test_a_tracked_streams_events_reach_the_callers_steps_parsed(monkeypatch: py
     caller.begin("text/event-stream", None, None, usage_strip())
     tracker = Tracker(chat=True, keep_ids=False, want_prompt_ids=True)
     out = b"".join(caller.events(tracker.events(body[i : i + 7])) for i in range(0, len(body), 7))
-    assert reparsed == [b"data: [DONE]\n\n"]  # the one event the tracker passes on unparsed
+    assert reparsed == []
     assert tracker.prompt_ids == [1, 2] and tracker.ids == [7, 8]
     assert b"token_ids" not in out and b'"usage"' not in out and out.endswith(b"data: [DONE]\n\n")
     assert call.remote.conversation.collector.answer() == Answer("Hello", (), 2, False)
+    assert reparsed == [b"data: [DONE]\n\n"]  # the one event the tracker passes on unparsed
 
 
 def test_reads_of_whole_events_without_usage_pass_unframed(monkeypatch: pytest.MonkeyPatch) -> None:

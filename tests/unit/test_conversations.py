@@ -8,6 +8,7 @@ import threading
 import tracemalloc
 from typing import Any
 
+import orjson
 import pytest
 
 from pdclient.conversations import (
@@ -23,7 +24,7 @@ from pdclient.conversations import (
 )
 from pdclient.costs import RouteCosts
 from pdclient.kv_events import chain_keys, pack
-from pdclient.wire import Kind, SSEFramer, affinity_key, event_json
+from pdclient.wire import Kind, ParsedEvent, affinity_key
 
 D1 = "http://decode-1:8200/v1"
 D2 = "http://decode-2:8200/v1"
@@ -710,15 +711,10 @@ def chunk(delta: dict[str, Any], finish: str | None = None, index: int = 0) -> d
 
 
 def collect(data: bytes, *, stream: bool = True, split: int = 7) -> AnswerCollector:
-    """The collector fed as a call's decode body feeds it: events framed once, their data parsed."""
+    """The collector fed as a call's decode body feeds it: the bytes as they came."""
     collector = AnswerCollector(stream=stream)
-    framer = SSEFramer()
     for at in range(0, len(data), split):  # events cut anywhere, as the network does
-        if not stream:
-            collector.feed(data[at : at + split])
-            continue
-        for event in framer.feed(data[at : at + split]):
-            collector.event(event_json(event))
+        collector.feed(data[at : at + split])
     return collector
 
 
@@ -735,6 +731,32 @@ def test_a_streamed_answer_is_assembled_from_its_events() -> None:
     assert collector.answer() == Answer("Once upon", (), 3, False)
     assert collector.prompt_tokens == 40
     assert collect(data.replace(b"\n", b"\r\n")).answer() == Answer("Once upon", (), 3, False)
+
+
+def test_a_long_streamed_answer_is_read_in_batches_with_its_usage_after_the_finish() -> None:
+    words = [f"word{i} " for i in range(3000)]  # ~300 kB of events: several batches
+    usage = {"id": "c", "choices": [], "usage": {"prompt_tokens": 40, "completion_tokens": 3000}}
+    data = sse(*[chunk({"content": w}) for w in words], chunk({}, "length"), usage)
+    for split in (7, 4096, 65537):
+        collector = collect(data, split=split)
+        assert collector.answer() == Answer("".join(words), (), 3000, False)
+        assert collector.answer() == Answer("".join(words), (), 3000, False)  # asked again: the same
+        assert collector.prompt_tokens == 40
+
+
+def test_events_a_step_parsed_are_not_parsed_again_and_keep_their_order() -> None:
+    events = [b"data: " + orjson.dumps(chunk({"content": c})) + b"\n\n" for c in ("a", "b", "c")]
+    done = b"data: " + orjson.dumps(chunk({}, "stop")) + b"\n\n"
+
+    def parsed(event: bytes, content: str) -> ParsedEvent:
+        return ParsedEvent(event, chunk({"content": content}))
+
+    collector = AnswerCollector(stream=True)
+    collector.feed_events([parsed(events[0], "A")])  # its payload is read, not its bytes
+    collector.feed(events[1])
+    # Bytes wait to be read: an event after them is read after them, from its bytes.
+    collector.feed_events([parsed(events[2], "C"), done])
+    assert collector.answer() == Answer("Abc", (), None, False)
 
 
 def test_a_streamed_tool_call_is_assembled() -> None:
