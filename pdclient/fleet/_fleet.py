@@ -32,7 +32,7 @@ from ._discovery import DiscoverySettings, DnsDiscovery, is_address
 from ._health import HealthProber, HealthSettings
 from ._kv_events import KVEventWatch
 from ._load import LoadScraper, ScrapeSettings
-from ._warm import PrefillWarmer
+from ._warm import WARM_UP_MAX_SLEEP, PrefillWarmer
 
 _FLEET_FIELDS = (
     "prefill_base_url",
@@ -158,7 +158,9 @@ class Fleet:
     def _warm_ups(self) -> Background:
         """The warm-ups' driver, made on first use (with ``_lock`` held)."""
         if self._warming is None:
-            self._warming = Background([self.warmer], asynchronous=self._asynchronous, name="pdclient-warm-up")
+            self._warming = Background(
+                [self.warmer], asynchronous=self._asynchronous, name="pdclient-warm-up", max_sleep=WARM_UP_MAX_SLEEP
+            )
             self._warming.task_http = self._task_http
             self.warmer.wake = self._warming.wake
             weakref.finalize(self, self._warming.close, wait=False).atexit = False
