@@ -14,12 +14,18 @@ answer has started.
 The deadlines are timers on the event loop, set and cancelled as the parser reads: the
 app's own ``anyio.fail_after`` around its body read cost ~17 us per call, ~3 % of the
 proxy's CPU.
+
+A request whose head is whole also brings uvicorn's ``Date`` header up to the second
+(``refresh_date``): uvicorn refreshes it on its main loop's tick, once a second, and the
+proxy's main loop (``_server.Server``) no longer wakes an idle process every second for it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
+from email.utils import formatdate
 from typing import Any
 
 import uvicorn
@@ -36,6 +42,24 @@ def _refusal(status: bytes, message: bytes) -> bytes:
 
 _HEAD_TOO_LARGE = _refusal(b"431 Request Header Fields Too Large", b"request headers are too large\n")
 _BODY_TOO_SLOW = _refusal(b"408 Request Timeout", b"request body not received in time\n")
+
+
+_date: tuple[int, bytes] = (-1, b"")
+"""The second and its ``Date`` value, formatted once for every request in that second."""
+
+
+def refresh_date(state: ServerState) -> None:
+    """uvicorn's ``Date`` header (the first of its default headers, when it sends one) as of
+    now, for the request whose head just ended and those after it."""
+    global _date
+    headers = state.default_headers
+    if not headers or headers[0][0] != b"date":
+        return  # ``date_header=False``, or before the server's first tick
+    second = int(time.time())
+    if second != _date[0]:
+        _date = (second, formatdate(second, usegmt=True).encode())
+    if headers[0][1] is not _date[1]:
+        state.default_headers = [(b"date", _date[1]), *headers[1:]]
 
 
 class ServerConfig(uvicorn.Config):
@@ -154,6 +178,7 @@ class HttpToolsConnection(_Deadlines, HttpToolsProtocol):
         self._in_head = False
         self.head.stop()
         self.body.start()
+        refresh_date(self.server_state)  # before the request's cycle takes the default headers
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
@@ -161,4 +186,4 @@ class HttpToolsConnection(_Deadlines, HttpToolsProtocol):
         super().on_message_complete()
 
 
-__all__ = ["HttpToolsConnection", "ServerConfig"]
+__all__ = ["HttpToolsConnection", "ServerConfig", "refresh_date"]
