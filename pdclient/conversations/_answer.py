@@ -93,7 +93,8 @@ class AnswerCollector:
         (``wire.ParsedEvent``) is not parsed again, unless bytes before it wait to be read."""
         for event in events:
             if type(event) is ParsedEvent and not self._buffer and not self._framer.pending:
-                self._event(event.payload)
+                if event.payload is not None:  # as ``event_json`` gives it: no data, or [DONE]
+                    self._event(event.payload)
             else:
                 self.feed(event)
 

@@ -752,6 +752,7 @@ def test_events_a_step_parsed_are_not_parsed_again_and_keep_their_order() -> Non
         return ParsedEvent(event, chunk({"content": content}))
 
     collector = AnswerCollector(stream=True)
+    collector.feed_events([ParsedEvent(b": comment\n\n", None)])  # no data: nothing to read
     collector.feed_events([parsed(events[0], "A")])  # its payload is read, not its bytes
     collector.feed(events[1])
     # Bytes wait to be read: an event after them is read after them, from its bytes.
