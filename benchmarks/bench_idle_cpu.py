@@ -3,6 +3,7 @@
     python benchmarks/bench_idle_cpu.py                                 # pdclient serve vs vllm-router
     python benchmarks/bench_idle_cpu.py --against /work/main            # and another checkout's serve
     python benchmarks/bench_idle_cpu.py --serve-args="--remote-prefill auto"
+    python benchmarks/bench_idle_cpu.py --stubs --against /work/main        # no vLLM: two stub servers
 
 At the pace of vLLM's multi-turn benchmark on this pair (~0.4 calls a second per proxy)
 the work a proxy does whether or not calls come (health probes, ``/metrics`` scrapes, KV
@@ -13,6 +14,11 @@ children, /proc's user+system) over ``--idle`` seconds, all proxies over the sam
 then sends each proxy, in turn, ``--calls`` streamed chat calls (a unique prompt of ~600
 tokens, 16 answer tokens, one at a time) and divides its CPU over them. Rounds rotate the
 proxies' order. Printed: medians over rounds.
+
+``--stubs`` puts two stub servers (tests/stubserver.py: 40 events 20 ms apart) in the pair's
+place: with no vLLM busy beside it, a sleeping process's wake-up costs most (~200 us each on
+a 2-core Zen 1 EPYC VM, against ~35 us with the pair running), so what wakes an idle proxy
+shows.
 """
 
 from __future__ import annotations
@@ -29,11 +35,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-from bench_proxies import Proc, log, pdclient_serve, vllm_router
+from bench_proxies import Proc, log, pdclient_serve, stub, vllm_router
 
 from pdclient.local import LocalPD
 
 PROMPT_WORDS = 450  # ~600 tokens of SmolLM2's tokenizer
+PROMPT_TOKENS = 600  # what a stub's prefill answers with
 
 
 def one_call(client: httpx.Client, proc: Proc, model: str) -> None:
@@ -59,14 +66,20 @@ def main() -> None:
     parser.add_argument("--serve-args", default="", help="extra flags for every `pdclient serve`, one string")
     parser.add_argument("--no-router", action="store_true")
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
+    parser.add_argument("--stubs", action="store_true", help="two stub servers instead of a LocalPD pair")
     args = parser.parse_args()
     serve_args = args.serve_args.split()
     logs = Path(tempfile.mkdtemp(prefix="idle-cpu-"))
     idle: dict[str, list[float]] = {}
     per_call: dict[str, list[float]] = {}
     with contextlib.ExitStack() as stack:
-        pd = stack.enter_context(LocalPD())
-        prefill, decode = pd.prefill_url, pd.decode_url
+        if args.stubs:
+            prefill = stack.enter_context(stub(PROMPT_TOKENS, answer_tokens=40, step_ms=20))
+            decode = stack.enter_context(stub(PROMPT_TOKENS, answer_tokens=40, step_ms=20))
+            model = httpx.get(prefill + "/models").json()["data"][0]["id"]
+        else:
+            pd = stack.enter_context(LocalPD())
+            prefill, decode, model = pd.prefill_url, pd.decode_url, pd.model
         starts: dict[str, Callable[[], contextlib.AbstractContextManager[Proc]]] = {
             "pdclient serve": lambda: pdclient_serve(prefill, decode, logs, extra_args=serve_args),
         }
@@ -78,7 +91,6 @@ def main() -> None:
         if not args.no_router:
             starts["vllm-router"] = lambda: vllm_router(prefill, decode, logs)
         procs = {name: stack.enter_context(start()) for name, start in starts.items()}
-        model = pd.model
         client = stack.enter_context(httpx.Client())
         for proc in procs.values():  # first calls open connections, import lazily: not measured
             one_call(client, proc, model)
