@@ -93,8 +93,7 @@ class AnswerCollector:
         (``wire.ParsedEvent``) is not parsed again, unless bytes before it wait to be read."""
         for event in events:
             if type(event) is ParsedEvent and not self._buffer and not self._framer.pending:
-                if event.payload is not None:  # as ``event_json`` gives it: no data, or [DONE]
-                    self._event(event.payload)
+                self._event(event.payload)
             else:
                 self.feed(event)
 
@@ -128,9 +127,7 @@ class AnswerCollector:
             self._spoil()
             return
         for event in events:
-            payload = event_json(event)
-            if payload is not None:
-                self._event(payload)
+            self._event(event_json(event))
             if self._spoiled:
                 return
 
@@ -140,7 +137,10 @@ class AnswerCollector:
         self._content = []
 
     def _event(self, chunk: object) -> None:
-        """One streamed event's data, parsed; anything but a JSON object spoils the answer."""
+        """One streamed event's data, parsed (None: an event without data, or ``[DONE]``);
+        anything but a JSON object spoils the answer."""
+        if chunk is None:
+            return
         if not isinstance(chunk, dict):
             self._spoil()
             return
