@@ -2,7 +2,9 @@
 
     python benchmarks/bare_proxy.py PREFILL_URL DECODE_URL PORT
 
-uvicorn (httptools, uvloop) and one aiohttp session, as ``pdclient serve`` runs on: each
+uvicorn (httptools, uvloop) and one aiohttp session, as ``pdclient serve`` runs on, with
+its server's main loop (``pdclient.serve._server.Server``: it wakes once a minute, where
+uvicorn's wakes ten times a second, a cost that grows with a call's length): each
 chat call is a prefill (its ``kv_transfer_params`` read from the JSON answer) and a decode
 whose chunks go to the caller as they arrive. No retries, timeouts, metrics, logs, usage,
 migration or routing: what is left is the stack's own cost per call and per chunk, the
@@ -12,11 +14,15 @@ floor under pdclient serve's (``bench_proxies.py stubs --arms ...,bare proxy``).
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
 import uvicorn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from pdclient.serve._server import Server
 
 JSON = {"content-type": "application/json"}
 
@@ -62,7 +68,8 @@ def app_for(prefill: str, decode: str) -> Any:
 
 if __name__ == "__main__":
     prefill_url, decode_url, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    uvicorn.run(
+    config = uvicorn.Config(
         app_for(prefill_url, decode_url), host="127.0.0.1", port=port, log_level="warning",
         access_log=False, http="httptools", loop="uvloop",
     )  # fmt: skip
+    Server(config).run()
