@@ -55,7 +55,7 @@ from ..dialects import endpoint_for, names_a_response
 from ..fleet import Fleet
 from ..pools import AllEndpointsOpen, retry
 from ..routing import TENANT_EXTENSION, RouteRequest, plan_text
-from ..wire import EventTooLarge, error_event, redact_url
+from ..wire import TRACE_HEADERS_EXTENSION, EventTooLarge, error_event, redact_url
 from ._dispatch import learn_coordinates
 from ._effective import EffectiveOptions
 from ._failure import (
@@ -412,7 +412,8 @@ class Call:
             id_tags_for(tags, endpoint, status, content_type, self.context.options.reuse_secret),
             strip,
         )
-        return caller_response(response, stream, body, self.trace().to_headers() if self.kind is not None else None)
+        traced = self.kind is not None and (status >= 400 or self.request.extensions.get(TRACE_HEADERS_EXTENSION, True))
+        return caller_response(response, stream, body, self.trace().to_headers() if traced else None)
 
     def decode_unavailable(self, error: AllEndpointsOpen) -> httpx.Response:
         return self._fail("decode", str(error), 503)

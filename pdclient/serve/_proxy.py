@@ -52,6 +52,7 @@ from ..wire import (
     FAILED_LEG_HEADER,
     HOP_BY_HOP,
     RAW_TRACE_HEADER_PREFIX,
+    TRACE_HEADERS_EXTENSION,
     ends_event_stream,
     error_body,
     redact_url,
@@ -263,6 +264,8 @@ class Proxy:
         given_id = _header(headers, b"x-request-id")
         request_id = given_id.decode("latin-1") if given_id else new_correlation_id()
         extensions: dict[str, Any] = {"timeout": self._timeouts, LEG_ERRORS: {}}
+        if not self.config.trace_headers:
+            extensions[TRACE_HEADERS_EXTENSION] = False  # response_headers would drop them
         if tenant is not None:
             extensions[TENANT_EXTENSION] = tenant
         upstream = request_with_content(

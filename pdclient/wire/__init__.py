@@ -29,7 +29,13 @@ from ._forwarded import (
     kv_params_in_json,
     media_type,
 )
-from ._headers import FAILED_LEG_HEADER, HOP_BY_HOP, RAW_TRACE_HEADER_PREFIX, TRACE_HEADER_PREFIX
+from ._headers import (
+    FAILED_LEG_HEADER,
+    HOP_BY_HOP,
+    RAW_TRACE_HEADER_PREFIX,
+    TRACE_HEADER_PREFIX,
+    TRACE_HEADERS_EXTENSION,
+)
 from ._parts import TEXT_PART_TYPES, has_media, is_text_part
 from ._plan import (
     Fields,
@@ -129,6 +135,7 @@ __all__ = [
     "prefill_usage",
     "PrefillResult",
     "RAW_TRACE_HEADER_PREFIX",
+    "TRACE_HEADERS_EXTENSION",
     "read_prefill",
     "redact_url",
     "Refusal",

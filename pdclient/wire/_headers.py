@@ -17,3 +17,9 @@ TRACE_HEADER_PREFIX = "x-pd-"
 RAW_TRACE_HEADER_PREFIX = TRACE_HEADER_PREFIX.encode("ascii")
 FAILED_LEG_HEADER = TRACE_HEADER_PREFIX + "failed-leg"
 """Which leg failed, on an error pdclient answers: the one trace header a caller always gets."""
+TRACE_HEADERS_EXTENSION = "pdclient.trace_headers"
+"""The httpx request extension by which a server passing its callers' requests on (``pdclient
+serve``) declines the trace headers of a handed-off call's answer: set to False, an answer
+carries none (one whose decode failed still does, ``FAILED_LEG_HEADER`` among them). Building
+them was a tenth of that server's CPU per call, only for it to drop them. Never read from
+anything a caller sends."""
