@@ -21,5 +21,5 @@ TRACE_HEADERS_EXTENSION = "pdclient.trace_headers"
 """The httpx request extension by which a server passing its callers' requests on (``pdclient
 serve``) declines the trace headers of a handed-off call's answer: set to False, an answer
 carries none (one whose decode failed still does, ``FAILED_LEG_HEADER`` among them). Building
-them was a tenth of that server's CPU per call, only for it to drop them. Never read from
-anything a caller sends."""
+them, only for that server to drop them, was ~9 % of its own CPU per call (in process).
+Never read from anything a caller sends."""
