@@ -12,7 +12,8 @@ import openai
 import pytest
 import respx
 
-from pdclient import AsyncPDChatClient, PDChatClient, PDTrace
+from pdclient import AsyncPDChatClient, AsyncPDTransport, PDChatClient, PDOptions, PDTrace, PDTransport
+from pdclient.wire import TRACE_HEADERS_EXTENSION
 from tests.fake_vllm import DECODE, NIXL_PARAMS, PREFILL, chat_chunk, chat_json, ids_for, prefill_json
 from tests.twins import Twin, status_error
 
@@ -358,6 +359,39 @@ async def test_prefill_failure_with_fail_policy_raises(mode: str, pd_routes: res
     assert error.status_code == 502 and "prefill leg failed: ConnectError: refused" in str(error)
     assert error.response.headers["x-pd-failed-leg"] == "prefill"
     assert pd_routes["decode"].call_count == 0
+
+
+def _sent_through_sync_transport(options: PDOptions, body: bytes, extensions: dict[str, Any]) -> httpx.Response:
+    with httpx.Client(transport=PDTransport(options=options)) as http:
+        request = http.build_request("POST", DECODE + "/chat/completions", content=body, extensions=extensions)
+        response = http.send(request)
+        response.read()
+        return response
+
+
+@pytest.mark.parametrize("decode_status", [200, 400])
+async def test_a_server_passing_requests_on_can_decline_the_trace_headers(
+    mode: str, pd_routes: respx.MockRouter, decode_status: int
+) -> None:
+    """``pdclient serve`` drops them unless asked, so it asks the transport not to build them;
+    an answer whose decode failed keeps them, the failed leg's among them."""
+    if decode_status != 200:
+        pd_routes["decode"].mock(return_value=httpx.Response(decode_status, json={"error": {"message": "bad"}}))
+    options = PDOptions(prefill_base_url=PREFILL, decode_base_url=DECODE)
+    body = json.dumps({"model": "m", "messages": MESSAGES}).encode()
+    extensions: dict[str, Any] = {TRACE_HEADERS_EXTENSION: False}
+    if mode == "sync":
+        response = _sent_through_sync_transport(options, body, extensions)
+    else:
+        async with httpx.AsyncClient(transport=AsyncPDTransport(options=options)) as http:
+            request = http.build_request("POST", DECODE + "/chat/completions", content=body, extensions=extensions)
+            response = await http.send(request)
+    trace_headers = {name: value for name, value in response.headers.items() if name.startswith("x-pd-")}
+    assert response.status_code == decode_status
+    if decode_status == 200:
+        assert trace_headers == {} and response.json()["choices"][0]["message"]["content"] == "echo:What is P/D?"
+    else:
+        assert trace_headers["x-pd-failed-leg"] == "decode"
 
 
 async def test_decode_error_status_reaches_the_caller(mode: str, pd_routes: respx.MockRouter) -> None:
