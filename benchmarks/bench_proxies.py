@@ -236,11 +236,13 @@ def toy_proxy(prefill: str, decode: str, logs: Path) -> contextlib.AbstractConte
     return started(command, "toy proxy", base + "/healthcheck", base + "/v1", logs, cwd=tempfile.gettempdir(), env=env)
 
 
-def bare_proxy(prefill: str, decode: str, logs: Path) -> contextlib.AbstractContextManager[Proc]:
+def bare_proxy(prefill: str, decode: str, logs: Path, relay: bool = False) -> contextlib.AbstractContextManager[Proc]:
     port = free_port()
     command = [sys.executable, str(REPO / "benchmarks" / "bare_proxy.py"), prefill, decode, str(port)]
     base = f"http://127.0.0.1:{port}"
-    return started(command, BARE, base + "/health", base + "/v1", logs)
+    return started(
+        [*command, "--relay"] if relay else command, RELAYED if relay else BARE, base + "/health", base + "/v1", logs
+    )
 
 
 # -- (a) the real pair: client TTFT -----------------------------------------------------------
@@ -428,6 +430,8 @@ def run_pair(args: argparse.Namespace) -> int:
 STUB_ARMS = ("direct", "pdclient serve", "pdclient serve x2", "vllm-router", "toy proxy")
 BARE = "bare proxy"
 """An arm on request only (``--arms``): benchmarks/bare_proxy.py, the floor of pdclient serve's stack."""
+RELAYED = "bare proxy relayed"
+"""On request too: the same with ``--relay``, no task wake-up per chunk of the decode's body."""
 
 
 class HTTPError(Exception):
@@ -536,7 +540,7 @@ def stub_counts(prefill: str, decode: str) -> dict[str, int]:
 def run_stubs(args: argparse.Namespace) -> int:
     levels = [int(x) for x in args.concurrency.split(",")]
     arms = [a.strip() for a in args.arms.split(",")]
-    unknown = [a for a in arms if a not in (*STUB_ARMS, BARE)]
+    unknown = [a for a in arms if a not in (*STUB_ARMS, BARE, RELAYED)]
     if unknown or "direct" not in arms or "vllm-router" not in arms:
         raise SystemExit(f"--arms: {unknown or arms} (from {', '.join(STUB_ARMS)}; direct and vllm-router always)")
     if args.against:
@@ -557,6 +561,7 @@ def run_stubs(args: argparse.Namespace) -> int:
             "vllm-router": lambda: vllm_router(prefill, decode, logs),
             "toy proxy": lambda: toy_proxy(prefill, decode, logs),
             BARE: lambda: bare_proxy(prefill, decode, logs),
+            RELAYED: lambda: bare_proxy(prefill, decode, logs, relay=True),
         }
         if args.against:
             other = stack.enter_context(worktree(args.against))
