@@ -238,11 +238,10 @@ def toy_proxy(prefill: str, decode: str, logs: Path) -> contextlib.AbstractConte
 
 def bare_proxy(prefill: str, decode: str, logs: Path, relay: bool = False) -> contextlib.AbstractContextManager[Proc]:
     port = free_port()
-    command = [sys.executable, str(REPO / "benchmarks" / "bare_proxy.py"), prefill, decode, str(port)]
+    name, flags = (RELAYED, ["--relay"]) if relay else (BARE, [])
+    command = [sys.executable, str(REPO / "benchmarks" / "bare_proxy.py"), prefill, decode, str(port), *flags]
     base = f"http://127.0.0.1:{port}"
-    return started(
-        [*command, "--relay"] if relay else command, RELAYED if relay else BARE, base + "/health", base + "/v1", logs
-    )
+    return started(command, name, base + "/health", base + "/v1", logs)
 
 
 # -- (a) the real pair: client TTFT -----------------------------------------------------------
