@@ -13,12 +13,13 @@ floor under pdclient serve's (``bench_proxies.py stubs --arms ...,bare proxy``).
 ``--relay`` (the arm ``bare proxy relayed``) measures what this stack's wake-up per chunk
 costs: the decode's body goes from aiohttp's parser callback straight into uvicorn's
 ``send``, stepped there, with no future, no task step and no coroutine chain resumed per
-chunk (15 us an event of 51 on a Zen 4 EPYC; the same relay built into pdclient serve,
-whose reader path is leaner, saved it ~1 us: docs/serve.md, "How it compares"). It
-reaches into aiohttp's ``StreamReader`` (its class swapped for one whose ``feed_data`` hands
-the chunk on) and steps uvicorn's ``send`` outside a task, which is fine for a measurement
-on loopback stubs (a ``send`` that would wait for the caller fails the call) and nothing
-more.
+chunk. On back-to-back stubs that is 15 us an event of 51 (Zen 4 EPYC); on stubs paced as
+a decode streams (an event every 44 ms, the process asleep in between, so each wake-up
+runs cold) it is ~90 us of ~260, and ``pdclient serve`` now relays its bodies the same way
+(``transport/_relay.py``; docs/serve.md, "How it compares"). This arm reaches into
+aiohttp's ``StreamReader`` (its class swapped for one whose ``feed_data`` hands the chunk
+on) and steps uvicorn's ``send`` outside a task with no flow control (a ``send`` that would
+wait fails the call): a measurement on loopback stubs and nothing more.
 """
 
 from __future__ import annotations

@@ -79,6 +79,7 @@ from bench_proxies import (
     started,
     vllm_router,
 )
+from bench_serve_cpu import worktree
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdclient.cli.bench import quantile
@@ -104,6 +105,7 @@ ARMS = ("pdclient auto", "pdclient always", "vllm-router", "multiturn proxy", "d
 DEFAULT_ARMS = ARMS[:-1]
 """``bare proxy`` (benchmarks/bare_proxy.py) is asked for by name: the CPU floor of pdclient serve's stack."""
 PDCLIENT_ARMS = ("pdclient auto", "pdclient always")
+"""And ``pdclient auto @REV`` (``--against REV``): another revision's ``pdclient serve``, in the same rounds."""
 BASELINE = "vllm-router"
 
 
@@ -400,7 +402,7 @@ class Bench:
         # Wide enough that pandas keeps the percentile columns when the output is a file.
         env = {**os.environ, "COLUMNS": "250", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": ""}
         prefill_before, decode_before = scrape(self.prefill), scrape(self.decode)
-        proxy_before = scrape(proxy.url) if arm in PDCLIENT_ARMS and proxy else ""
+        proxy_before = scrape(proxy.url) if arm.startswith(PDCLIENT_ARMS) and proxy else ""
         cpu_before = proxy.cpu_seconds() if proxy else 0.0
         done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=work, check=False)
         cpu = proxy.cpu_seconds() - cpu_before if proxy else None
@@ -421,7 +423,7 @@ class Bench:
         )  # fmt: skip
         if proxy is not None and cpu is not None and stats:
             result.proxy_cpu_s, result.proxy_cpu_ms_per_call = cpu, cpu * 1000 / len(stats)
-        if arm in PDCLIENT_ARMS and proxy is not None:
+        if arm.startswith(PDCLIENT_ARMS) and proxy is not None:
             after = scrape(proxy.url)
             decisions = ("remote_prefill", "reason")
             result.decisions = counter_delta(proxy_before, after, "pdclient_remote_prefill_decisions", decisions)
@@ -607,6 +609,12 @@ def run_all(args: argparse.Namespace) -> int:
             "multiturn proxy": lambda: multiturn_proxy(prefill, decode, sdist.parents[1] / MULTITURN_PROXY, logs),
             "bare proxy": lambda: bare_proxy(prefill, decode, logs),
         }
+        if args.against:
+            other = stack.enter_context(worktree(args.against))
+            arms.append(against := f"pdclient auto @{args.against}")
+            starts[against] = lambda: pdclient_serve(
+                prefill, decode, logs, tree=other, name=against, remote_prefill="auto", extra_args=serve_args
+            )
         procs: dict[str, Proc | None] = {}
         for arm in arms:
             procs[arm] = None if arm == "decode alone" else stack.enter_context(starts[arm]())
@@ -669,6 +677,9 @@ def main() -> int:
         "--kv-events",
         action="store_true",
         help="the servers publish their KV events and both `pdclient serve` arms read them (--kv-events discover)",
+    )
+    parser.add_argument(
+        "--against", help="a git revision: its `pdclient serve` (auto) as one more arm, `pdclient auto @REV`"
     )
     parser.add_argument("--quick", action="store_true", help="6 conversations, 1 round, results in benchmarks/out")
     parser.add_argument("--out", type=Path, help="default: benchmarks/results (--quick: benchmarks/out)")
