@@ -534,7 +534,7 @@ def plot(runs: Sequence[Run], arms: Sequence[str], title: str, path: Path) -> st
     for axis, (name, key) in zip(axes, keys, strict=True):
         for k, arm in enumerate(arms):
             if table[arm][key] is not None:
-                axis.bar(k, table[arm][key], color=colors[arm], alpha=0.8)
+                axis.bar(k, table[arm][key], color=colors.get(arm, "tab:green"), alpha=0.8)  # green: --against
             points = [v for r in runs if r.arm == arm and (v := value(r, key)) is not None]
             axis.scatter([k] * len(points), points, s=12, color="black", zorder=3)
         axis.set_xticks(range(len(arms)), arms, rotation=35, ha="right", fontsize=8)
