@@ -17,10 +17,10 @@ chunk. On back-to-back stubs that is 15 us an event of 51 (Zen 4 EPYC); on stubs
 a decode streams (an event every 44 ms, the process asleep in between, so each wake-up
 runs cold) it is ~70 us of ~250. The same relay built into ``pdclient serve`` gave 0.96x its
 CPU a call on vLLM's multi-turn benchmark and 1.05x on those paced stubs, and is not kept
-(docs/serve.md, "How it compares"). This arm reaches into
-aiohttp's ``StreamReader`` (its class swapped for one whose ``feed_data`` hands the chunk
-on) and steps uvicorn's ``send`` outside a task with no flow control (a ``send`` that would
-wait fails the call): a measurement on loopback stubs and nothing more.
+(docs/serve.md, "How it compares"). This arm reaches into aiohttp's ``StreamReader`` (its
+class swapped for one whose ``feed_data`` hands the chunk on) and steps uvicorn's ``send``
+outside a task with no flow control (a ``send`` that would wait fails the call): a
+measurement on loopback stubs and nothing more.
 """
 
 from __future__ import annotations
