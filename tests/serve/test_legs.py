@@ -3,7 +3,10 @@ arrives (up to a cut), the trace event the core's KV-release decision reads."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
+import time
 from typing import Any
 
 import httpx
@@ -68,6 +71,55 @@ async def test_a_slow_answer_is_a_read_timeout(stub: StubServer) -> None:
     stub.inject(Fault(delay=1.0))
     with pytest.raises(httpx.ReadTimeout):
         await send(stub.url + "/chat/completions", CHAT, timeout=0.2)
+
+
+async def test_a_stream_that_stops_mid_way_is_a_read_timeout_after_what_arrived(stub: StubServer) -> None:
+    gate = threading.Semaphore(0)  # released once: the stub sends a second event, then holds the third
+    stub.inject(Fault(event_gate=gate), leg="decode")
+    transport = AiohttpTransport()
+    request = httpx.Request("POST", stub.url + "/chat/completions", json={**CHAT, "stream": True})
+    request.extensions["timeout"] = {"connect": 5, "read": 0.3, "write": 5, "pool": 5}
+    response = await transport.handle_async_request(request)
+    received = b""
+    started = time.monotonic()
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            async for chunk in response.stream:  # type: ignore[union-attr]
+                if not received:
+                    gate.release()
+                received += chunk
+    finally:
+        await response.aclose()
+        await transport.aclose()
+    assert received.count(b"data: ") == 2 and 0.3 <= time.monotonic() - started < 5
+
+
+async def test_the_read_timeout_bounds_each_wait_not_the_whole_body(stub: StubServer) -> None:
+    """Events 0.3 s apart under a 1 s read timeout: the body takes longer than the timeout, no wait does."""
+    stub.inject(Fault(event_delay=0.3), leg="decode")
+    started = time.monotonic()
+    response, body, _ = await send(stub.url + "/chat/completions", {**CHAT, "stream": True}, timeout=1.0)
+    assert response.status_code == 200 and body.endswith(b"data: [DONE]\n\n")
+    assert time.monotonic() - started > 1.0
+
+
+async def test_a_caller_slow_to_read_on_is_not_the_server_timing_out(stub: StubServer) -> None:
+    """The answer is all sent; the caller waits past the read timeout before reading it: it
+    gets all of it, and once the body is closed no timer is left behind."""
+    transport = AiohttpTransport()
+    request = httpx.Request("POST", stub.url + "/chat/completions", json={**CHAT, "stream": True})
+    request.extensions["timeout"] = {"connect": 5, "read": 0.2, "write": 5, "pool": 5}
+    response = await transport.handle_async_request(request)
+    chunks = aiter(response.stream)  # type: ignore[arg-type]
+    received = await anext(chunks)
+    await asyncio.sleep(0.6)
+    async for chunk in chunks:
+        received += chunk
+    await response.aclose()
+    await transport.aclose()
+    assert received.endswith(b"data: [DONE]\n\n")
+    deadline = response.stream._deadline  # type: ignore[union-attr]
+    assert deadline is None or deadline._timer is None
 
 
 async def test_a_connection_dropped_before_the_answer_is_a_protocol_error(stub: StubServer) -> None:
