@@ -11,12 +11,13 @@ What is learnt, and from what (every time is passed in: the model has no clock):
   KV's move, the decode's admission and first step) against the tokens its prefill
   computed, a ``Line`` over every handoff, and one per prefill endpoint and dispatch mode
   (``DispatchChooser``);
-- **what a decode-only turn costs the decode's other streams**: while the decode server
-  computes the turn's N tokens, every stream it runs waits (vLLM batches the prefill into
-  the same steps as their tokens), so the stall is the decode line's per-token part for N
-  tokens, charged when streams are running there (the caller counts them: its own calls
-  in flight and the load sample's ``running``). Its fixed step is not charged: the streams
-  pay a step anyway.
+- **what a decode-only turn costs the decode's other streams**: every stream running there
+  waits for the turn's first token, so the stall is the decode line's whole prediction
+  for N tokens, charged when streams are running there (the caller counts them: its own
+  calls in flight and the load sample's ``running``). Not only its per-token part: on the
+  CPU pair, streams that ran beside decode-only turns lost 1.03 ms per ms of the turns'
+  time to first token they overlapped (1,296 calls of vLLM's multi-turn benchmark), the
+  step and the server's own work on the request included.
 
 Every line is a robust fit (``CostLine``: medians over a bounded window), so one call
 stuck in a queue does not swing the route, and two processes that saw the same traffic
@@ -49,7 +50,7 @@ class RouteCosts:
     stall_ms: float
     """What the decode-only route would make the decode server's running streams wait (0: none run)."""
     compute_ms: float
-    """The decode server's compute for the call's uncached tokens: the stall, were streams running."""
+    """The decode server's time on the call until its first token: the stall, were streams running."""
     streams: int
     """The streams counted running on that decode endpoint."""
 
@@ -124,10 +125,8 @@ class CostModel:
             decode = self._decode_line(decode_endpoint).line() if decode_endpoint else self.priors.decode_prefill
             handoff = self._handoff.line()
         tokens = max(0, uncached_tokens)
-        compute = decode.ms_per_token * tokens
-        return RouteCosts(
-            decode.at(tokens), handoff.at(tokens), compute if streams > 0 else 0.0, compute, max(0, streams)
-        )
+        compute = decode.at(tokens)
+        return RouteCosts(compute, handoff.at(tokens), compute if streams > 0 else 0.0, compute, max(0, streams))
 
     def probe_due(self, decode_endpoint: str) -> bool:
         """Whether a call that would go decode-only on ``decode_endpoint`` but for its predicted
