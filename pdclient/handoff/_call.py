@@ -419,6 +419,7 @@ class Call:
         return self._fail("decode", str(error), 503)
 
     def first_byte(self) -> None:
+        self.decode.streaming()
         self.record.decode_first_byte_ms = (time.perf_counter() - self.decode.sent_at) * 1000
         record = self.record
         record.first_byte_ms = self._elapsed_ms()

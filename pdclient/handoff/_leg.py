@@ -41,6 +41,7 @@ class Leg:
         self.sent_at = 0.0
         self.status: int | None = None
         self._open = False
+        self._streaming = False
         self._ahead: str | None = None
 
     def pick(self, route: RouteRequest, exclude: Sequence[Endpoint] = ()) -> str:
@@ -101,6 +102,12 @@ class Leg:
         self._call.observers.leg_start(self._call, self)
         return request
 
+    def streaming(self) -> None:
+        """The attempt's answer has begun: a stream running on its endpoint until it ends."""
+        if self.endpoint is not None and self._open and not self._streaming:
+            self._streaming = True
+            self.endpoint.count_stream(1)
+
     def answered(self, chunks: int = 1) -> None:
         """The answer is whole, in ``chunks`` pieces: the endpoint's latency learns the time per piece."""
         if self.endpoint is not None:
@@ -113,6 +120,9 @@ class Leg:
         self._open = False
         self.status = status
         if self.endpoint is not None:
+            if self._streaming:
+                self._streaming = False
+                self.endpoint.count_stream(-1)
             self.endpoint.release(ok=_health(status, error))
         self._call.observers.leg_end(self._call, self, status, error)
 

@@ -73,13 +73,15 @@ def conversation_home(pool: EndpointPool, options: PDOptions, route: RouteReques
 
 
 def running_streams(pool: EndpointPool, url: str | None, now: float) -> int:
-    """The streams running on the decode endpoint ``url``: this process's calls in flight
-    there, or the server's own count when a fresh load sample says more (other processes')."""
+    """The streams running on the decode endpoint ``url``: this process's calls whose answer
+    has begun there (``Endpoint.streaming``: a call still waiting for its first token pays a
+    decode-only turn's prefill in its time to first token, not between tokens), or the
+    server's own count when a fresh load sample says more (other processes')."""
     for endpoint in pool.endpoints:
         if endpoint.url == url:
             load = endpoint.load
             counted = int(load.running) if load is not None and load.fresh(now) else 0
-            return max(endpoint.in_flight, counted)
+            return max(endpoint.streaming, counted)
     return 0
 
 

@@ -73,6 +73,10 @@ class Endpoint:
         self.host_name = host_name
         """When ``url`` holds one address of a DNS name (discovery): the name, for the Host header and TLS SNI."""
         self.in_flight = 0
+        self.streaming = 0
+        """Of ``in_flight``, the calls whose answer has begun to arrive (``Leg.streaming``):
+        the streams a decode-only turn's prefill here would stall. A call still waiting for
+        its first token (its KV on the way, or queued) would only start later."""
         self.load: LoadSample | None = None
         """The server's own load as its last /metrics scrape said (``fleet._load.LoadScraper`` writes it)."""
         self.latency = PeakEWMA(clock=clock)
@@ -104,6 +108,11 @@ class Endpoint:
             self.in_flight += 1
             if self.state == "half-open":
                 self._probing = True
+
+    def count_stream(self, change: int) -> None:
+        """One more (1) or one fewer (-1) of ``streaming``."""
+        with self._lock:
+            self.streaming += change
 
     def release(self, *, ok: bool | None) -> None:
         """End one request; ``ok`` None means it says nothing of the server's health."""

@@ -172,6 +172,30 @@ def test_decide_takes_the_conversation_home_when_the_memory_names_no_endpoint() 
     )
 
 
+def test_only_a_stream_whose_answer_has_begun_counts_against_the_stall_budget() -> None:
+    """A call waiting for its first token on the decode endpoint would pay a decode-only turn's
+    prefill in its time to first token; one whose answer is arriving, between its tokens."""
+    fleet = Fleet(PDOptions(prefill_base_url=PREFILL, decode_base_url=DECODES), asynchronous=False)
+    follow_up = Estimate(1000, 200, DECODES[0], Match.EXTENDS_ANSWER)  # priors: 210 ms decode-only, 266 P/D
+
+    def decided() -> Decision:
+        return remote_prefill_decision("auto", follow_up, SETTINGS, None, fleet)
+
+    assert decided().reason is Reason.DECODE_ONLY_FASTER
+    other = make_call(chat("another conversation"), fleet=fleet)
+    assert other.decode.pin(DECODES[0], "held") == DECODES[0]
+    other.decode.start(other.request)
+    assert decided().reason is Reason.DECODE_ONLY_FASTER  # in flight, its first token not yet there
+    other.first_byte()
+    over = decided()
+    assert over.reason is Reason.STALL_OVER_BUDGET and over.costs is not None
+    assert (over.costs.streams, over.costs.stall_ms) == (1, over.costs.decode_only_ms)
+    other.decode.end(200, None)
+    endpoint = fleet.decode.endpoints[0]
+    assert (endpoint.streaming, endpoint.in_flight) == (0, 0)
+    assert decided().reason is Reason.DECODE_ONLY_FASTER
+
+
 def test_a_handoff_after_all_counts_the_whole_prompt_as_uncached() -> None:
     cached = Estimate(1000, 10, DECODES[0], Match.EXTENDS_ANSWER)
     after = handoff_after_all(Decision(False, Reason.DECODE_ONLY_FASTER, DECODES[0], cached), SETTINGS)
