@@ -14,10 +14,10 @@ What is learnt, and from what (every time is passed in: the model has no clock):
 - **what a decode-only turn costs the decode's other streams**: every stream running there
   waits for the turn's first token, so the stall is the decode line's whole prediction
   for N tokens, charged when streams are running there (the caller counts them: its own
-  calls in flight and the load sample's ``running``). Not only its per-token part: on the
-  CPU pair, streams that ran beside decode-only turns lost 1.03 ms per ms of the turns'
-  time to first token they overlapped (1,296 calls of vLLM's multi-turn benchmark), the
-  step and the server's own work on the request included.
+  streams whose answer has begun and the load sample's ``running``). Not only its
+  per-token part: on the CPU pair, streams that ran beside decode-only turns lost 1.02 ms
+  per ms of the turns' time to first token they overlapped (2,042 requests of vLLM's
+  multi-turn benchmark), the step and the server's own work on the request included.
 
 Every line is a robust fit (``CostLine``: medians over a bounded window), so one call
 stuck in a queue does not swing the route, and two processes that saw the same traffic

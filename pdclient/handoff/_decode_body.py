@@ -181,6 +181,7 @@ class MovingBody:
         if not events:
             return b""
         self._migration.delivered(time.perf_counter())
+        self.call.decode.streaming()  # a moved stream's continuation streams from its first event
         if self._assembler is not None:
             try:
                 self._assembler.feed(b"".join(events))

@@ -152,7 +152,7 @@ async def test_soak_random_faults_never_mix_ids_or_leak() -> None:
         await asyncio.gather(*(one(i) for i in range(SOAK_CALLS)))
         elapsed = time.monotonic() - started
         fleet = client.pd_fleet
-        in_flight = [e.in_flight for e in (*fleet.prefill.endpoints, *fleet.decode.endpoints)]
+        in_flight = [(e.in_flight, e.streaming) for e in (*fleet.prefill.endpoints, *fleet.decode.endpoints)]
         # httpcore's pool, read for the test only: every leg connection must be back in it.
         pool = client._client._transport._legs._client._transport._pool  # type: ignore[attr-defined]
         busy_connections = [c for c in pool.connections if "ACTIVE" in c.info()]
@@ -168,7 +168,7 @@ async def test_soak_random_faults_never_mix_ids_or_leak() -> None:
     assert [o for o in outcomes if o.startswith("wrong")] == []
     assert [r for r in with_ids if r.ids_match is not True] == [], "a decode received another call's ids"
     assert tally.get("ok", 0) > SOAK_CALLS * 0.8
-    assert in_flight == [0, 0, 0, 0]
+    assert in_flight == [(0, 0)] * 4  # calls and streams all ended
     assert busy_connections == []
 
 

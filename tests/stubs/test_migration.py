@@ -237,14 +237,14 @@ async def test_many_calls_each_cut_once_all_arrive_whole() -> None:
 
         await asyncio.gather(*(one(i) for i in range(300)))
         fleet = client.pd_fleet
-        in_flight = [e.in_flight for e in (*fleet.prefill.endpoints, *fleet.decode.endpoints)]
+        in_flight = [(e.in_flight, e.streaming) for e in (*fleet.prefill.endpoints, *fleet.decode.endpoints)]
         await client.close()
         continuations = [r for s in (d1, d2, d3) for r in s.legs("decode") if "-m1" in r.headers["x-request-id"]]
 
     assert texts == [ANSWER] * 300
     assert len(continuations) == 300
     assert all(r.ids_match for r in continuations), "a continuation received another call's prompt"
-    assert in_flight == [0, 0, 0, 0]
+    assert in_flight == [(0, 0)] * 4  # calls and streams all ended
 
 
 # -- a stream cut after its answer ended -----------------------------------------------------
