@@ -50,7 +50,9 @@ class RouteCosts:
     stall_ms: float
     """What the decode-only route would make the decode server's running streams wait (0: none run)."""
     compute_ms: float
-    """The decode server's time on the call until its first token: the stall, were streams running."""
+    """The per-token part of the decode server's time on the call (its uncached tokens at the
+    decode line's rate): what bounds a trial of decode-only (``Reason.PROBE``), so that a
+    prior's step, or one slow sample's, never stops decode-only from being measured again."""
     streams: int
     """The streams counted running on that decode endpoint."""
 
@@ -125,8 +127,9 @@ class CostModel:
             decode = self._decode_line(decode_endpoint).line() if decode_endpoint else self.priors.decode_prefill
             handoff = self._handoff.line()
         tokens = max(0, uncached_tokens)
-        compute = decode.at(tokens)
-        return RouteCosts(compute, handoff.at(tokens), compute if streams > 0 else 0.0, compute, max(0, streams))
+        decode_only = decode.at(tokens)
+        stall = decode_only if streams > 0 else 0.0
+        return RouteCosts(decode_only, handoff.at(tokens), stall, decode.ms_per_token * tokens, max(0, streams))
 
     def probe_due(self, decode_endpoint: str) -> bool:
         """Whether a call that would go decode-only on ``decode_endpoint`` but for its predicted

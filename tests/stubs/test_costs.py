@@ -153,12 +153,12 @@ def test_auto_hands_off_follow_ups_once_it_learns_the_decode_prefills_slowly(
     chat_pair: tuple[StubServer, StubServer],
 ) -> None:
     """A decode server that takes 300 ms for a short follow-up, against a 10 ms handover:
-    once the first handoff is timed, decode-only is tried once (``probe``: the priors put it
-    at ~70 ms), and its 300 ms hand the rest off. No more trials: a decode-only turn that
-    long would stall streams beyond the budget, were any running."""
+    once the first handoffs are timed, decode-only is tried on every other follow-up until
+    it is timed too (``probe``), and its 300 ms then hand the rest off."""
     traces = conversations(chat_pair, ["And then?"] * 12, decode_only_s=0.3, handover_s=0.01)
     reasons = [t.remote_prefill_reason for t in traces]
-    assert reasons == ["probe"] + ["handoff_faster"] * 11, reasons
+    assert reasons[:8].count("probe") >= 3 and reasons[:8].count("handoff_faster") >= 3, reasons
+    assert reasons[8:] == ["handoff_faster"] * 4, reasons
     last = traces[-1].decision
     assert last is not None and last.decode_only_ms is not None and last.handoff_ms is not None
     assert last.decode_only_ms > 250 > 100 > last.handoff_ms
