@@ -141,6 +141,8 @@ class MovingBody:
                 while (chunk := (yield NEXT)) is not None:
                     self._received += len(chunk)
                     reads += 1
+                    if reads == 1:  # this response's answer has begun, a moved stream's continuation too
+                        self.call.decode.streaming()
                     out = tracker.events(chunk)
                     if tracker.done:
                         # The answer is whole: read the body's end so the connection is reused.
@@ -181,7 +183,6 @@ class MovingBody:
         if not events:
             return b""
         self._migration.delivered(time.perf_counter())
-        self.call.decode.streaming()  # a moved stream's continuation streams from its first event
         if self._assembler is not None:
             try:
                 self._assembler.feed(b"".join(events))
