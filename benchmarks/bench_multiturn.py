@@ -560,6 +560,7 @@ def save(
         "workload": args.workload, **asdict(WORKLOADS[args.workload]), "conversations": args.conversations,
         "clients": args.clients, "rounds": args.rounds, "seed": args.seed, "serve_args": list(serve_args),
         "kv_events": args.kv_events, "server_args": shlex.split(args.server_args),
+        "against": args.against, "against_args": shlex.split(args.against_args),
         "vllm": VLLM_VERSION, "router": ROUTER_REQUIREMENT, "load": os.getloadavg(),
     }  # fmt: skip
     results = {
@@ -611,10 +612,11 @@ def run_all(args: argparse.Namespace) -> int:
         }
         if args.against:
             other = stack.enter_context(worktree(args.against))
-            arms.append(against := f"pdclient auto @{args.against}")
+            arms.append(against := " ".join(filter(None, [f"pdclient auto @{args.against}", args.against_args])))
             starts[against] = lambda: pdclient_serve(
-                prefill, decode, logs, tree=other, name=against, remote_prefill="auto", extra_args=serve_args
-            )
+                prefill, decode, logs, tree=other, name=against, remote_prefill="auto",
+                extra_args=[*serve_args, *shlex.split(args.against_args)],
+            )  # fmt: skip
         procs: dict[str, Proc | None] = {}
         for arm in arms:
             procs[arm] = None if arm == "decode alone" else stack.enter_context(starts[arm]())
@@ -680,6 +682,12 @@ def main() -> int:
     )
     parser.add_argument(
         "--against", help="a git revision: its `pdclient serve` (auto) as one more arm, `pdclient auto @REV`"
+    )
+    parser.add_argument(
+        "--against-args",
+        default="",
+        help="extra flags for the --against arm only, after --serve-args: the same tree with another setting "
+        "(--against HEAD --against-args '--max-decode-stall-ms 600'), in the same rounds",
     )
     parser.add_argument("--quick", action="store_true", help="6 conversations, 1 round, results in benchmarks/out")
     parser.add_argument("--out", type=Path, help="default: benchmarks/results (--quick: benchmarks/out)")
