@@ -268,12 +268,17 @@ class _Injected:
     times: int
 
 
+_CLOSED_PORTS: list[socket.socket] = []
+"""Bound, never listening, held for the test run: a port released at once could be the next
+free one the kernel hands out (to a proxy under test, say), and then something answers."""
+
+
 def closed_port_url() -> str:
     """A loopback base URL nothing listens on: connections are refused at once (a server down)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return f"http://127.0.0.1:{port}/v1"
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    _CLOSED_PORTS.append(sock)
+    return f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
 
 
 class _ForwardProxy(BaseHTTPRequestHandler):
