@@ -199,14 +199,27 @@ def decode_body(
 
 def asks_usage(plan: wire.Plan, *, collecting: bool, decode_only: bool) -> bool:
     """Whether a decode-only chat stream asks its server for the usage the caller did not:
-    the prompt's length and cache hits, the truth the conversation estimates learn from."""
+    the prompt's length and cache hits, the truth the conversation estimates learn from.
+    A caller that turned usage off (``include_usage: false``) is asked for all the same, and
+    sees none: without it the turn's prompt length is unknown, and the next turn's estimate
+    falls back to what the turn before it left cached."""
     return (
         collecting
         and decode_only
         and plan.kind is wire.Kind.CHAT  # the other APIs' streams report usage on their own
         and plan.stream
-        and "stream_options" not in plan.fields
+        and not _usage_asked_by_caller(plan)
     )
+
+
+def _usage_asked_by_caller(plan: wire.Plan) -> bool:
+    if "stream_options" not in plan.fields:
+        return False
+    try:
+        options = wire.field_value(plan.fields, "stream_options")
+    except wire.Refusal:
+        return True  # options pdclient cannot read go to the server as they are
+    return isinstance(options, dict) and options.get("include_usage") is True
 
 
 class _ScannedUpload(httpx.SyncByteStream, httpx.AsyncByteStream):

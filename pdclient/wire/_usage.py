@@ -31,6 +31,8 @@ from typing import Any
 
 import orjson
 
+from ._forwarded import Refusal
+from ._plan import encode_fields, field_value, read_fields
 from ._sse import SSEFramer, event_json, pass_events, split_events
 
 USAGE_KEY = b'"usage"'
@@ -196,17 +198,34 @@ class UsageMerge:
 
 
 _ASK_USAGE = b',"stream_options":{"include_usage":true}}'
+_STREAM_OPTIONS = b'"stream_options"'
 
 
 def with_usage_asked(body: bytes) -> bytes:
     """A streamed leg's JSON body that also asks for the final usage event.
 
-    For a body without ``stream_options`` (the caller's choice is kept when it made one):
-    the field is added at the end of the object, with no re-encoding of the rest."""
+    A body without ``stream_options`` gets the field at the end of the object, with no
+    re-encoding of the rest. A caller's own options without ``include_usage: true`` (vLLM's
+    multi-turn benchmark sends ``{"include_usage": false}``) are re-encoded with it, and
+    without ``continuous_usage_stats``: usage in every chunk is the caller's to ask for, and
+    the one event asked here is taken out again (``UsageStrip``). Anything else (not a JSON
+    object, options that are not one) goes as it is, for the server to judge."""
     stripped = body.rstrip()
     if not stripped.endswith(b"}") or stripped == b"{}":
         return body
-    return stripped[:-1] + _ASK_USAGE
+    if _STREAM_OPTIONS not in body:
+        return stripped[:-1] + _ASK_USAGE
+    try:
+        fields = read_fields(body)
+        options = field_value(fields, "stream_options")
+    except Refusal:
+        return body
+    if options is None:
+        options = {}
+    elif not isinstance(options, dict):
+        return body
+    options.pop("continuous_usage_stats", None)
+    return encode_fields({**fields, "stream_options": {**options, "include_usage": True}})
 
 
 def _is_usage_event(event: bytes, payload: object = None) -> bool:

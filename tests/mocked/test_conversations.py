@@ -99,6 +99,29 @@ async def test_auto_sends_a_follow_up_decode_only_to_the_decode_endpoint_of_the_
     await t.close()
 
 
+async def test_a_stream_with_usage_turned_off_still_tells_the_next_turn_its_length(mode: str, pair: FakeVLLM) -> None:
+    """vLLM's multi-turn benchmark streams with ``stream_options: {"include_usage": false}``.
+    A decode-only turn asks its server for the usage all the same, and the caller sees none:
+    the turn is remembered with its prompt's length, so the next turn is estimated from it,
+    not from what the turn before it left cached."""
+    t, traces = twin(mode, remote_prefill="auto")
+    off = {"stream_options": {"include_usage": False, "continuous_usage_stats": True}}
+    await turn(t, TURN1, True, **off)
+    stream = await t.chat(messages=TURN2, stream=True, **off)
+    chunks = list(stream) if mode == "sync" else [c async for c in stream]
+    assert chunks and all(c.usage is None for c in chunks)  # as the caller asked
+    answer2 = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert traces.traces[1].outcome is Outcome.DECODE_ONLY
+    assert pair.decode_bodies[1]["stream_options"] == {"include_usage": True}
+    turn3 = [*TURN2, {"role": "assistant", "content": answer2}, {"role": "user", "content": "And after that?"}]
+    await turn(t, turn3, True, **off)
+    second, third = traces.traces[1:]
+    prompt2 = len(ids_of_conversation({"messages": TURN2}))
+    assert second.cached_tokens is not None and third.cached_tokens is not None
+    assert third.cached_tokens >= prompt2 // 128 * 128 > second.cached_tokens
+    await t.close()
+
+
 async def test_the_decision_travels_in_the_response_headers(pair: FakeVLLM) -> None:
     t, _ = twin("sync", remote_prefill="auto")
     await turn(t, TURN1, True)

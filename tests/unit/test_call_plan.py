@@ -371,7 +371,12 @@ def test_only_a_decode_only_chat_stream_asks_for_the_usage_the_caller_did_not() 
     assert not asks_usage(plan_of(chat("hi")), collecting=True, decode_only=False)
     assert not asks_usage(plan_of(chat("hi")), collecting=False, decode_only=True)
     assert not asks_usage(plan_of(chat("hi", stream=False)), collecting=True, decode_only=True)
-    owned = chat("hi", stream_options={"include_usage": False})
+    # A caller that turned usage off is asked for it all the same (and sees none): it is the
+    # turn's prompt length. One that asked for it gets it anyway.
+    turned_off = chat("hi", stream_options={"include_usage": False})
+    assert asks_usage(plan_of(turned_off), collecting=True, decode_only=True)
+    assert asks_usage(plan_of(chat("hi", stream_options=None)), collecting=True, decode_only=True)
+    owned = chat("hi", stream_options={"include_usage": True})
     assert not asks_usage(plan_of(owned), collecting=True, decode_only=True)
     responses = {"model": "m", "input": "hi", "stream": True}
     assert not asks_usage(plan_of(responses, "/responses"), collecting=True, decode_only=True)

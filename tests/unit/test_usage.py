@@ -193,6 +193,26 @@ def test_with_usage_asked_adds_stream_options_without_re_encoding() -> None:
     assert with_usage_asked(b"not json") == b"not json"
 
 
+@pytest.mark.parametrize(
+    ("options", "sent"),
+    [
+        ({"include_usage": False}, {"include_usage": True}),
+        ({"include_usage": False, "continuous_usage_stats": True}, {"include_usage": True}),
+        ({"continuous_usage_stats": True, "x": 1}, {"include_usage": True, "x": 1}),
+        (None, {"include_usage": True}),
+        ("not options", "not options"),
+    ],
+    ids=["turned-off", "continuous-too", "other-keys-kept", "null", "not-an-object"],
+)
+def test_with_usage_asked_turns_usage_on_in_the_callers_own_options(options: object, sent: object) -> None:
+    """Usage in every chunk stays the caller's to ask for; options that are not an object go
+    to the server as they are, for it to refuse."""
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream_options": options})
+    asked = json.loads(with_usage_asked(body.encode()))
+    assert asked["stream_options"] == sent
+    assert asked["messages"] == [{"role": "user", "content": "hi"}] and asked["model"] == "m"
+
+
 def test_usage_strip_takes_out_the_usage_event_only_across_reads() -> None:
     content = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
     usage_event = b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":1}}\n\n'
