@@ -198,8 +198,11 @@ def pdclient_serve(
     ]  # fmt: skip
     name = name or ("pdclient serve" if workers == 1 else f"pdclient serve x{workers}")
     base = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "PYTHONPATH": str(tree or REPO)}
-    return started(command, name, base + "/health", base + "/v1", logs, env=env)
+    # The tree is the working directory too: ``python -m`` puts that directory ahead of
+    # PYTHONPATH, so started from this checkout another revision's arm would run this one.
+    source = str(tree or REPO)
+    env = {**os.environ, "PYTHONPATH": source}
+    return started(command, name, base + "/health", base + "/v1", logs, env=env, cwd=source)
 
 
 def vllm_router(prefill: str, decode: str, logs: Path) -> contextlib.AbstractContextManager[Proc]:
