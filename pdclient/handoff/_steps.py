@@ -182,18 +182,27 @@ class FlowRun(Generic[T]):
     flow returns, the iteration ends and ``value`` is what it returned.
     """
 
-    __slots__ = ("_failure", "_flow", "result", "value")
+    __slots__ = ("_again", "_failure", "_flow", "result", "value")
 
     def __init__(self, flow: Generator[Any, Any, T]) -> None:
         self._flow = flow
         self._failure: BaseException | None = None
+        self._again: Any = None
         self.result: Any = None
         self.value: T
 
     def __iter__(self) -> FlowRun[T]:
         return self
 
+    def again(self, step: Any) -> None:
+        """The next step is ``step`` once more, the flow not resumed: a step taken from the
+        flow by someone else (a relay) that the driver is to run after all."""
+        self._again = step
+
     def __next__(self) -> Any:
+        if (step := self._again) is not None:
+            self._again = None
+            return step
         result, failure = self.result, self._failure
         self.result = self._failure = None
         try:

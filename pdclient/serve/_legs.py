@@ -258,10 +258,45 @@ class _Body(httpx.AsyncByteStream):
             self._response.close()  # abandoned: the server sees the connection close
 
 
+_SINKS: dict[int, Callable[[bytes | None], None]] = {}
+"""Where each pushing reader's chunks go, by the reader's id (aiohttp's readers have slots only)."""
+
+
+class _PushingReader(aiohttp.StreamReader):
+    """An aiohttp body reader whose chunks go to its sink as the parser feeds them, unbuffered
+    (``_Chunks.push``). Its end or its error goes to the reader as always (it answers the
+    next read with it), and then to the sink as None. Same slots: a reader's class is
+    swapped to it and back."""
+
+    __slots__ = ()
+
+    def feed_data(self, data: bytes, *args: Any) -> bool:
+        if data:
+            _SINKS[id(self)](data)
+        return False
+
+    def feed_eof(self) -> None:
+        sink = _unpushed(self)
+        aiohttp.StreamReader.feed_eof(self)  # not super(): the class is aiohttp's again
+        sink(None)
+
+    def set_exception(self, exc: BaseException, *args: Any) -> None:
+        sink = _unpushed(self)
+        aiohttp.StreamReader.set_exception(self, exc, *args)
+        sink(None)
+
+
+def _unpushed(reader: aiohttp.StreamReader) -> Callable[[bytes | None], None]:
+    """``reader`` back to a plain reader; the sink it pushed to."""
+    reader.__class__ = aiohttp.StreamReader
+    return _SINKS.pop(id(reader))
+
+
 class _Chunks:
-    """A body's chunks, each as aiohttp's buffer holds it when read (``readany``). An iterator
-    of its own, not an async generator over ``iter_any()``: a streamed answer is read a
-    token at a time, and each of those two layers costs every chunk a frame's resumption."""
+    """A body's chunks, each as aiohttp's buffer holds it when read (``readany``), or pushed
+    as the parser feeds them (``transport.Pushing``, for a relay). An iterator of its own,
+    not an async generator over ``iter_any()``: a streamed answer is read a token at a
+    time, and each of those two layers costs every chunk a frame's resumption."""
 
     __slots__ = ("_content", "_cut", "_deadline", "_request")
 
@@ -300,6 +335,20 @@ class _Chunks:
                 deadline.stop()
             raise StopAsyncIteration
         return chunk
+
+    def push(self, sink: Callable[[bytes | None], None]) -> bool:
+        content = self._content
+        if type(content) is not aiohttp.StreamReader or self._cut is not None:
+            return False  # a reader of another kind (an empty body), or a cut to raise: read as always
+        if content._buffer or content.is_eof() or content.exception() is not None:
+            return False  # something to read now
+        _SINKS[id(content)] = sink
+        content.__class__ = _PushingReader
+        return True
+
+    def stop(self) -> None:
+        if type(self._content) is _PushingReader:
+            _unpushed(self._content)
 
 
 def _buffered(stream: aiohttp.StreamReader) -> bytes:

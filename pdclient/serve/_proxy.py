@@ -47,6 +47,7 @@ from ..handoff import (  # the per-call costs, cut once (see each)
 from ..metrics import BuildInfo, PrometheusObserver, WithoutCreated
 from ..pools import AllEndpointsOpen
 from ..routing import TENANT_EXTENSION
+from ..transport import AsyncDecodeStream
 from ..wire import (
     ERROR_TYPE,
     FAILED_LEG_HEADER,
@@ -440,13 +441,22 @@ class _ProxiedResponse(Response):
         expected = int(length) if length is not None and length.isdigit() else None
         received = 0
         last = b""
+
+        def deliver(chunk: bytes) -> Awaitable[None] | None:
+            nonlocal received, last
+            received += len(chunk)
+            if (expected is not None and received >= expected) or ends_event_stream(chunk):
+                last += chunk  # the body's end: sent once the upstream stream is over, below
+                return None
+            return send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+        stream = response.stream
+        # A decode body is relayed: its chunks reach the caller from the leg's reader (``transport._relay``).
+        chunks = stream.relayed(deliver) if isinstance(stream, AsyncDecodeStream) else stream
         try:
-            async for chunk in response.stream:  # type: ignore[union-attr]
-                received += len(chunk)
-                if (expected is not None and received >= expected) or ends_event_stream(chunk):
-                    last += chunk  # the body's end: sent once the upstream stream is over, below
-                    continue
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            async for chunk in chunks:  # type: ignore[union-attr]
+                if (sending := deliver(chunk)) is not None:
+                    await sending
         except (httpx.TransportError, openai.APIConnectionError):
             return  # the decode stream broke: the caller sees it cut off too, the call's line says why
         except Exception:  # not a broken stream: a fault of the proxy's own, cut off all the same

@@ -24,6 +24,7 @@ from ..handoff import MovingBody, PlainBody, body_for, open_decode, steps
 from ._concurrent import AsyncDecodeInFlight, DecodeInFlight, async_trace
 from ._leg_client import AsyncLegClient, LegClient
 from ._outliving import Outliving
+from ._relay import READ, Deliver, Relay, Relayed, settled
 from ._streams import AsyncDecodeStream, DecodeStream
 
 T = TypeVar("T")
@@ -165,21 +166,29 @@ class AsyncDriver(_Driver[AsyncLegClient]):
             pass
         return run.value
 
-    async def steps_of(self, run: steps.FlowRun[Any]) -> AsyncIterator[bytes]:
+    async def steps_of(self, run: steps.FlowRun[Any], deliver: Deliver | None = None) -> AsyncIterator[bytes]:
+        """With ``deliver``, a body's bytes go there from its leg's reader while it can (``Relay``)."""
         chunks: AsyncIterator[bytes] | None = None
+        relay: Relay | None = None
         for step in run:
             if type(step) is bytes:
                 yield step
                 continue
+            relayed: Relayed = READ
             with run:
                 if step is steps.NEXT:
                     assert chunks is not None
-                    run.result = await anext(chunks, None)
+                    relayed = await relay.over() if relay is not None else READ
+                    if relayed is READ:
+                        run.result = await anext(chunks, None)
                 elif type(step) is steps.Chunks:
                     stream = step.response.stream if step.rest is None else _again(step.read, step.rest)
                     run.result = chunks = aiter(stream)  # type: ignore[arg-type]
+                    relay = Relay.of(run, chunks, deliver)
                 else:
                     run.result = await self._steps[type(step)](self, step)
+            if relayed is not READ and await settled(relayed):
+                return
 
     async def read(self, request: httpx.Request) -> httpx.Response:
         return await self._read_all(await self.legs.send(request))

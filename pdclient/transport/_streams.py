@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import httpx
 
 from ..handoff import MovingBody, PlainBody, steps
+from ._relay import Deliver
 
 if TYPE_CHECKING:
     from ._drivers import AsyncDriver, SyncDriver
@@ -55,6 +56,12 @@ class DecodeStream(_BodyStream, httpx.SyncByteStream):
 class AsyncDecodeStream(_BodyStream, httpx.AsyncByteStream):
     def __aiter__(self) -> AsyncIterator[bytes]:
         return self._chunks()  # type: ignore[no-any-return]
+
+    def relayed(self, deliver: Deliver) -> AsyncIterator[bytes]:
+        """The body's bytes, those its leg's reader can push given to ``deliver`` as they
+        arrive (``transport._relay``), the rest yielded as by iterating the stream."""
+        driver = cast("AsyncDriver", self._driver)  # the async stream's, as ``_chunks`` has it
+        return driver.steps_of(steps.FlowRun(self._body.steps()), deliver)
 
     async def aclose(self) -> None:
         with self._closing() as first:

@@ -7,7 +7,9 @@ import importlib.util
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-BOUND = 250
+BOUND = 260
+"""Was 250: the async driver and stream gained the relay's ten lines (``transport._relay``), which
+have no sync twin: a sync caller reads its own stream, and a chunk has nowhere to be pushed."""
 
 
 def _twin_lines() -> list[tuple[str, int]]:
