@@ -286,6 +286,17 @@ class _PushingReader(aiohttp.StreamReader):
         sink(None)
 
 
+def _timed(sink: Callable[[bytes | None], None], deadline: _ReadDeadline) -> Callable[[bytes | None], None]:
+    """``sink``, each chunk it is given starting the read deadline's wait again."""
+
+    def timed(chunk: bytes | None) -> None:
+        if chunk is not None:
+            deadline.reading()
+        sink(chunk)
+
+    return timed
+
+
 def _unpushed(reader: aiohttp.StreamReader) -> Callable[[bytes | None], None]:
     """``reader`` back to a plain reader; the sink it pushed to."""
     reader.__class__ = aiohttp.StreamReader
@@ -342,6 +353,13 @@ class _Chunks:
             return False  # a reader of another kind (an empty body), or a cut to raise: read as always
         if content._buffer or content.is_eof() or content.exception() is not None:
             return False  # something to read now
+        deadline = self._deadline
+        if deadline is not None:
+            # A pushed body waits as a read does: the server's silence past the read
+            # timeout ends it (the reader's error, then the sink's None), each chunk
+            # starting the wait again.
+            deadline.reading()
+            sink = _timed(sink, deadline)
         _SINKS[id(content)] = sink
         content.__class__ = _PushingReader
         return True
@@ -349,6 +367,8 @@ class _Chunks:
     def stop(self) -> None:
         if type(self._content) is _PushingReader:
             _unpushed(self._content)
+        if self._deadline is not None:
+            self._deadline.read()  # no read waits until the next one begins
 
 
 def _buffered(stream: aiohttp.StreamReader) -> bytes:

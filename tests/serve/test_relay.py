@@ -6,15 +6,17 @@ stub's decode stream, and a caller that reads nothing for a while and then all o
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Generator
 from typing import Any
 
+import httpx
 import orjson
 import pytest
 
 from pdclient.transport import _relay
-from tests.stubserver import StubServer
+from tests.stubserver import Fault, StubServer
 
 from .conftest import config_for, running_proxy
 
@@ -69,3 +71,22 @@ def test_a_caller_that_reads_late_gets_every_event_in_order(monkeypatch: pytest.
     text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1] if e["choices"])
     assert text == "".join(WORDS)
     assert waited, "the caller's send never had to wait: the test did not fill the buffers"
+
+
+def test_a_decode_that_goes_silent_while_relayed_ends_at_the_read_timeout() -> None:
+    """A relayed body waits on the leg's read deadline as a read does: the decode sends its
+    first event and then nothing; the caller's stream is cut after the read timeout, not held."""
+    gate = threading.Semaphore(0)  # never released: the stub holds its second event
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True})
+    with StubServer() as stub, running_proxy(config_for(stub.url, remote_prefill="always", timeout=0.5)) as proxy:
+        stub.inject(Fault(event_gate=gate), leg="decode")
+        started = time.monotonic()
+        try:
+            with httpx.stream("POST", proxy.url + "/v1/chat/completions", content=body, timeout=30) as response:
+                received = b"".join(response.iter_bytes())
+        finally:
+            gate.release(100)  # the stub's thread goes on, and the server stops
+        elapsed = time.monotonic() - started
+    assert response.status_code == 200
+    assert received.count(b"data: ") >= 1 and b"[DONE]" not in received
+    assert 0.5 <= elapsed < 10
