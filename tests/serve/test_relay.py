@@ -30,7 +30,10 @@ def _raw_answer(url: str, body: bytes, pause: float) -> bytes:
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=30) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
-        head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        head = (
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        )
         sock.sendall(head.encode() + body)
         time.sleep(pause)
         parts = []
@@ -83,10 +86,12 @@ def test_a_decode_that_goes_silent_while_relayed_ends_at_the_read_timeout() -> N
         started = time.monotonic()
         received = b""
         try:
-            with pytest.raises(httpx.RemoteProtocolError):  # the caller's stream is cut too
-                with httpx.stream("POST", proxy.url + "/v1/chat/completions", content=body, timeout=30) as response:
-                    for chunk in response.iter_bytes():
-                        received += chunk
+            with (
+                pytest.raises(httpx.RemoteProtocolError),  # the caller's stream is cut too
+                httpx.stream("POST", proxy.url + "/v1/chat/completions", content=body, timeout=30) as response,
+            ):
+                for chunk in response.iter_bytes():
+                    received += chunk
         finally:
             gate.release(100)  # the stub's thread goes on, and the server stops
         elapsed = time.monotonic() - started
