@@ -11,16 +11,13 @@ What is learnt, and from what (every time is passed in: the model has no clock):
   KV's move, the decode's admission and first step) against the tokens its prefill
   computed, a ``Line`` over every handoff, and one per prefill endpoint and dispatch mode
   (``DispatchChooser``);
-- **what a decode-only turn costs the decode's other streams**: while the decode server
-  computes the turn's N tokens, every stream it runs waits (vLLM batches the prefill into
-  the same steps as their tokens), so the stall is priced as the decode line's per-token
-  part for N tokens, charged when streams are running there (the caller counts them: its
-  own streams whose answer has begun and the load sample's ``running``). Its fixed step is
-  not charged. On the CPU pair a stream loses ~1 ms per ms of a decode-only turn's whole
-  time to first token it overlaps, yet pricing that whole time sent more follow-ups
-  through P/D for no gain in the median stream's time per token (vLLM's multi-turn
-  benchmark: TTFT p50 0.77x against 0.54x the router's at 43 against 44 ms a token): the
-  budget bounds the typical stream, not the one a turn happened to overlap.
+- **what a decode-only turn costs the decode's other streams**: every stream running there
+  waits for the turn's first token, so the stall is the decode line's whole prediction
+  for N tokens, charged when streams are running there (the caller counts them: its own
+  streams whose answer has begun and the load sample's ``running``). Not only its
+  per-token part: on the CPU pair, streams that ran beside decode-only turns lost 1.02 ms
+  per ms of the turns' time to first token they overlapped (2,042 requests of vLLM's
+  multi-turn benchmark), the step and the server's own work on the request included.
 
 Every line is a robust fit (``CostLine``: medians over a bounded window), so one call
 stuck in a queue does not swing the route, and two processes that saw the same traffic
@@ -54,9 +51,8 @@ class RouteCosts:
     """What the decode-only route would make the decode server's running streams wait (0: none run)."""
     compute_ms: float
     """The per-token part of the decode server's time on the call (its uncached tokens at the
-    decode line's rate): the stall, were streams running, and what bounds a trial of
-    decode-only (``Reason.PROBE``), so that a prior's step, or one slow sample's, never stops
-    decode-only from being measured again."""
+    decode line's rate): what bounds a trial of decode-only (``Reason.PROBE``), so that a
+    prior's step, or one slow sample's, never stops decode-only from being measured again."""
     streams: int
     """The streams counted running on that decode endpoint."""
 
@@ -131,10 +127,9 @@ class CostModel:
             decode = self._decode_line(decode_endpoint).line() if decode_endpoint else self.priors.decode_prefill
             handoff = self._handoff.line()
         tokens = max(0, uncached_tokens)
-        compute = decode.ms_per_token * tokens
-        return RouteCosts(
-            decode.at(tokens), handoff.at(tokens), compute if streams > 0 else 0.0, compute, max(0, streams)
-        )
+        decode_only = decode.at(tokens)
+        stall = decode_only if streams > 0 else 0.0
+        return RouteCosts(decode_only, handoff.at(tokens), stall, decode.ms_per_token * tokens, max(0, streams))
 
     def probe_due(self, decode_endpoint: str) -> bool:
         """Whether a call that would go decode-only on ``decode_endpoint`` but for its predicted

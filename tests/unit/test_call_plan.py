@@ -189,7 +189,7 @@ def test_only_a_stream_whose_answer_has_begun_counts_against_the_stall_budget() 
     other.first_byte()
     over = decided()
     assert over.reason is Reason.STALL_OVER_BUDGET and over.costs is not None
-    assert (over.costs.streams, over.costs.stall_ms) == (1, over.costs.compute_ms)  # 200 ms, over 150
+    assert (over.costs.streams, over.costs.stall_ms) == (1, over.costs.decode_only_ms)
     other.decode.end(200, None)
     endpoint = fleet.decode.endpoints[0]
     assert (endpoint.streaming, endpoint.in_flight) == (0, 0)

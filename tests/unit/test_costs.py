@@ -98,13 +98,15 @@ def test_the_priors_meet_where_the_fixed_rule_did() -> None:
     assert (below.stall_ms, below.streams) == (0.0, 0)
 
 
-def test_the_stall_is_the_decode_prefill_of_the_tokens_when_streams_run() -> None:
+def test_the_stall_is_the_decode_only_time_to_first_token_when_streams_run() -> None:
     model = CostModel()
     for tokens in (100, 200, 300, 400, 500):
         model.decode_only(D1, tokens, 30 + 2.0 * tokens)
     costs = model.predict(D1, 300, streams=3)
     assert costs.decode_only_ms == pytest.approx(630.0)
-    assert costs.stall_ms == costs.compute_ms == pytest.approx(600.0)  # the step is not charged
+    # The running streams wait for the turn's first token, its step and request included.
+    assert costs.stall_ms == pytest.approx(630.0)
+    assert costs.compute_ms == pytest.approx(600.0)  # what bounds a trial
     assert model.predict(D1, 300, streams=0).stall_ms == 0.0
     assert model.decode_prefill(D1) == Line(30.0, 2.0, 5)
     assert model.decode_prefill("http://d2/v1") == CostPriors().decode_prefill
