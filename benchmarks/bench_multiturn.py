@@ -211,6 +211,20 @@ def counter_delta(before: str, after: str, name: str, by: Sequence[str]) -> dict
     return {key: end[key] - start.get(key, 0.0) for key in end if end[key] != start.get(key, 0.0)}
 
 
+def cost_lines(text: str) -> dict[str, list[float]]:
+    """pdclient's cost lines as a scrape shows them: "line endpoint" to [fixed ms, ms a token, samples]."""
+    columns = {"pdclient_cost_fixed_ms": 0, "pdclient_cost_ms_per_token": 1, "pdclient_cost_samples": 2}
+    lines: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(text):
+        at = columns.get(family.name)
+        if at is None:
+            continue
+        for sample in family.samples:
+            key = f"{sample.labels.get('line', '')} {sample.labels.get('endpoint', '')}".strip()
+            lines.setdefault(key, [0.0, 0.0, 0.0])[at] = sample.value
+    return lines
+
+
 def decode_only_share(decisions: Mapping[str, float]) -> float | None:
     """The share of pdclient's calls it decided to send decode-only (keys: "remote_prefill reason")."""
     total = sum(decisions.values())
@@ -356,6 +370,8 @@ class Run:
     decode_prompt_tokens: dict[str, float]
     decisions: dict[str, float] = field(default_factory=dict)
     outcomes: dict[str, float] = field(default_factory=dict)
+    cost_lines: dict[str, list[float]] = field(default_factory=dict)
+    """pdclient's learnt lines at the run's end (``cost_lines``; empty for a revision without them)."""
     proxy_cpu_s: float | None = None
     proxy_cpu_ms_per_call: float | None = None
     tool_summary: str = ""
@@ -428,6 +444,7 @@ class Bench:
             decisions = ("remote_prefill", "reason")
             result.decisions = counter_delta(proxy_before, after, "pdclient_remote_prefill_decisions", decisions)
             result.outcomes = counter_delta(proxy_before, after, "pdclient_calls", ("outcome",))
+            result.cost_lines = cost_lines(after)
         return result
 
 
@@ -506,15 +523,22 @@ def report(runs: Sequence[Run], arms: Sequence[str], skipped: Mapping[str, str])
         " server's finished requests (pdclient's warm-up prefills after decode-only turns included); decode-only"
         " calls: pdclient's decisions"
     )
-    lines.append("\nper run: arm, round, requests, prefill requests, decode prompt tokens by source, decisions")
+    lines.append(
+        "\nper run: arm, round, requests, prefill requests, decode prompt tokens by source, decisions, cost lines"
+        " at the run's end (fixed + per token, samples)"
+    )
     for r in runs:
         tokens = ", ".join(f"{k} {v:.0f}" for k, v in sorted(r.decode_prompt_tokens.items()))
         decisions = "; ".join(f"{k}: {v:.0f}" for k, v in sorted(r.decisions.items()))
         cpu = f", proxy CPU {r.proxy_cpu_s:.2f} s" if r.proxy_cpu_s is not None else ""
         decided = f", decisions [{decisions}]" if decisions else ""
+        fitted = "; ".join(
+            f"{k}: {f:.0f} ms + {t:.2f} ms/token ({n:.0f})" for k, (f, t, n) in sorted(r.cost_lines.items())
+        )
+        learnt = f", lines [{fitted}]" if fitted else ""
         lines.append(
             f"  {r.arm:<16} round {r.round}: {r.summary['requests']} requests, {r.failed} failed (exit {r.exit_code}), "
-            f"prefill {r.prefill_requests:.0f}, decode [{tokens}]{cpu}{decided}"
+            f"prefill {r.prefill_requests:.0f}, decode [{tokens}]{cpu}{decided}{learnt}"
         )
     for arm, why in skipped.items():
         lines.append(f"  {arm}: skipped: {why}")

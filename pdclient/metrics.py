@@ -53,10 +53,15 @@ Metrics (``namespace`` prefix, ``pdclient`` by default; times in seconds):
 ``pdclient_endpoint_state``            gauge      1 for each endpoint's current breaker ``state``
                                                   (closed, open, half-open), 0 for the others
 ``pdclient_endpoint_in_flight``        gauge      requests in flight per endpoint
+``pdclient_cost_fixed_ms``             gauge      ``auto``'s cost model: a line's fixed step, by ``line``
+                                                  (decode_prefill, handoff) and ``endpoint`` (a decode's;
+                                                  empty for the handoff line, learnt over every handoff)
+``pdclient_cost_ms_per_token``         gauge      the same line's milliseconds per uncached token
+``pdclient_cost_samples``              gauge      the live calls it was fitted to (0: the prior)
 ``pdclient_build_info``                gauge      1, with the ``version`` of pdclient and the ``python`` it runs on
 =====================================  =========  ===============================================
 
-The endpoint gauges are read when scraped, from the clients or transports given to ``watch``.
+The endpoint and cost gauges are read when scraped, from the clients or transports given to ``watch``.
 An ``endpoint`` label is the endpoint's base URL with its credentials, if it has any
 (``http://user:password@host``), shown as ``***@``.
 The observer is thread-safe (prometheus_client's metrics are) and keeps its per-call
@@ -77,6 +82,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ._errors import PDConfigError
 from ._observe import CallView, LegView, PDObserver
+from .costs import Line
 from .fleet import Fleet
 from .wire import redact_url
 
@@ -116,11 +122,17 @@ class EndpointState(NamedTuple):
     in_flight: int
 
 
-def endpoint_states(source: object) -> list[EndpointState]:
-    """The endpoints of a pdclient client (``pd_fleet``), a transport (``fleet``) or a ``Fleet``."""
+def _fleet_of(source: object) -> Fleet:
+    """The ``Fleet`` of a pdclient client (``pd_fleet``), a transport (``fleet``) or the fleet itself."""
     fleet = source if isinstance(source, Fleet) else getattr(source, "pd_fleet", getattr(source, "fleet", None))
     if not isinstance(fleet, Fleet):
         raise PDConfigError(f"expected a pdclient client, transport or Fleet, got {type(source).__name__}")
+    return fleet
+
+
+def endpoint_states(source: object) -> list[EndpointState]:
+    """The endpoints of a pdclient client (``pd_fleet``), a transport (``fleet``) or a ``Fleet``."""
+    fleet = _fleet_of(source)
     return [
         EndpointState(pool.leg, redact_url(e.url), e.state, e.admits(), e.in_flight)
         for pool in fleet.pools
@@ -227,6 +239,8 @@ class PrometheusObserver(PDObserver):
         """
         states: EndpointSource = source if callable(source) else lambda: endpoint_states(source)
         self._endpoints.sources.append(states)
+        if not callable(source):
+            self._endpoints.cost_sources.append(_fleet_of(source).costs.lines)
         target = self.registry if registry is None else registry
         with self._lock:
             if id(target) not in self._endpoints_registered:
@@ -326,12 +340,16 @@ class WithoutCreated:
             yield metric
 
 
+CostSource = Callable[[], Iterable[tuple[str, str, Line]]]
+
+
 class _EndpointCollector(Collector):
-    """Endpoint gauges computed at scrape time from the watched sources."""
+    """Endpoint and cost-model gauges computed at scrape time from the watched sources."""
 
     def __init__(self, namespace: str) -> None:
         self.namespace = namespace
         self.sources: list[EndpointSource] = []
+        self.cost_sources: list[CostSource] = []
 
     def collect(self) -> Iterator[Metric]:
         state = GaugeMetricFamily(
@@ -352,6 +370,31 @@ class _EndpointCollector(Collector):
                 in_flight.add_metric([endpoint.leg, url], float(endpoint.in_flight))
         yield state
         yield in_flight
+        yield from self._costs()
+
+    def _costs(self) -> Iterator[Metric]:
+        """Why ``auto`` decides as it does, readable beside its decisions: the lines it predicts with."""
+        labels = ["line", "endpoint"]
+        fixed = GaugeMetricFamily(f"{self.namespace}_cost_fixed_ms", "A cost line's fixed step (ms).", labels=labels)
+        per_token = GaugeMetricFamily(
+            f"{self.namespace}_cost_ms_per_token", "A cost line's milliseconds per uncached token.", labels=labels
+        )
+        samples = GaugeMetricFamily(
+            f"{self.namespace}_cost_samples", "The live calls a cost line was fitted to (0: its prior).", labels=labels
+        )
+        seen: set[tuple[str, str]] = set()
+        for source in list(self.cost_sources):
+            for name, endpoint, line in source():
+                key = (name, redact_url(endpoint) if endpoint else "")
+                if key in seen:
+                    continue  # one fleet watched twice (a client and its transport)
+                seen.add(key)
+                fixed.add_metric(list(key), line.fixed_ms)
+                per_token.add_metric(list(key), line.ms_per_token)
+                samples.add_metric(list(key), float(line.samples))
+        yield fixed
+        yield per_token
+        yield samples
 
 
 __all__ = ["LATENCY_BUCKETS", "EndpointState", "PrometheusObserver", "endpoint_states"]

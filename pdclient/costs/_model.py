@@ -113,6 +113,14 @@ class CostModel:
         with self._lock:
             return self._decode_line(endpoint).line()
 
+    def lines(self) -> list[tuple[str, str, Line]]:
+        """What ``auto`` decides with now, as ``(line, endpoint, Line)``: each decode endpoint's
+        prefill line (``"decode_prefill"``) and the handoff line over every handoff
+        (``"handoff"``, endpoint ``""``), priors included; for a scrape (``metrics``)."""
+        with self._lock:
+            decode = [("decode_prefill", endpoint, line.line()) for endpoint, line in self._decode.items()]
+            return [*decode, ("handoff", "", self._handoff.line())]
+
     def handover(self, prefill_endpoint: str | None = None, dispatch: str | None = None) -> Line:
         """The handoff line: over every handoff, or one prefill endpoint's in one dispatch mode."""
         with self._lock:

@@ -128,6 +128,25 @@ def test_watch_exports_breaker_state_per_endpoint() -> None:
     assert samples[("pdclient_endpoint_in_flight", (("endpoint", "http://d3/v1"), ("leg", "decode")))] == 2
 
 
+def test_watch_exports_the_lines_auto_decides_with() -> None:
+    registry = CollectorRegistry()
+    observer = PrometheusObserver(registry)
+    transport = AsyncPDTransport(P, [D, "http://user:secret@d2:8200/v1"])
+    observer.watch(transport)
+    observer.watch(transport)  # watched twice: each line still once
+    handoff = (("endpoint", ""), ("line", "handoff"))
+    samples = scrape(registry)
+    assert (samples[("pdclient_cost_fixed_ms", handoff)], samples[("pdclient_cost_samples", handoff)]) == (266.0, 0)
+    assert not [labels for name, labels in samples if name.startswith("pdclient_cost") and labels != handoff]
+    for tokens in (100, 200, 300, 400, 500):
+        transport.fleet.costs.decode_only("http://user:secret@d2:8200/v1", tokens, 30 + 2.0 * tokens)
+    samples = scrape(registry)
+    decode = (("endpoint", "http://***@d2:8200/v1"), ("line", "decode_prefill"))
+    assert samples[("pdclient_cost_fixed_ms", decode)] == pytest.approx(30.0)
+    assert samples[("pdclient_cost_ms_per_token", decode)] == pytest.approx(2.0)
+    assert samples[("pdclient_cost_samples", decode)] == 5
+
+
 async def test_proxy_metrics_after_calls(proxy: RunningProxy, stub: StubServer) -> None:
     async with openai.AsyncOpenAI(base_url=proxy.base_url, api_key="-") as client:
         for _ in range(3):
@@ -160,6 +179,7 @@ async def test_proxy_metrics_after_calls(proxy: RunningProxy, stub: StubServer) 
     for leg in ("prefill", "decode"):
         state = (("endpoint", stub.url), ("leg", leg), ("state", "closed"))
         assert samples[("pdclient_endpoint_state", state)] == 1
+    assert ("pdclient_cost_ms_per_token", (("endpoint", ""), ("line", "handoff"))) in samples
 
 
 async def test_proxy_metrics_carry_build_info_and_no_created_series(proxy: RunningProxy) -> None:

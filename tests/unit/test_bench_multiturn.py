@@ -90,6 +90,21 @@ def test_counters_are_the_difference_of_two_scrapes_by_label() -> None:
     }
 
 
+def test_the_cost_lines_are_read_from_pdclients_scrape() -> None:
+    scrape = """# TYPE pdclient_cost_fixed_ms gauge
+pdclient_cost_fixed_ms{endpoint="http://d/v1",line="decode_prefill"} 30.5
+pdclient_cost_fixed_ms{endpoint="",line="handoff"} 266.0
+# TYPE pdclient_cost_ms_per_token gauge
+pdclient_cost_ms_per_token{endpoint="http://d/v1",line="decode_prefill"} 1.25
+pdclient_cost_ms_per_token{endpoint="",line="handoff"} 0.0
+# TYPE pdclient_cost_samples gauge
+pdclient_cost_samples{endpoint="http://d/v1",line="decode_prefill"} 12.0
+pdclient_cost_samples{endpoint="",line="handoff"} 0.0
+"""
+    assert mt.cost_lines(scrape) == {"decode_prefill http://d/v1": [30.5, 1.25, 12.0], "handoff": [266.0, 0.0, 0.0]}
+    assert mt.cost_lines(SERVE_AFTER) == {}  # a revision without them
+
+
 def test_the_decode_only_share_counts_pdclients_decisions_not_to_hand_off() -> None:
     decisions = {"true uncached_at_or_above_threshold": 45.0, "false mostly_cached": 15.0}
     assert mt.decode_only_share(decisions) == 0.25
