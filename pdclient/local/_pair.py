@@ -39,6 +39,11 @@ logger = logging.getLogger("pdclient.local")
 
 
 _FAILED_START_GRACE_S = 5.0
+_WARM_UP_TRY_S = 60.0
+"""One warm-up handoff's bound before it is sent again under a new request id. In push mode
+a decode that registers after the prefill's ``kv_lease_duration`` (a short lease, a host that
+stalls) waits for a WRITE vLLM 0.32 as shipped never posts and never fails: its
+``push_registration_timeout`` drops the registration, not the request."""
 
 
 class _Same:
@@ -385,7 +390,8 @@ class LocalPD(PairAccess):
         Every pair, not every decode once: a decode server opens a NIXL connection to each
         prefill server on its first pull from it, so each (prefill, decode) pair pays its
         own handshake. The handoffs run in a thread while this one checks the servers
-        every poll: a server that dies or logs a fatal error ends the wait at once.
+        every poll: a server that dies or logs a fatal error ends the wait at once. A handoff
+        that gets no answer is sent again (``_handoff_until``) until the startup timeout.
         """
         t0 = time.monotonic()
         pairs = self._pairs()
@@ -395,9 +401,8 @@ class LocalPD(PairAccess):
 
         def run() -> None:
             try:
-                with httpx.Client(timeout=timeout) as http:
-                    for prefill, decode in pairs:
-                        self._handoff(http, prefill, decode)
+                for prefill, decode in pairs:
+                    self._handoff_until(prefill, decode, t0 + timeout)
                 outcome.append(None)
             except BaseException as exc:
                 outcome.append(exc)
@@ -422,6 +427,20 @@ class LocalPD(PairAccess):
                 f"the warm-up handoff failed ({error!r}); logs: " + ", ".join(str(path) for path in self.logs)
             ) from error
         logger.info("warm-up done in %.1f s", time.monotonic() - t0)
+
+    def _handoff_until(self, prefill: VLLMServer, decode: VLLMServer, deadline: float) -> None:
+        """One handoff, sent again while each try times out and the deadline allows another;
+        a server's error answer fails at once."""
+        while True:
+            bound = min(_WARM_UP_TRY_S, deadline - time.monotonic())
+            try:
+                with httpx.Client(timeout=max(bound, 1.0)) as http:
+                    self._handoff(http, prefill, decode)
+                return
+            except PDSetupError as error:
+                if not isinstance(error.__cause__, httpx.TimeoutException) or time.monotonic() + 1.0 >= deadline:
+                    raise
+                logger.warning("warm-up %s; sending it again under a new request id", error)
 
     def _handoff(self, http: httpx.Client, prefill: VLLMServer, decode: VLLMServer) -> None:
         # Written against the wire contract, not PDChatClient: the servers must be usable
@@ -460,10 +479,9 @@ class LocalPD(PairAccess):
         server.start()
         wait_all_ready([server], time.monotonic() + self._startup_timeout)
         if self._warmup and self._kv_connector and self._decode_kv_connector:
-            pairs = [(p, d) for p, d in self._pairs() if server in (p, d)]
-            with httpx.Client(timeout=max(self._startup_timeout, 60.0)) as http:
-                for prefill, decode in pairs:
-                    self._handoff(http, prefill, decode)
+            deadline = time.monotonic() + max(self._startup_timeout, 60.0)
+            for prefill, decode in [(p, d) for p, d in self._pairs() if server in (p, d)]:
+                self._handoff_until(prefill, decode, deadline)
         logger.info("%s server restarted on port %d", server.name, server.port)
         return server
 

@@ -7,6 +7,8 @@ within a poll or two, whichever server it is, also while the warm-up handoff is 
 
 from __future__ import annotations
 
+import http.server
+import json
 import socket
 import sys
 import threading
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from pdclient import PDSetupError
 from pdclient.local import LocalPD
 from pdclient.local._server import ServerStartError, VLLMServer, free_port, wait_all_ready
 from pdclient.pools import RetrySettings
@@ -119,6 +122,79 @@ def test_a_fatal_line_ends_a_stuck_warm_up(servers: list[VLLMServer]) -> None:
     )
 
 
+class HandoffStandIns:
+    """A prefill that answers and a decode whose first ``hang`` calls never do, on the stand-ins' ports."""
+
+    def __init__(self, prefill: VLLMServer, decode: VLLMServer, hang: int, status: int = 200) -> None:
+        self.request_ids: list[str] = []
+        self.released = threading.Event()
+        stand_ins = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers["content-length"]))
+                decoding = self.server is stand_ins.servers[1]
+                if decoding:
+                    stand_ins.request_ids.append(self.headers["x-request-id"])
+                    if len(stand_ins.request_ids) <= hang:
+                        stand_ins.released.wait(30)
+                        return
+                body = {"prompt_token_ids": [1, 2], "kv_transfer_params": {"remote_engine_id": "p"}}
+                self.send_response(status if decoding else 200)
+                self.send_header("content-type", "application/json")
+                self.end_headers()
+                self.wfile.write(json.dumps(body).encode())
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.servers = [http.server.ThreadingHTTPServer(("127.0.0.1", srv.port), Handler) for srv in (prefill, decode)]
+        for server in self.servers:
+            server.daemon_threads = True
+            threading.Thread(target=server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.released.set()
+        for server in self.servers:
+            server.shutdown()
+            server.server_close()
+
+
+@pytest.fixture
+def pair_of_stand_ins(servers: list[VLLMServer], monkeypatch: pytest.MonkeyPatch) -> LocalPD:
+    monkeypatch.setattr("pdclient.local._pair._WARM_UP_TRY_S", 1.0)
+    pd = LocalPD(startup_timeout=20)
+    pd.prefills, pd.decodes = servers[:1], servers[1:]
+    return pd
+
+
+def test_a_warm_up_handoff_that_gets_no_answer_is_sent_again_under_a_new_id(
+    servers: list[VLLMServer], pair_of_stand_ins: LocalPD
+) -> None:
+    """A push-mode decode that registered after the prefill's lease waits for ever; the
+    warm-up sends the handoff again rather than wait out its whole timeout."""
+    stand_ins = HandoffStandIns(*servers, hang=2)
+    try:
+        started = time.monotonic()
+        pair_of_stand_ins._warm_up()
+        assert time.monotonic() - started < 10
+    finally:
+        stand_ins.close()
+    assert len(stand_ins.request_ids) == 3 and len(set(stand_ins.request_ids)) == 3
+
+
+def test_a_warm_up_handoff_answered_with_an_error_fails_at_once(
+    servers: list[VLLMServer], pair_of_stand_ins: LocalPD
+) -> None:
+    stand_ins = HandoffStandIns(*servers, hang=0, status=500)
+    try:
+        with pytest.raises(PDSetupError, match=r"the warm-up handoff failed .*500"):
+            pair_of_stand_ins._warm_up()
+    finally:
+        stand_ins.close()
+    assert len(stand_ins.request_ids) == 1
+
+
 @pytest.mark.parametrize(("name", "connector"), [
     ("nixl", "NixlConnector"),
     ("NixlConnector", "NixlConnector"),
@@ -126,8 +202,6 @@ def test_a_fatal_line_ends_a_stuck_warm_up(servers: list[VLLMServer]) -> None:
     ("NixlPushConnector", "NixlPushConnector"),
 ])  # fmt: skip
 def test_each_kv_connector_name_gives_its_vllm_config(tmp_path: Path, name: str, connector: str) -> None:
-    import json
-
     srv = VLLMServer(
         name="decode", python=Path(sys.executable), model=tmp_path, port=free_port(),
         log_path=tmp_path / "decode.log", workdir=tmp_path, kv_connector=name, cpu=None,
@@ -150,8 +224,6 @@ def test_each_kv_connector_name_gives_its_vllm_config(tmp_path: Path, name: str,
 
 
 def test_an_unknown_kv_connector_names_the_known_ones(tmp_path: Path) -> None:
-    from pdclient import PDSetupError
-
     with pytest.raises(PDSetupError, match=r"unknown kv_connector 'push'.*'nixl-push'"):
         VLLMServer(
             name="decode", python=Path(sys.executable), model=tmp_path, port=free_port(),
