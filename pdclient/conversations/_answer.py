@@ -6,9 +6,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import orjson
 
-from ..wire import EventTooLarge, ParsedEvent, SSEFramer, event_json
+from ..wire import EventTooLarge, ParsedEvent, SSEFramer, event_json, is_done, single_line_data
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,31 @@ one pass over whole events, not event by event as they are handed on. A token's 
 is ~200 bytes, so a batch is a few hundred of them; the bytes held per call stay bounded."""
 
 
+class _Delta(msgspec.Struct, gc=False):
+    content: Any = None
+    reasoning_content: Any = None
+    reasoning: Any = None
+    tool_calls: Any = None
+
+
+class _Choice(msgspec.Struct, gc=False):
+    index: Any = 0
+    delta: _Delta | None = None
+    finish_reason: Any = None
+
+
+class _Chunk(msgspec.Struct, gc=False):
+    """The fields of a chat stream's event the answer is read from; msgspec skips the rest
+    (ids, model, logprobs) without building them, which is most of what parsing an event
+    into dicts costs."""
+
+    choices: list[_Choice] | None = None
+    usage: Any = None
+
+
+_CHUNK = msgspec.json.Decoder(_Chunk)
+
+
 class AnswerCollector:
     """The answer a caller received, from the decode body's bytes as they were handed on.
 
@@ -41,8 +67,11 @@ class AnswerCollector:
     calls, whether it had reasoning, the final usage); non-streamed, the JSON body (up to
     8 MB) parsed whole. Read on the way instead, event by event, the answer cost a
     conversation's streamed call ~1 ms of CPU more than a call without one (on the CPU
-    pair's AMD EPYC). ``answer()`` is None unless the answer is whole (a ``finish_reason``
-    seen) and has one choice.
+    pair's AMD EPYC). A batch of vLLM's events (one ``data:`` line each) is decoded as chat
+    chunks (``_Chunk``) and not framed into dicts: a 40-token answer's read cost ~125 us
+    of CPU instead of ~290 (the Zen 3 EPYC); any other batch is framed and parsed as
+    before. ``answer()`` is None unless the answer is whole (a ``finish_reason`` seen) and
+    has one choice.
     """
 
     def __init__(self, *, stream: bool) -> None:
@@ -119,6 +148,8 @@ class AnswerCollector:
 
     def _read_events(self, *, end: bool) -> None:
         data, self._buffer = bytes(self._buffer), bytearray()
+        if self._read_chunks(data):
+            return
         try:
             events = self._framer.feed(data) if data else []
             if end and (rest := self._framer.rest()):
@@ -130,6 +161,33 @@ class AnswerCollector:
             self._event(event_json(event))
             if self._spoiled:
                 return
+
+    def _read_chunks(self, data: bytes) -> bool:
+        """Whole events of one ``data:`` line each (vLLM's), read as chat chunks; False, and
+        nothing read, for anything else (those are framed and parsed as dicts instead).
+
+        Every event is decoded before any is read, so one that is not a chunk (not JSON, a
+        field of an unexpected type) leaves the whole batch to the other path."""
+        values = single_line_data(data) if self._framer.whole(data) else None
+        if values is None:
+            return False
+        try:
+            chunks = [_CHUNK.decode(value) for value in values if not is_done(value)]
+        except msgspec.DecodeError:
+            return False
+        for chunk in chunks:
+            self._usage(chunk.usage)
+            for choice in chunk.choices or ():
+                if choice.index != 0:
+                    self._spoil()
+                    return True
+                delta = choice.delta
+                if delta is not None:
+                    self._text(delta.content, delta.reasoning_content or delta.reasoning)
+                    self._tool_parts(delta.tool_calls)
+                if choice.finish_reason is not None:
+                    self._finished = True
+        return True
 
     def _spoil(self) -> None:
         self._spoiled = True
@@ -153,19 +211,24 @@ class AnswerCollector:
             if choice.get("finish_reason") is not None:
                 self._finished = True
 
-    def _text(self, message: dict[str, Any]) -> None:
+    def _text(self, content: object, reasoning: object) -> None:
         """A message's (or a delta's) text, and whether it reasoned: the same keys in both."""
-        content = message.get("content")
         if isinstance(content, str):
             self._content.append(content)
-        if message.get("reasoning_content") or message.get("reasoning"):
+        if reasoning:
             self._reasoning = True
 
     def _delta(self, delta: object) -> None:
         if not isinstance(delta, dict):
             return
-        self._text(delta)
-        for part in delta.get("tool_calls") or ():
+        self._text(delta.get("content"), delta.get("reasoning_content") or delta.get("reasoning"))
+        self._tool_parts(delta.get("tool_calls"))
+
+    def _tool_parts(self, parts: object) -> None:
+        """A delta's pieces of tool calls, added to the calls they continue."""
+        if not isinstance(parts, list):
+            return
+        for part in parts:
             if not isinstance(part, dict):
                 continue
             index = part.get("index", 0)
@@ -210,7 +273,7 @@ class AnswerCollector:
         if not isinstance(message, dict):
             self._spoil()
             return
-        self._text(message)
+        self._text(message.get("content"), message.get("reasoning_content") or message.get("reasoning"))
         calls = message.get("tool_calls") or []
         if isinstance(calls, list):
             self._tool_calls = {i: c for i, c in enumerate(calls) if isinstance(c, dict)}

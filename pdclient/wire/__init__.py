@@ -68,6 +68,7 @@ from ._sse import (
     event_json,
     is_done,
     pass_events,
+    single_line_data,
     split_events,
     stream_tail,
 )
@@ -144,6 +145,7 @@ __all__ = [
     "SECRET_ENV",
     "signature",
     "SIGNATURE_HEADER",
+    "single_line_data",
     "split_events",
     "SSEFramer",
     "stream_tail",

@@ -69,6 +69,17 @@ def event_data(raw: bytes) -> bytes | None:
     return b"\n".join(data) if data else None
 
 
+def single_line_data(data: bytes) -> list[bytes] | None:
+    """The data of each event in ``data`` (whole events, LF line ends: ``SSEFramer.whole``)
+    when every one is a single ``data: `` line, as vLLM sends them; None when any is not
+    (a comment, another field, a data value over several lines): frame those instead."""
+    if not data.startswith(b"data: ") or not data.endswith(b"\n\n"):
+        return None
+    values = data[6:-2].split(b"\n\ndata: ")
+    # Each event's two line ends, and no other: no value holds a line end of its own.
+    return values if data.count(b"\n") == 2 * len(values) else None
+
+
 def is_done(data: bytes | None) -> bool:
     """Whether an event's data is the stream's ``[DONE]``."""
     return data is not None and (data == DONE or (len(data) < 16 and data.strip() == DONE))

@@ -463,7 +463,8 @@ def test_a_tracked_streams_events_reach_the_callers_steps_parsed(monkeypatch: py
     assert tracker.prompt_ids == [1, 2] and tracker.ids == [7, 8]
     assert b"token_ids" not in out and b'"usage"' not in out and out.endswith(b"data: [DONE]\n\n")
     assert call.remote.conversation.collector.answer() == Answer("Hello", (), 2, False)
-    assert reparsed == [b"data: [DONE]\n\n"]  # the one event the tracker passes on unparsed
+    # The one event the tracker passes on unparsed, [DONE], is a single data line: read unframed.
+    assert reparsed == []
 
 
 def test_reads_of_whole_events_without_usage_pass_unframed(monkeypatch: pytest.MonkeyPatch) -> None:

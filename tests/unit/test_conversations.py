@@ -783,6 +783,74 @@ def test_an_unfinished_or_ambiguous_answer_is_none() -> None:
     assert reasoning is not None and reasoning.reasoning
 
 
+ODD_EVENTS = {
+    "plain": [
+        b'{"choices":[{"index":0,"delta":{"content":"a"},"finish_reason":null}]}',
+        b'{"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}',
+    ],
+    "usage chunk": [
+        b'{"choices":[{"delta":{"content":"a"},"finish_reason":"stop"}]}',
+        b'{"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":4}}}',
+    ],
+    "odd usage": [
+        b'{"choices":[{"delta":{"content":"a"},"finish_reason":"stop"}],"usage":{"prompt_tokens":-1,"completion_tokens":"2"}}'
+    ],
+    "second choice": [b'{"choices":[{"index":1,"delta":{"content":"a"},"finish_reason":"stop"}]}'],
+    "index null": [b'{"choices":[{"index":null,"delta":{"content":"a"},"finish_reason":"stop"}]}'],
+    "delta not an object": [b'{"choices":[{"delta":"a","finish_reason":"stop"}]}'],
+    "content not text": [b'{"choices":[{"delta":{"content":["a"]},"finish_reason":"stop"}]}'],
+    "choices not a list": [
+        b'{"choices":{"index":0},"usage":null}',
+        b'{"choices":[{"delta":{"content":"a"},"finish_reason":"stop"}]}',
+    ],
+    "choices false": [b'{"choices":false}', b'{"choices":[{"delta":{"content":"a"},"finish_reason":"stop"}]}'],
+    "choice not an object": [b'{"choices":["a"]}'],
+    "finish reason a number": [b'{"choices":[{"delta":{"content":"a"},"finish_reason":1}]}'],
+    "reasoning": [b'{"choices":[{"delta":{"reasoning":"hm","content":"a"},"finish_reason":"stop"}]}'],
+    "empty reasoning": [b'{"choices":[{"delta":{"reasoning_content":"","content":"a"},"finish_reason":"stop"}]}'],
+    "tool calls not a list": [b'{"choices":[{"delta":{"content":"a","tool_calls":5},"finish_reason":"stop"}]}'],
+    "tool call pieces": [
+        b'{"choices":[{"delta":{"tool_calls":[{"index":0,"id":"c1","function":{"name":"f","arguments":"{"}},"x"]}}]}',
+        b'{"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"arguments":"}"}}]},"finish_reason":"tool_calls"}]}',
+    ],
+    "not json": [b'{"choices":[{"delta":{"content":"a"},"finish_reason":"stop"}]}', b"{not json"],
+    "empty data": [b'{"choices":[{"delta":{"content":"a"},"finish_reason":"stop"}]}', b""],
+    "two objects in one event": [b'{"choices":[{"delta":{"content":"a"},"finish_reason":"stop"}]},{"choices":[]}'],
+    "an array": [b'[{"choices":[{"delta":{"content":"a"},"finish_reason":"stop"}]}]'],
+    "a lone surrogate": [b'{"choices":[{"delta":{"content":"\\ud800"},"finish_reason":"stop"}]}'],
+    "done with a space": [b'{"choices":[{"delta":{"content":"a"},"finish_reason":"stop"}]}', b"[DONE] "],
+}
+
+
+@pytest.mark.parametrize("values", ODD_EVENTS.values(), ids=ODD_EVENTS.keys())
+def test_events_of_one_data_line_read_as_chunks_give_what_the_framed_read_gives(values: list[bytes]) -> None:
+    """vLLM's events (one ``data:`` line each) are read as chat chunks, the rest framed and
+    parsed as dicts: on any data, the two give the same answer and counts."""
+    body = b"".join(b"data: " + value + b"\n\n" for value in [*values, b"[DONE]"])
+    chunked, framed = collect(body), collect(body.replace(b"\n", b"\r\n"))
+    for collector in (chunked, framed):
+        collector.answer()
+    assert chunked.answer() == framed.answer()
+    assert (chunked.prompt_tokens, chunked.cached_tokens, chunked.completion_tokens) == (
+        framed.prompt_tokens,
+        framed.cached_tokens,
+        framed.completion_tokens,
+    )
+
+
+def test_events_of_one_data_line_are_not_parsed_into_dicts(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pdclient.conversations._answer as answer_module
+
+    def no_dicts(raw: bytes) -> object:
+        raise AssertionError(f"parsed into dicts: {raw!r}")
+
+    monkeypatch.setattr(answer_module, "event_json", no_dicts)
+    usage = {"id": "c", "choices": [], "usage": {"prompt_tokens": 40, "completion_tokens": 2}}
+    assert collect(sse(chunk({"content": "a"}), chunk({"content": "b"}, "stop"), usage)).answer() == Answer(
+        "ab", (), 2, False
+    )
+
+
 def test_a_json_answer_is_read_at_its_end() -> None:
     import json
 
