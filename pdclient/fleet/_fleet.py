@@ -26,7 +26,7 @@ from ..costs import CostModel
 from ..kv_events import KVEventFeeds
 from ..pools import BreakerSettings, Endpoint, EndpointPool
 from ..routing import RoutingPolicy, make_policy
-from ._background import Background, BorrowedTransport, Core, Fetch, system_resolver
+from ._background import Background, Core, Fetch, HTTPClient, TransportClient, system_resolver
 from ._coordinates import CoordinateBook
 from ._discovery import DiscoverySettings, DnsDiscovery, is_address
 from ._health import HealthProber, HealthSettings
@@ -103,7 +103,7 @@ class Fleet:
         self.warmer = PrefillWarmer()
         """Prefill warm-ups waiting to be posted (``remote_prefill="auto"``, ``fleet._warm``)."""
         self._warming: Background | None = None
-        self._task_http: Callable[[], httpx.AsyncClient] = httpx.AsyncClient
+        self._task_http: Callable[[], HTTPClient] = httpx.AsyncClient
         self._asynchronous = asynchronous
         self._closed = False
         self._lock = threading.Lock()
@@ -150,7 +150,7 @@ class Fleet:
         with a client and a connection pool of their own. Before the first call: a driver
         already started keeps its client."""
         with self._lock:
-            self._task_http = functools.partial(httpx.AsyncClient, transport=BorrowedTransport(transport))
+            self._task_http = functools.partial(TransportClient, transport)
             for background in (self.background, self._warming):
                 if background is not None:
                     background.task_http = self._task_http

@@ -162,3 +162,32 @@ async def test_legs_honour_http_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
         response, body, _ = await send("http://decode.invalid/v1/chat/completions", CHAT)
         assert response.status_code == 200 and json.loads(body)["choices"][0]["message"]["content"] == "via proxy"
         assert seen == ["http://decode.invalid/v1/chat/completions"]
+
+
+async def test_background_fetches_go_straight_on_the_legs_transport_and_leave_it_open(stub: StubServer) -> None:
+    """Warm-ups, probes and scrapes of ``pdclient serve`` (``TransportClient``): the answer and
+    the whole-answer deadline as through a client, and the legs' transport open after."""
+    from pdclient.fleet._background import Fetch, Fetched, TransportClient, fetch
+
+    transport = AiohttpTransport()
+    body = json.dumps({**CHAT, "max_tokens": 1}).encode()
+    headers = (("content-type", "application/json"), ("x-request-id", "r-warm-up"))
+    try:
+        async with TransportClient(transport) as http:
+            warmed = await fetch(http, Fetch(stub.url + "/chat/completions", 5.0, None, body, headers))
+            stub.inject(Fault(delay=1.0))
+            started = time.monotonic()
+            late = await fetch(http, Fetch(stub.url + "/chat/completions", 0.3, None, body, headers))
+        assert warmed.ok and json.loads(warmed.text)["usage"]["completion_tokens"] >= 1
+        assert late == Fetched(None, error="TimeoutError: no whole answer within 0.3 s")
+        assert time.monotonic() - started < 1.0
+        # Still open for the legs: a request on it after the background's client closed.
+        request = httpx.Request("GET", stub.url + "/models", extensions={"timeout": dict.fromkeys(TIMEOUTS, 5)})
+        response = await transport.handle_async_request(request)
+        assert response.status_code == 200 and b'"data"' in await response.aread()
+        await response.aclose()
+    finally:
+        await transport.aclose()
+
+
+TIMEOUTS = ("connect", "read", "write", "pool")
