@@ -49,7 +49,7 @@ ANSWER_TOKENS = 40
 CONVERSATIONS, TURNS = 8, 4
 USER_WORDS = 30
 PREFILL_S, DECODE_ONLY_S = 0.1, 0.005
-"""A ``conversations`` call's prefill leg answers after 20 ms, a decode-only call's decode
+"""A ``conversations`` call's prefill leg answers after 100 ms, a decode-only call's decode
 after 5 ms (asleep: no CPU): ``auto`` learns that a follow-up is faster decode-only, as on
 the real pair, and sends the follow-ups there (and their warm-ups to the prefill)."""
 
@@ -72,25 +72,21 @@ def _child(calls: int, cpu: int, workload: str) -> None:
     conversations = workload == "conversations"
     kv = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "e", "remote_block_ids": [1, 2]}
 
-    def prefill_answer(ids: list[int]) -> bytes:
+    def one_token_answer(usage: dict[str, Any], **fields: object) -> bytes:
         return orjson.dumps(
             {
                 "id": "p", "object": "chat.completion", "created": 1, "model": "m",
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": "x"}, "finish_reason": "length"}],
-                "usage": {"prompt_tokens": len(ids), "completion_tokens": 1, "total_tokens": len(ids) + 1},
-                "prompt_token_ids": ids, "kv_transfer_params": {**kv, "remote_host": "h", "remote_port": 1},
+                "usage": {**usage, "completion_tokens": 1, "total_tokens": usage["prompt_tokens"] + 1}, **fields,
             }
         )  # fmt: skip
 
+    def prefill_answer(ids: list[int]) -> bytes:
+        kv_params = {**kv, "remote_host": "h", "remote_port": 1}
+        return one_token_answer({"prompt_tokens": len(ids)}, prompt_token_ids=ids, kv_transfer_params=kv_params)
+
     prefills: dict[int, bytes] = {}
-    warmed = orjson.dumps(
-        {
-            "id": "w", "object": "chat.completion", "created": 1, "model": "m",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "x"}, "finish_reason": "length"}],
-            "usage": {"prompt_tokens": 900, "completion_tokens": 1, "total_tokens": 901,
-                      "prompt_tokens_details": {"cached_tokens": 768}},
-        }
-    )  # fmt: skip
+    warmed = one_token_answer({"prompt_tokens": 900, "prompt_tokens_details": {"cached_tokens": 768}})
 
     def prefill_for(content: bytes) -> bytes:
         """The one prompt's answer; a conversation's with a token per 4 bytes of its body (as
@@ -251,7 +247,7 @@ def main() -> None:
         choices=("one-prompt", "conversations"),
         default="one-prompt",
         help="one-prompt: one ~1.5k-token prompt, always P/D, 8-token answers; conversations: "
-        f"{CONVERSATIONS} conversations of {TURNS} turns in turn (a ~600-word prefix, ~120-word turns), "
+        f"{CONVERSATIONS} conversations of {TURNS} turns in turn (a ~600-word prefix, {USER_WORDS}-word turns), "
         f"--remote-prefill auto, {ANSWER_TOKENS}-token answers with their finish and usage",
     )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
