@@ -80,6 +80,8 @@ class CostDecision(BaseModel):
     """What decode-only would make the decode server's running streams wait."""
     streams: int | None = None
     """The streams counted running on the decode endpoint when it decided."""
+    stall_budget_ms: float | None = None
+    """The most decode-only could make them wait: a share of their answer's time, or a fixed ms."""
     dispatch: str | None = None
     """A handoff's dispatch, ``sequential`` or ``concurrent`` (None: no prefill leg)."""
     dispatch_reason: str | None = None

@@ -54,8 +54,10 @@ Metrics (``namespace`` prefix, ``pdclient`` by default; times in seconds):
                                                   (closed, open, half-open), 0 for the others
 ``pdclient_endpoint_in_flight``        gauge      requests in flight per endpoint
 ``pdclient_cost_fixed_ms``             gauge      ``auto``'s cost model: a line's fixed step, by ``line``
-                                                  (decode_prefill, handoff) and ``endpoint`` (a decode's;
-                                                  empty for the handoff line, learnt over every handoff)
+                                                  (decode_prefill, handoff, answer: a decode endpoint's
+                                                  streams' answer time, which the stall budget is a
+                                                  share of) and ``endpoint`` (a decode's; empty for
+                                                  the handoff line, learnt over every handoff)
 ``pdclient_cost_ms_per_token``         gauge      the same line's milliseconds per uncached token
 ``pdclient_cost_samples``              gauge      the live calls it was fitted to (0: the prior)
 ``pdclient_build_info``                gauge      1, with the ``version`` of pdclient and the ``python`` it runs on

@@ -126,10 +126,15 @@ class AnswerCollector:
             else:
                 self.feed(event)
 
+    @property
+    def whole(self) -> bool:
+        """Whether the answer was read to its end (``answer`` gives it)."""
+        self._read()
+        return self._finished and not self._spoiled
+
     def answer(self) -> Answer | None:
         """The whole answer, or None (cut, abandoned, several choices, not parsable)."""
-        self._read()
-        if self._spoiled or not self._finished:
+        if not self.whole:
             return None
         calls = [self._tool_calls[i] for i in sorted(self._tool_calls)]
         content = "".join(self._content) if self._content or not calls else None

@@ -76,7 +76,8 @@ class Reason(str, enum.Enum):
     UNCACHED_RATIO_AT_OR_ABOVE = "uncached_ratio_at_or_above"
     ADDS_MEDIA = "adds_media"
     STALL_OVER_BUDGET = "stall_over_budget"
-    """Decode-only would make the decode's running streams wait longer than ``max_decode_stall_ms``."""
+    """Decode-only would make the decode's running streams wait longer than the stall budget
+    (``ConversationSettings.stall_budget_ms``: a share of their answer's time, or a fixed ms)."""
     HANDOFF_FASTER = "handoff_faster"
     """The handoff's predicted time to first token is no higher (a tie spares the decode's streams)."""
     DECODE_ONLY_FASTER = "decode_only_faster"
@@ -96,6 +97,9 @@ class Decision:
     estimate: Estimate | None = None
     costs: RouteCosts | None = None
     """``auto``: each route's predicted cost, on which it decided (None: decided before costs)."""
+    stall_budget_ms: float | None = None
+    """``auto``: what decode-only could make the decode's running streams wait, in ms
+    (``ConversationSettings.stall_budget_ms``; None: decided before costs)."""
 
 
 def decide_remote_prefill(
@@ -111,7 +115,8 @@ def decide_remote_prefill(
     call decode-only. ``auto``: the route with the lower predicted time to first token
     (``costs``, from ``costs.CostModel``; the model's priors when None, with no streams
     running), but a handoff whenever decode-only would stall the decode's running streams
-    longer than ``max_decode_stall_ms``: the reason to disaggregate at all. Also a handoff:
+    longer than the stall budget (``ConversationSettings.stall_budget_ms`` of their answer's
+    time, ``RouteCosts.answer_ms``): the reason to disaggregate at all. Also a handoff:
     a call with ``max_uncached_ratio`` of its prompt uncached, as Dynamo's conditional
     disaggregation (a conversation's first turn: nothing of it is anywhere), and one at or
     above ``threshold_tokens`` when an operator sets that fixed cap (llm-d's and
@@ -136,16 +141,21 @@ def decide_remote_prefill(
         return Decision(True, Reason.ADDS_MEDIA, endpoint, estimate)
     if costs is None:
         costs = _PRIORS.predict(None, estimate.uncached_tokens, streams=0)
+    budget = settings.stall_budget_ms(costs.answer_ms)
+
+    def decided(remote_prefill: bool, reason: Reason) -> Decision:
+        return Decision(remote_prefill, reason, endpoint, estimate, costs, budget)
+
     if settings.threshold_tokens is not None and estimate.uncached_tokens >= settings.threshold_tokens:
-        return Decision(True, Reason.UNCACHED_AT_OR_ABOVE_THRESHOLD, endpoint, estimate, costs)
+        return decided(True, Reason.UNCACHED_AT_OR_ABOVE_THRESHOLD)
     total = max(estimate.total_tokens, 1)
     if estimate.uncached_tokens / total >= settings.max_uncached_ratio:
-        return Decision(True, Reason.UNCACHED_RATIO_AT_OR_ABOVE, endpoint, estimate, costs)
-    if costs.stall_ms > settings.max_decode_stall_ms:
-        return Decision(True, Reason.STALL_OVER_BUDGET, endpoint, estimate, costs)
+        return decided(True, Reason.UNCACHED_RATIO_AT_OR_ABOVE)
+    if costs.stall_ms > budget:
+        return decided(True, Reason.STALL_OVER_BUDGET)
     if costs.decode_only_ms < costs.handoff_ms:
-        return Decision(False, Reason.DECODE_ONLY_FASTER, endpoint, estimate, costs)
+        return decided(False, Reason.DECODE_ONLY_FASTER)
     # A trial only of a call whose compute would be within the budget had streams been running.
-    if endpoint is not None and costs.compute_ms <= settings.max_decode_stall_ms and probe is not None and probe():
-        return Decision(False, Reason.PROBE, endpoint, estimate, costs)
-    return Decision(True, Reason.HANDOFF_FASTER, endpoint, estimate, costs)
+    if endpoint is not None and costs.compute_ms <= budget and probe is not None and probe():
+        return decided(False, Reason.PROBE)
+    return decided(True, Reason.HANDOFF_FASTER)

@@ -11,14 +11,19 @@ from .._errors import PDConfigError
 class ConversationSettings:
     """How conversations are remembered and when ``auto`` skips the remote prefill."""
 
-    max_decode_stall_ms: float = 150.0
+    max_decode_stall_share: float = 0.1
     """``auto``: a call goes decode-only only if the decode server's running streams would
-    wait at most this long while it computes the call's uncached tokens (``costs.RouteCosts``).
-    The default keeps their time per output token within ~10 % of always-P/D's on the
-    workload measured here (vLLM's multi-turn benchmark on the CPU pair: ~44 ms a token,
-    ~40-token answers, about one other turn's prefill during each answer): 10 % of 44 ms
-    over 39 gaps is ~170 ms of stall per answer, rounded down. Longer answers or a faster
-    decode step change that budget in proportion; 0 sends no call decode-only while streams run."""
+    wait at most this share of their answer's time while it computes the call's uncached
+    tokens (``costs.RouteCosts``). A stall of S ms on an answer that streams for D ms (its
+    first token to its last) adds S/D to its time per output token, so the default keeps the
+    stalled streams' TPOT within ~10 % of what it was, on any machine: D is learnt per decode
+    endpoint from the answers streamed there (``costs.CostModel.answer_ms``; 1.5 s until
+    then, a 150 ms budget). On the CPU pair, ~40-token answers at ~44 ms a token (AVX-512)
+    give ~170 ms, at ~128 ms a token (AVX2, float32) ~500 ms; a GPU's 500-token answers at
+    ~15 ms a token ~750 ms. 0 sends no call decode-only while streams run."""
+    max_decode_stall_ms: float | None = None
+    """``auto``: a fixed budget in ms instead of the share (None: the share decides): the
+    most a decode-only call may make the decode's running streams wait."""
     threshold_tokens: int | None = None
     """``auto``: when set, a call with at least this many estimated uncached tokens is a
     handoff whatever the costs say (the fixed rule vllm-router's and llm-d's deciders use)."""
@@ -58,8 +63,15 @@ class ConversationSettings:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise PDConfigError(f"conversations.threshold_tokens must be an int >= 0 or None, got {value!r}")
         stall = self.max_decode_stall_ms
-        if isinstance(stall, bool) or not isinstance(stall, int | float) or not 0 <= stall < float("inf"):
-            raise PDConfigError(f"conversations.max_decode_stall_ms must be a finite number >= 0, got {stall!r}")
+        if stall is not None and (
+            isinstance(stall, bool) or not isinstance(stall, int | float) or not 0 <= stall < float("inf")
+        ):
+            raise PDConfigError(
+                f"conversations.max_decode_stall_ms must be a finite number >= 0 or None, got {stall!r}"
+            )
+        share = self.max_decode_stall_share
+        if isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share <= 1:
+            raise PDConfigError(f"conversations.max_decode_stall_share must be in [0, 1], got {share!r}")
         for name in ("ratio_warmup", "overhead_tokens_per_message", "unseen_history_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -74,3 +86,10 @@ class ConversationSettings:
         initial = self.initial_chars_per_token
         if not isinstance(initial, int | float) or isinstance(initial, bool) or not initial > 0:
             raise PDConfigError(f"conversations.initial_chars_per_token must be > 0, got {initial!r}")
+
+    def stall_budget_ms(self, answer_ms: float) -> float:
+        """What a decode-only call may make the decode's running streams wait, whose answers
+        stream for ``answer_ms``: the fixed budget when one is set, else the share of it."""
+        if self.max_decode_stall_ms is not None:
+            return float(self.max_decode_stall_ms)
+        return self.max_decode_stall_share * answer_ms

@@ -17,6 +17,9 @@ class CallCost:
     """The tokens computed for the call: a decode-only call's uncached ones, a handoff's prefill's."""
     prefill_url: str | None = None
     dispatch: str | None = None
+    answer_ms: float | None = None
+    """A whole answer's time on ``decode_url``, its first token to its last (None: not
+    known whole): what a stall there is a share of (``CostModel.answer_ms``)."""
 
 
 __all__ = ["CallCost"]

@@ -17,7 +17,12 @@ What is learnt, and from what (every time is passed in: the model has no clock):
   streams whose answer has begun and the load sample's ``running``). Not only its
   per-token part: on the CPU pair, streams that ran beside decode-only turns lost 1.02 ms
   per ms of the turns' time to first token they overlapped (2,042 requests of vLLM's
-  multi-turn benchmark), the step and the server's own work on the request included.
+  multi-turn benchmark), the step and the server's own work on the request included;
+- **what that stall is a share of**: the answer time of the streams on a decode endpoint
+  (their first token to their last, the median of the last whole answers there): a stall
+  of S ms on an answer that streams for D ms adds S/D to its time per output token, so a
+  budget given as a share of D holds the streams' TPOT on any machine
+  (``conversations.ConversationSettings.max_decode_stall_share``).
 
 Every line is a robust fit (``CostLine``: medians over a bounded window), so one call
 stuck in a queue does not swing the route, and two processes that saw the same traffic
@@ -26,8 +31,9 @@ predict alike. Thread-safe: one lock around all of it.
 
 from __future__ import annotations
 
+import statistics
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from ._call_cost import CallCost
@@ -55,6 +61,27 @@ class RouteCosts:
     prior's step, or one slow sample's, never stops decode-only from being measured again."""
     streams: int
     """The streams counted running on that decode endpoint."""
+    answer_ms: float
+    """The answer time of a stream on that decode endpoint, its first token to its last
+    (``CostModel.answer_ms``): what a stall there is a share of."""
+
+
+class _DecodeEndpoint:
+    """What is learnt of one decode endpoint: its prefill line, its streams' answer times,
+    and the calls that asked whether decode-only is due a trial there."""
+
+    __slots__ = ("answers", "asked", "line")
+
+    def __init__(self, line: CostLine, window: int) -> None:
+        self.line = line
+        self.answers: deque[float] = deque(maxlen=window)
+        self.asked = 0
+
+    def answer_ms(self, priors: CostPriors) -> float:
+        """The median of the last whole answers' times (the prior's until ``min_samples``)."""
+        if len(self.answers) < priors.min_samples:
+            return priors.answer_ms
+        return statistics.median(self.answers)
 
 
 class CostModel:
@@ -62,9 +89,7 @@ class CostModel:
 
     def __init__(self, priors: CostPriors | None = None) -> None:
         self.priors = priors or CostPriors()
-        self._decode: OrderedDict[str, CostLine] = OrderedDict()
-        self._asked: dict[str, int] = {}
-        """Per decode endpoint, the calls that asked whether decode-only is due a trial."""
+        self._decode: OrderedDict[str, _DecodeEndpoint] = OrderedDict()
         self._handoff = self._new_line(self.priors.handoff)
         self._dispatch = DispatchChooser(self.priors)
         self._lock = threading.Lock()
@@ -72,19 +97,22 @@ class CostModel:
     def _new_line(self, prior: Line) -> CostLine:
         return CostLine(prior, window=self.priors.window, min_samples=self.priors.min_samples)
 
-    def _decode_line(self, endpoint: str) -> CostLine:
-        line = self._decode.get(endpoint)
-        if line is None:
-            line = self._decode[endpoint] = self._new_line(self.priors.decode_prefill)
+    def _decode_endpoint(self, endpoint: str) -> _DecodeEndpoint:
+        learnt = self._decode.get(endpoint)
+        if learnt is None:
+            line = self._new_line(self.priors.decode_prefill)
+            learnt = self._decode[endpoint] = _DecodeEndpoint(line, self.priors.window)
             while len(self._decode) > _MAX_ENDPOINTS:
-                self._asked.pop(self._decode.popitem(last=False)[0], None)
+                self._decode.popitem(last=False)
         self._decode.move_to_end(endpoint)
-        return line
+        return learnt
 
     # -- learning ------------------------------------------------------------------------
 
     def learn(self, cost: CallCost) -> None:
-        """What a finished call teaches: the line of the route it took."""
+        """What a finished call teaches: the line of the route it took, and its answer's time."""
+        if cost.answer_ms is not None:
+            self.answer(cost.decode_url, cost.answer_ms)
         if cost.prefill_url is None:
             self.decode_only(cost.decode_url, cost.tokens, cost.first_token_ms)
         elif cost.dispatch is not None:
@@ -93,7 +121,14 @@ class CostModel:
     def decode_only(self, endpoint: str, uncached_tokens: int, ttft_ms: float) -> None:
         """A decode-only call on ``endpoint``: the tokens it computed and its time to first token."""
         with self._lock:
-            self._decode_line(endpoint).add(uncached_tokens, ttft_ms)
+            self._decode_endpoint(endpoint).line.add(uncached_tokens, ttft_ms)
+
+    def answer(self, endpoint: str, answer_ms: float) -> None:
+        """A whole answer streamed from the decode endpoint ``endpoint``: its first token to its last."""
+        if not 0 <= answer_ms < float("inf"):
+            return  # not a measurement: a clock that went back
+        with self._lock:
+            self._decode_endpoint(endpoint).answers.append(answer_ms)
 
     def handoff(self, prefill_endpoint: str, dispatch: str, prefill_tokens: int, ttft_ms: float) -> None:
         """A P/D call: the tokens its prefill computed, and its time to first token."""
@@ -111,15 +146,26 @@ class CostModel:
     def decode_prefill(self, endpoint: str) -> Line:
         """The decode endpoint's learnt prefill line (its prior before enough decode-only calls)."""
         with self._lock:
-            return self._decode_line(endpoint).line()
+            return self._decode_endpoint(endpoint).line.line()
+
+    def answer_ms(self, endpoint: str) -> float:
+        """The answer time of a stream on the decode endpoint ``endpoint``, its first token to
+        its last: the median of its last whole answers (the prior's before ``min_samples``)."""
+        with self._lock:
+            return self._decode_endpoint(endpoint).answer_ms(self.priors)
 
     def lines(self) -> list[tuple[str, str, Line]]:
         """What ``auto`` decides with now, as ``(line, endpoint, Line)``: each decode endpoint's
-        prefill line (``"decode_prefill"``) and the handoff line over every handoff
-        (``"handoff"``, endpoint ``""``), priors included; for a scrape (``metrics``)."""
+        prefill line (``"decode_prefill"``) and its streams' answer time (``"answer"``, as
+        a line's fixed step), and the handoff line over every handoff (``"handoff"``,
+        endpoint ``""``), priors included; for a scrape (``metrics``)."""
+        lines: list[tuple[str, str, Line]] = []
         with self._lock:
-            decode = [("decode_prefill", endpoint, line.line()) for endpoint, line in self._decode.items()]
-            return [*decode, ("handoff", "", self._handoff.line())]
+            for endpoint, learnt in self._decode.items():
+                lines.append(("decode_prefill", endpoint, learnt.line.line()))
+                answers = len(learnt.answers) if len(learnt.answers) >= self.priors.min_samples else 0
+                lines.append(("answer", endpoint, Line(learnt.answer_ms(self.priors), 0.0, answers)))
+            return [*lines, ("handoff", "", self._handoff.line())]
 
     def handover(self, prefill_endpoint: str | None = None, dispatch: str | None = None) -> Line:
         """The handoff line: over every handoff, or one prefill endpoint's in one dispatch mode."""
@@ -132,12 +178,17 @@ class CostModel:
         """Each route's cost for a call of ``uncached_tokens`` whose conversation is held on
         ``decode_endpoint`` (None: no endpoint known, its prior), with ``streams`` running there."""
         with self._lock:
-            decode = self._decode_line(decode_endpoint).line() if decode_endpoint else self.priors.decode_prefill
+            if decode_endpoint:
+                learnt = self._decode_endpoint(decode_endpoint)
+                decode, answer_ms = learnt.line.line(), learnt.answer_ms(self.priors)
+            else:
+                decode, answer_ms = self.priors.decode_prefill, self.priors.answer_ms
             handoff = self._handoff.line()
         tokens = max(0, uncached_tokens)
         decode_only = decode.at(tokens)
         stall = decode_only if streams > 0 else 0.0
-        return RouteCosts(decode_only, handoff.at(tokens), stall, decode.ms_per_token * tokens, max(0, streams))
+        compute = decode.ms_per_token * tokens
+        return RouteCosts(decode_only, handoff.at(tokens), stall, compute, max(0, streams), answer_ms)
 
     def probe_due(self, decode_endpoint: str) -> bool:
         """Whether a call that would go decode-only on ``decode_endpoint`` but for its predicted
@@ -145,9 +196,9 @@ class CostModel:
         decode-only timings, then one in ``PROBE_EVERY``. Counted, not drawn: a prior, or a
         line gone stale, never keeps decode-only from being measured."""
         with self._lock:
-            line = self._decode_line(decode_endpoint)
-            asked = self._asked[decode_endpoint] = self._asked.get(decode_endpoint, 0) + 1
-            return asked % (2 if len(line) < self.priors.min_samples else PROBE_EVERY) == 1
+            learnt = self._decode_endpoint(decode_endpoint)
+            learnt.asked += 1
+            return learnt.asked % (2 if len(learnt.line) < self.priors.min_samples else PROBE_EVERY) == 1
 
     def choose_dispatch(self, prefill_endpoint: str, prefill_tokens: int, now: float) -> DispatchChoice:
         """Sequential or concurrent for a handoff on ``prefill_endpoint`` (``DispatchChooser``)."""

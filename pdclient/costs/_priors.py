@@ -23,6 +23,9 @@ class CostPriors:
     """A decode-only call's time to first token against its uncached tokens."""
     handoff: Line = field(default_factory=lambda: Line(fixed_ms=266.0, ms_per_token=0.0))
     """A P/D call's time to first token against the tokens its prefill computes."""
+    answer_ms: float = 1500.0
+    """A decode endpoint's streams' answer time, first token to last, until learnt: ~40
+    tokens at ~38 ms, so that the default stall budget (a tenth of it) is 150 ms."""
     window: int = 24
     """Samples each line is fitted to (the most recent)."""
     min_samples: int = 4

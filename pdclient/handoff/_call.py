@@ -474,6 +474,7 @@ class Call:
         if self.phase is Phase.ENDED:
             return
         self.phase = Phase.ENDED
+        self.record.ended(self._elapsed_ms())
         if self.decode.endpoint is not None and self.decode.status == 200 and self.record.error is None:
             self.remote.ended(
                 self.plan,

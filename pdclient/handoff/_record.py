@@ -37,8 +37,16 @@ class CallRecord:
     first_token_ms: float | None = None
     """``first_byte_ms`` of a streamed call on the route it planned, what the cost model
     learns (None: not streamed, none yet, or its stream moved or went to a fallback server)."""
+    answer_ms: float | None = None
+    """From ``first_token_ms`` to the call's end (its stream read to its end, or closed):
+    the decode's answer time as the caller read it (None: no ``first_token_ms``)."""
     decoded: Tracker | None = None
     """The ids the decode leg sent, when it was asked for them (the stream that answered)."""
+
+    def ended(self, elapsed_ms: float) -> None:
+        """The call ended ``elapsed_ms`` after it started: its answer's time, if it had a first token."""
+        if self.first_token_ms is not None:
+            self.answer_ms = elapsed_ms - self.first_token_ms
 
 
 __all__ = ["CallRecord"]

@@ -471,20 +471,22 @@ class RemotePrefill:
         """What a whole streamed call teaches the cost model: its time to first token on the
         route it took, against the tokens computed for it (a decode-only call: the decode's
         own count of what it found uncached where it says, else the estimate; a handoff:
-        ``handoff_tokens``)."""
+        ``handoff_tokens``), and its answer's time when its conversation saw the answer end
+        (``AnswerCollector.whole``: a stream the caller closed early says nothing of it)."""
         first_token_ms, outcome = record.first_token_ms, record.outcome
         if first_token_ms is None or plan is None:
             return None
+        collector = self.conversation.collector if self.conversation is not None else None
+        answer_ms = record.answer_ms if collector is not None and collector.whole else None
         if outcome is Outcome.DECODE_ONLY and self.stored_state is None:
             estimate = self.decision.estimate if self.decision is not None else None
             tokens = estimate.uncached_tokens if estimate is not None else None
-            collector = self.conversation.collector if self.conversation is not None else None
             if collector is not None and collector.prompt_tokens is not None and collector.cached_tokens is not None:
                 tokens = collector.prompt_tokens - collector.cached_tokens
-            return CallCost(first_token_ms, decode_url, tokens) if tokens is not None else None
+            return CallCost(first_token_ms, decode_url, tokens, answer_ms=answer_ms) if tokens is not None else None
         if outcome is Outcome.DISAGGREGATED and prefill_url and record.dispatch is not None:
             tokens = self.handoff_tokens(plan, memory)
-            return CallCost(first_token_ms, decode_url, tokens, prefill_url, record.dispatch)
+            return CallCost(first_token_ms, decode_url, tokens, prefill_url, record.dispatch, answer_ms)
         return None
 
     def trace(self, dispatch: str | None, choice: DispatchChoice | None) -> CostDecision | None:
@@ -500,6 +502,7 @@ class RemotePrefill:
             handoff_ms=costs.handoff_ms if costs is not None else None,
             stall_ms=costs.stall_ms if costs is not None else None,
             streams=costs.streams if costs is not None else None,
+            stall_budget_ms=decision.stall_budget_ms,
             dispatch=dispatch,
             dispatch_reason=choice.reason.value if choice is not None else None,
             sequential_ms=choice.sequential_ms if choice is not None else None,

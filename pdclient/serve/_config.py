@@ -191,7 +191,7 @@ _NOT_SETTINGS = ("on_trace", "observers", "allow_call_fallback_url", "allow_call
 _PREFIXED = {"breaker": "breaker_", "conversations": "conversation_"}
 _NAMES = {"prefill_base_url": "prefill", "decode_base_url": "decode"}
 # Nested settings whose flag reads better without the prefix (an operator's budget, not a memory knob).
-_UNPREFIXED = {"conversations": ("max_decode_stall_ms",)}
+_UNPREFIXED = {"conversations": ("max_decode_stall_share", "max_decode_stall_ms")}
 
 
 def _urls(value: object, source: str) -> tuple[str, ...]:
@@ -234,6 +234,7 @@ _SPECIAL: Mapping[str, dict[str, Any]] = {
     "dispatch": {"parse": _str, "choices": DISPATCH_MODES},
     "kv_events": {"parse": _kv_events, "metavar": "discover|PORT|ADDRESS"},
     "conversation_max_uncached_ratio": {"metavar": "RATIO"},
+    "max_decode_stall_share": {"metavar": "SHARE"},
     "max_decode_stall_ms": {"metavar": "MS"},
     "conversation_initial_chars_per_token": {"metavar": "RATIO"},
 }
@@ -262,15 +263,17 @@ _CLIENT_HELP: Mapping[str, str] = {
     "migrate_non_streamed": "non-streamed calls may move too (their decode leg streams; ~1.4x the decode API's CPU)",
     "remote_prefill": "always: every chat/completions call is a P/D handoff; never: decode-only; auto: a chat call "
     "extending a remembered conversation goes decode-only to the decode endpoint holding it when that is predicted "
-    "faster and within --max-decode-stall-ms",
+    "faster and within the stall budget (--max-decode-stall-share)",
     "kv_events": "read every server's KV events (vLLM --kv-events-config; pdclient[kv-events]): 'discover' "
     "(GET /kv_event_sources), a port, or 'tcp://{host}:PUB[,tcp://{host}:REPLAY]'; auto then knows what a "
     "decode server holds",
     "dispatch": "sequential: the prefill, then the decode; concurrent: both at once (vLLM's NixlPushConnector "
     "on both servers); auto: where the prefill's answers say push mode, the mode "
     "whose learnt time to first token on that prefill endpoint is lower",
-    "max_decode_stall_ms": "auto: a call goes decode-only only if the decode server's running streams would wait "
-    "at most this many ms while it computes the call's uncached tokens (learnt rate; 0: never while streams run)",
+    "max_decode_stall_share": "auto: a call goes decode-only only if the decode server's running streams would wait "
+    "at most this share of their answers' time (learnt) while it computes the call's uncached tokens (0: never "
+    "while streams run)",
+    "max_decode_stall_ms": "auto: a fixed budget in ms instead of --max-decode-stall-share (default: none)",
     "conversation_threshold_tokens": "auto: a fixed cap: a call with at least this many estimated uncached tokens "
     "is a handoff whatever the costs say (default: none)",
     "conversation_max_uncached_ratio": "auto: a call with at least this fraction of its prompt uncached is a handoff",

@@ -387,6 +387,28 @@ async def test_an_abandoned_answer_is_not_remembered(mode: str, pair: FakeVLLM) 
     await turn(t, TURN2, True)
     assert len(pair.prefill_bodies) == 2
     assert traces.traces[1].conversation == "unknown"
+    # The second call's answer only: one cut short says nothing of its time.
+    assert answer_times(t, DECODE) + answer_times(t, DECODE2) == 1
+    await t.close()
+
+
+def answer_times(t: Twin, endpoint: str) -> int:
+    """The whole answers the cost model timed on ``endpoint`` (what the stall budget is a share of)."""
+    learnt = t.client.pd_fleet.costs._decode.get(endpoint)
+    return len(learnt.answers) if learnt is not None else 0
+
+
+async def test_whole_streamed_answers_teach_the_decode_endpoints_answer_time(mode: str, pair: FakeVLLM) -> None:
+    t, traces = twin(mode, remote_prefill="auto", decode_base_url=[DECODE])
+    costs = t.client.pd_fleet.costs
+    await turn(t, TURN1, False)  # not streamed: its first byte is its last, no answer time
+    assert answer_times(t, DECODE) == 0
+    for messages in (TURN1, TURN2, TURN1, TURN2):  # handoffs and decode-only turns alike
+        await turn(t, messages, True)
+    assert {trace.outcome for trace in traces.traces[1:]} == {Outcome.DISAGGREGATED, Outcome.DECODE_ONLY}
+    assert answer_times(t, DECODE) == 4
+    (learnt,) = [line for name, endpoint, line in costs.lines() if name == "answer" and endpoint == DECODE]
+    assert learnt.samples == 4 and learnt.fixed_ms == costs.answer_ms(DECODE) < 1500.0  # no longer the prior's
     await t.close()
 
 

@@ -53,13 +53,21 @@ def test_conversation_flags_reach_the_options() -> None:
     )
 
 
-def test_the_stall_budget_flag_and_variable(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert parse("--prefill", P, "--decode", D1).options.conversations.max_decode_stall_ms == 150.0
-    assert parse("--prefill", P, "--decode", D1).options.conversations.threshold_tokens is None
+def test_the_stall_budget_flags_and_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    default = parse("--prefill", P, "--decode", D1).options.conversations
+    assert (default.max_decode_stall_share, default.max_decode_stall_ms) == (0.1, None)
+    assert default.threshold_tokens is None
+    assert default.stall_budget_ms(5000.0) == 500.0  # a tenth of the streams' answer time
     config = parse("--prefill", P, "--decode", D1, "--max-decode-stall-ms", "40")
     assert config.options.conversations.max_decode_stall_ms == 40.0
+    assert config.options.conversations.stall_budget_ms(5000.0) == 40.0  # a fixed budget wins
+    config = parse("--prefill", P, "--decode", D1, "--max-decode-stall-share", "0.25")
+    assert config.options.conversations.stall_budget_ms(5000.0) == 1250.0
     monkeypatch.setenv("PDCLIENT_SERVE_MAX_DECODE_STALL_MS", "0")
     assert parse("--prefill", P, "--decode", D1).options.conversations.max_decode_stall_ms == 0.0
+    monkeypatch.setenv("PDCLIENT_SERVE_MAX_DECODE_STALL_MS", "none")
+    monkeypatch.setenv("PDCLIENT_SERVE_MAX_DECODE_STALL_SHARE", "0")
+    assert parse("--prefill", P, "--decode", D1).options.conversations.stall_budget_ms(5000.0) == 0.0
     capped = parse("--prefill", P, "--decode", D1, "--conversation-threshold-tokens", "none")
     assert capped.options.conversations.threshold_tokens is None
 

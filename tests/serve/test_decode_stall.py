@@ -1,5 +1,6 @@
-"""``pdclient serve --max-decode-stall-ms``: a follow-up goes decode-only only if the decode
-server's running streams (its ``/metrics``, scraped) would wait no longer than the budget."""
+"""``pdclient serve --max-decode-stall-share`` and ``--max-decode-stall-ms``: a follow-up goes
+decode-only only if the decode server's running streams (its ``/metrics``, scraped) would
+wait no longer than the budget."""
 
 from __future__ import annotations
 
@@ -57,12 +58,24 @@ def test_the_stall_budget_flag_decides_a_follow_up_while_the_decode_runs_streams
     assert reason == "stall_over_budget"
     labels = (("reason", "stall_over_budget"), ("remote_prefill", "true"), ("route", "chat"))
     assert metric_samples(metrics)[("pdclient_remote_prefill_decisions_total", labels)] == 1.0
+    # A share of the streams' answer time (the prior's 1.5 s before any answer is learnt).
+    reason, metrics = follow_up_reason(stubs, "--max-decode-stall-share", "1")
+    assert reason == "decode_only_faster"
+    reason, metrics = follow_up_reason(stubs, "--max-decode-stall-share", "0")
+    assert reason == "stall_over_budget"
+    answer = (("endpoint", stubs[1].url), ("line", "answer"))
+    assert metric_samples(metrics)[("pdclient_cost_fixed_ms", answer)] == 1500.0
 
 
-def test_the_stall_budget_flag_is_checked() -> None:
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--max-decode-stall-ms", "-5", "max_decode_stall_ms must be a finite number >= 0"),
+        ("--max-decode-stall-share", "1.5", r"max_decode_stall_share must be in \[0, 1\]"),
+    ],
+)
+def test_the_stall_budget_flags_are_checked(flag: str, value: str, message: str) -> None:
     proxy = None
-    with pytest.raises(AssertionError, match="max_decode_stall_ms must be a finite number >= 0"):
-        proxy = ServeProcess(
-            "--prefill", "http://127.0.0.1:9/v1", "--decode", "http://127.0.0.1:9/v1", "--max-decode-stall-ms", "-5"
-        )
+    with pytest.raises(AssertionError, match=message):
+        proxy = ServeProcess("--prefill", "http://127.0.0.1:9/v1", "--decode", "http://127.0.0.1:9/v1", flag, value)
     assert proxy is None

@@ -546,8 +546,12 @@ def test_decide_with_the_ratio_condition_off_sends_short_new_prompts_decode_only
     assert not decide_remote_prefill("auto", estimate_of(30, 29, None), settings).remote_prefill
 
 
+ANSWER_MS = 1500.0
+"""The streams' answer time the cost model's prior gives: a tenth of it is a 150 ms budget."""
+
+
 def costs(decode_only_ms: float, handoff_ms: float, stall_ms: float = 0.0, streams: int = 0) -> RouteCosts:
-    return RouteCosts(decode_only_ms, handoff_ms, stall_ms, stall_ms, streams)
+    return RouteCosts(decode_only_ms, handoff_ms, stall_ms, stall_ms, streams, ANSWER_MS)
 
 
 @pytest.mark.parametrize(
@@ -576,6 +580,21 @@ def test_the_stall_budget_and_a_fixed_cap_are_the_operators() -> None:
     assert (decision.remote_prefill, decision.reason) == (True, Reason.UNCACHED_AT_OR_ABOVE_THRESHOLD)
 
 
+@pytest.mark.parametrize(
+    ("answer_ms", "remote", "reason"),
+    [
+        (1500.0, True, Reason.STALL_OVER_BUDGET),  # 150 ms of budget: a 400 ms stall is over it
+        (5000.0, False, Reason.DECODE_ONLY_FASTER),  # slower streams (an AVX2 CPU): 500 ms of budget
+    ],
+)
+def test_the_stall_budget_is_a_share_of_the_streams_answer_time(answer_ms: float, remote: bool, reason: Reason) -> None:
+    stalling = RouteCosts(400.0, 1000.0, 400.0, 380.0, 1, answer_ms)
+    decision = decide_remote_prefill("auto", estimate_of(5000, 300), SETTINGS, stalling)
+    assert (decision.remote_prefill, decision.reason, decision.stall_budget_ms) == (remote, reason, answer_ms / 10)
+    fixed = ConversationSettings(max_decode_stall_ms=150.0)
+    assert decide_remote_prefill("auto", estimate_of(5000, 300), fixed, stalling).stall_budget_ms == 150.0
+
+
 def test_a_probe_tries_decode_only_only_within_the_budget() -> None:
     asked: list[bool] = []
 
@@ -583,13 +602,13 @@ def test_a_probe_tries_decode_only_only_within_the_budget() -> None:
         asked.append(True)
         return True
 
-    slower = RouteCosts(300.0, 100.0, 0.0, 100.0, 0)
+    slower = RouteCosts(300.0, 100.0, 0.0, 100.0, 0, ANSWER_MS)
     decision = decide_remote_prefill("auto", estimate_of(5000, 100), SETTINGS, slower, due)
     assert (decision.remote_prefill, decision.reason) == (False, Reason.PROBE)
     # A compute beyond the budget (were streams to start) is never a trial, nor asked for one.
-    long = RouteCosts(900.0, 300.0, 0.0, 800.0, 0)
+    long = RouteCosts(900.0, 300.0, 0.0, 800.0, 0, ANSWER_MS)
     assert decide_remote_prefill("auto", estimate_of(5000, 800), SETTINGS, long, due).reason is Reason.HANDOFF_FASTER
-    faster = RouteCosts(50.0, 300.0, 0.0, 40.0, 0)
+    faster = RouteCosts(50.0, 300.0, 0.0, 40.0, 0, ANSWER_MS)
     assert (
         decide_remote_prefill("auto", estimate_of(5000, 40), SETTINGS, faster, due).reason is Reason.DECODE_ONLY_FASTER
     )
@@ -682,6 +701,10 @@ def test_media_counts_whatever_the_previous_prompt_length() -> None:
         {"max_decode_stall_ms": math.nan},
         {"max_decode_stall_ms": math.inf},
         {"max_decode_stall_ms": "100"},
+        {"max_decode_stall_share": -0.1},
+        {"max_decode_stall_share": 1.5},
+        {"max_decode_stall_share": math.nan},
+        {"max_decode_stall_share": True},
         {"max_uncached_ratio": 0.0},
         {"max_uncached_ratio": 1.5},
         {"max_uncached_ratio": math.nan},

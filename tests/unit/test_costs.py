@@ -112,6 +112,24 @@ def test_the_stall_is_the_decode_only_time_to_first_token_when_streams_run() -> 
     assert model.decode_prefill("http://d2/v1") == CostPriors().decode_prefill
 
 
+def test_the_streams_answer_time_is_learnt_per_decode_endpoint_from_whole_answers() -> None:
+    model = CostModel()
+    assert model.predict(D1, 300, streams=1).answer_ms == CostPriors().answer_ms == 1500.0
+    for answer_ms in (4000.0, 5000.0, 90_000.0):  # one answer held up for a minute moves nothing
+        model.learn(CallCost(500.0, D1, 300, prefill_url=P1, dispatch=SEQUENTIAL, answer_ms=answer_ms))
+    assert model.answer_ms(D1) == 1500.0  # too few answers yet: the prior's
+    model.learn(CallCost(200.0, D1, 100, answer_ms=4500.0))  # a decode-only call's answer counts alike
+    model.answer(D1, -1.0)  # a clock that went back: no measurement
+    model.answer(D1, float("nan"))
+    assert model.answer_ms(D1) == model.predict(D1, 300, streams=1).answer_ms == 4750.0
+    assert model.answer_ms("http://d2/v1") == 1500.0  # another endpoint's streams are its own
+    assert ("answer", D1, Line(4750.0, 0.0, 4)) in model.lines()
+    assert ("answer", "http://d2/v1", Line(1500.0, 0.0, 0)) in model.lines()
+    for _ in range(CostPriors().window):
+        model.answer(D1, 6000.0)
+    assert model.answer_ms(D1) == 6000.0  # a bounded window of the most recent
+
+
 def test_the_handover_is_learnt_from_handoffs() -> None:
     model = CostModel()
     for tokens in (100, 200, 300, 400):
