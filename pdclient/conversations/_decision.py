@@ -155,7 +155,10 @@ def decide_remote_prefill(
         return decided(True, Reason.STALL_OVER_BUDGET)
     if costs.decode_only_ms < costs.handoff_ms:
         return decided(False, Reason.DECODE_ONLY_FASTER)
-    # A trial only of a call whose compute would be within the budget had streams been running.
-    if endpoint is not None and costs.compute_ms <= budget and probe is not None and probe():
+    # A trial only of a call whose compute would be within the budget had streams been running:
+    # the larger of the learnt one and the one a fleet starts with, since answers that take
+    # next to no time (one token, a tool call) would otherwise stop decode-only being measured.
+    trial_budget = max(budget, settings.stall_budget_ms(_PRIORS.priors.answer_ms))
+    if endpoint is not None and costs.compute_ms <= trial_budget and probe is not None and probe():
         return decided(False, Reason.PROBE)
     return decided(True, Reason.HANDOFF_FASTER)

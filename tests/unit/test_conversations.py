@@ -616,6 +616,19 @@ def test_a_probe_tries_decode_only_only_within_the_budget() -> None:
     assert decide_remote_prefill("auto", estimate_of(5000, 100), SETTINGS, slower, lambda: False).remote_prefill
 
 
+def test_answers_that_take_no_time_do_not_stop_decode_only_from_being_tried() -> None:
+    """Answers of ~1 ms (one token, a stub's) make a tenth of them no budget at all; a trial
+    is still bounded by the budget a fleet starts with (a tenth of the prior's 1.5 s)."""
+    instant = RouteCosts(300.0, 100.0, 0.0, 100.0, 0, 1.0)
+    decision = decide_remote_prefill("auto", estimate_of(5000, 100), SETTINGS, instant, lambda: True)
+    assert (decision.remote_prefill, decision.reason, decision.stall_budget_ms) == (False, Reason.PROBE, 0.1)
+    long = RouteCosts(900.0, 300.0, 0.0, 800.0, 0, 1.0)
+    assert decide_remote_prefill("auto", estimate_of(5000, 800), SETTINGS, long, lambda: True).remote_prefill
+    # Streams running on such a decode still get the learnt budget: a handoff.
+    streaming = RouteCosts(50.0, 300.0, 50.0, 40.0, 2, 1.0)
+    assert decide_remote_prefill("auto", estimate_of(5000, 40), SETTINGS, streaming).reason is Reason.STALL_OVER_BUDGET
+
+
 def test_media_and_a_missing_estimate_are_handoffs_whatever_the_costs() -> None:
     media = Estimate(5000, 20, D1, Match.EXTENDS_ANSWER, adds_media=True)
     assert decide_remote_prefill("auto", media, SETTINGS, costs(1.0, 1000.0)).reason is Reason.ADDS_MEDIA
