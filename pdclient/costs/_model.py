@@ -77,11 +77,13 @@ class _DecodeEndpoint:
         self.answers: deque[float] = deque(maxlen=window)
         self.asked = 0
 
+    def answer_samples(self, priors: CostPriors) -> int:
+        """The answers ``answer_ms`` is the median of (0: fewer than ``min_samples``, the prior's)."""
+        return len(self.answers) if len(self.answers) >= priors.min_samples else 0
+
     def answer_ms(self, priors: CostPriors) -> float:
         """The median of the last whole answers' times (the prior's until ``min_samples``)."""
-        if len(self.answers) < priors.min_samples:
-            return priors.answer_ms
-        return statistics.median(self.answers)
+        return statistics.median(self.answers) if self.answer_samples(priors) else priors.answer_ms
 
 
 class CostModel:
@@ -163,8 +165,8 @@ class CostModel:
         with self._lock:
             for endpoint, learnt in self._decode.items():
                 lines.append(("decode_prefill", endpoint, learnt.line.line()))
-                answers = len(learnt.answers) if len(learnt.answers) >= self.priors.min_samples else 0
-                lines.append(("answer", endpoint, Line(learnt.answer_ms(self.priors), 0.0, answers)))
+                answer = Line(learnt.answer_ms(self.priors), 0.0, learnt.answer_samples(self.priors))
+                lines.append(("answer", endpoint, answer))
             return [*lines, ("handoff", "", self._handoff.line())]
 
     def handover(self, prefill_endpoint: str | None = None, dispatch: str | None = None) -> Line:
