@@ -2,13 +2,15 @@
 
     python benchmarks/bench_multiturn.py                    # 3 rounds, short turns (~120-token user turns)
     python benchmarks/bench_multiturn.py --workload long    # user turns ~1,000 tokens
+    python benchmarks/bench_multiturn.py --workload tool-loop --clients 4   # 6 turns of ~30 tokens, 80-token answers
     python benchmarks/bench_multiturn.py --quick            # 6 conversations, 1 round: for development
     python benchmarks/bench_multiturn.py --serve-args="--max-decode-stall-ms 50"   # to both pdclient arms
 
 The tool is ``benchmarks/multi_turn/benchmark_serving_multi_turn.py`` of the vLLM 0.32.0
 source distribution, run as shipped with its synthetic-conversation generator: each
 conversation a unique ~600-token prefix, then 4 user turns (``--workload short``: ~120
-tokens; ``long``: ~1,000) answered in ~40 tokens, 16 conversations, 2 clients. Every run
+tokens; ``long``: ~1,000) answered in ~40 tokens (``tool-loop``: 6 turns of ~30 tokens
+answered in ~80), 16 conversations, 2 clients. Every run
 starts with ``--seed`` plus the run's index, and reads the generator's text (Newton's
 Opticks, shipped in the server environment) rotated by the run's own offset: the generator
 takes its text from offset 0 every run, so without the rotation every run (and arm) would
@@ -121,6 +123,9 @@ class Workload:
 WORKLOADS = {
     "short": Workload(prefix_tokens=600, user_tokens=120, answer_tokens=40, user_turns=4, max_model_len=2048),
     "long": Workload(prefix_tokens=600, user_tokens=1000, answer_tokens=40, user_turns=4, max_model_len=8192),
+    # An agent's loop: short tool results, longer answers, more turns. Each decode-only turn
+    # stalls the streams less than their budget, so at more clients several land in one answer.
+    "tool-loop": Workload(prefix_tokens=600, user_tokens=30, answer_tokens=80, user_turns=6, max_model_len=2048),
 }
 
 

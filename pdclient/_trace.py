@@ -80,6 +80,9 @@ class CostDecision(BaseModel):
     """What decode-only would make the decode server's running streams wait."""
     streams: int | None = None
     """The streams counted running on the decode endpoint when it decided."""
+    charged_ms: float | None = None
+    """What the decode-only turns admitted while they ran already made the most stalled of
+    this process's streams there wait; ``stall_ms`` added to it is held to the budget."""
     stall_budget_ms: float | None = None
     """The most decode-only could make them wait: a share of their answer's time, or a fixed ms."""
     dispatch: str | None = None

@@ -77,7 +77,8 @@ class Reason(str, enum.Enum):
     ADDS_MEDIA = "adds_media"
     STALL_OVER_BUDGET = "stall_over_budget"
     """Decode-only would make the decode's running streams wait longer than the stall budget
-    (``ConversationSettings.stall_budget_ms``: a share of their answer's time, or a fixed ms)."""
+    (``ConversationSettings.stall_budget_ms``: a share of their answer's time, or a fixed ms),
+    with what the turns admitted while they ran already make them wait."""
     HANDOFF_FASTER = "handoff_faster"
     """The handoff's predicted time to first token is no higher (a tie spares the decode's streams)."""
     DECODE_ONLY_FASTER = "decode_only_faster"
@@ -116,7 +117,8 @@ def decide_remote_prefill(
     (``costs``, from ``costs.CostModel``; the model's priors when None, with no streams
     running), but a handoff whenever decode-only would stall the decode's running streams
     longer than the stall budget (``ConversationSettings.stall_budget_ms`` of their answer's
-    time, ``RouteCosts.answer_ms``): the reason to disaggregate at all. Also a handoff:
+    time, ``RouteCosts.answer_ms``), counting what the decode-only turns admitted while they
+    ran already stall them (``RouteCosts.charged_ms``): the reason to disaggregate at all. Also a handoff:
     a call with ``max_uncached_ratio`` of its prompt uncached, as Dynamo's conditional
     disaggregation (a conversation's first turn: nothing of it is anywhere), and one at or
     above ``threshold_tokens`` when an operator sets that fixed cap (llm-d's and
@@ -151,7 +153,7 @@ def decide_remote_prefill(
     total = max(estimate.total_tokens, 1)
     if estimate.uncached_tokens / total >= settings.max_uncached_ratio:
         return decided(True, Reason.UNCACHED_RATIO_AT_OR_ABOVE)
-    if costs.stall_ms > budget:
+    if costs.stall_ms > 0 and costs.charged_ms + costs.stall_ms > budget:
         return decided(True, Reason.STALL_OVER_BUDGET)
     if costs.decode_only_ms < costs.handoff_ms:
         return decided(False, Reason.DECODE_ONLY_FASTER)

@@ -64,6 +64,9 @@ class RouteCosts:
     answer_ms: float
     """The answer time of a stream on that decode endpoint, its first token to its last
     (``CostModel.answer_ms``): what a stall there is a share of."""
+    charged_ms: float = 0.0
+    """What the decode-only turns admitted there already make the most stalled running stream
+    wait (``pools.StallLedger``): the budget bounds it and ``stall_ms`` together."""
 
 
 class _DecodeEndpoint:
@@ -176,9 +179,12 @@ class CostModel:
                 return self._handoff.line()
             return self._dispatch.line(prefill_endpoint, dispatch)
 
-    def predict(self, decode_endpoint: str | None, uncached_tokens: int, streams: int) -> RouteCosts:
+    def predict(
+        self, decode_endpoint: str | None, uncached_tokens: int, streams: int, charged_ms: float = 0.0
+    ) -> RouteCosts:
         """Each route's cost for a call of ``uncached_tokens`` whose conversation is held on
-        ``decode_endpoint`` (None: no endpoint known, its prior), with ``streams`` running there."""
+        ``decode_endpoint`` (None: no endpoint known, its prior), with ``streams`` running there,
+        the most stalled of them already charged ``charged_ms`` (``RouteCosts.charged_ms``)."""
         with self._lock:
             if decode_endpoint:
                 learnt = self._decode_endpoint(decode_endpoint)
@@ -190,7 +196,8 @@ class CostModel:
         decode_only = decode.at(tokens)
         stall = decode_only if streams > 0 else 0.0
         compute = decode.ms_per_token * tokens
-        return RouteCosts(decode_only, handoff.at(tokens), stall, compute, max(0, streams), answer_ms)
+        charged = charged_ms if streams > 0 and 0 < charged_ms < float("inf") else 0.0
+        return RouteCosts(decode_only, handoff.at(tokens), stall, compute, max(0, streams), answer_ms, charged)
 
     def probe_due(self, decode_endpoint: str) -> bool:
         """Whether a call that would go decode-only on ``decode_endpoint`` but for its predicted

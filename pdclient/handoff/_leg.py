@@ -41,7 +41,7 @@ class Leg:
         self.sent_at = 0.0
         self.status: int | None = None
         self._open = False
-        self._streaming = False
+        self._stream: float | None = None
         self._ahead: str | None = None
 
     def pick(self, route: RouteRequest, exclude: Sequence[Endpoint] = ()) -> str:
@@ -104,9 +104,8 @@ class Leg:
 
     def streaming(self) -> None:
         """The attempt's answer has begun: a stream running on its endpoint until it ends."""
-        if self.endpoint is not None and self._open and not self._streaming:
-            self._streaming = True
-            self.endpoint.count_stream(1)
+        if self.endpoint is not None and self._open and self._stream is None:
+            self._stream = self.endpoint.stalls.begin()
 
     def answered(self, chunks: int = 1) -> None:
         """The answer is whole, in ``chunks`` pieces: the endpoint's latency learns the time per piece."""
@@ -120,9 +119,9 @@ class Leg:
         self._open = False
         self.status = status
         if self.endpoint is not None:
-            if self._streaming:
-                self._streaming = False
-                self.endpoint.count_stream(-1)
+            if self._stream is not None:
+                self.endpoint.stalls.end(self._stream)
+                self._stream = None
             self.endpoint.release(ok=_health(status, error))
         self._call.observers.leg_end(self._call, self, status, error)
 

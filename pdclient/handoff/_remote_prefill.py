@@ -40,7 +40,7 @@ from ..conversations import (
 from ..costs import CallCost, DispatchChoice
 from ..kv_events import KVEventFeeds, turn_keys
 from ..migration import Tracker
-from ..pools import AllEndpointsOpen, EndpointPool
+from ..pools import AllEndpointsOpen, EndpointPool, StallLedger
 from ..routing import RouteDecision, RouteRequest, conversation_routing, policy_decision
 from ._leg import Leg
 from ._leg_requests import LegRequests
@@ -72,17 +72,18 @@ def conversation_home(pool: EndpointPool, options: PDOptions, route: RouteReques
         return None
 
 
-def running_streams(pool: EndpointPool, url: str | None, now: float) -> int:
-    """The streams running on the decode endpoint ``url``: this process's calls whose answer
-    has begun there (``Endpoint.streaming``: a call still waiting for its first token pays a
-    decode-only turn's prefill in its time to first token, not between tokens), or the
-    server's own count when a fresh load sample says more (other processes')."""
+def decode_streams(pool: EndpointPool, url: str | None, now: float) -> tuple[int, StallLedger | None]:
+    """The streams running on the decode endpoint ``url``, and its ledger of this process's
+    (``Endpoint.stalls``; None: not in the pool). Counted: this process's calls whose answer
+    has begun there (a call still waiting for its first token pays a decode-only turn's
+    prefill in its time to first token, not between tokens), or the server's own count when a
+    fresh load sample says more (other processes')."""
     for endpoint in pool.endpoints:
         if endpoint.url == url:
             load = endpoint.load
             counted = int(load.running) if load is not None and load.fresh(now) else 0
-            return max(endpoint.streaming, counted)
-    return 0
+            return max(endpoint.streaming, counted), endpoint.stalls
+    return 0, None
 
 
 def remote_prefill_decision(
@@ -95,15 +96,19 @@ def remote_prefill_decision(
     """``decide_remote_prefill`` on the costs ``fleet`` learnt (``Fleet.costs``) for the
     decode endpoint holding the conversation, its decode endpoint the conversation's home
     when the memory names none: every replica sends this conversation's turns to the same
-    decode endpoint."""
-    costs, probe = None, None
+    decode endpoint. A call sent decode-only there charges its predicted stall to the
+    streams running there (``pools.StallLedger``), which the next calls' budget counts."""
+    costs, probe, stalls = None, None, None
     if mode == "auto" and estimate is not None and fleet is not None:
         held = estimate.endpoint or (home.endpoint.url if home is not None else None)
-        streams = running_streams(fleet.decode, held, time.monotonic())
-        costs = fleet.costs.predict(held, estimate.uncached_tokens, streams)
+        streams, stalls = decode_streams(fleet.decode, held, time.monotonic())
+        charged = stalls.most_charged_ms() if stalls is not None else 0.0
+        costs = fleet.costs.predict(held, estimate.uncached_tokens, streams, charged)
         if held is not None:
             probe = functools.partial(fleet.costs.probe_due, held)
     decision = decide_remote_prefill(mode, estimate, settings, costs, probe)
+    if stalls is not None and costs is not None and not decision.remote_prefill:
+        stalls.charge(costs.stall_ms)
     if decision.decode_endpoint is None and home is not None:
         decision = dataclasses.replace(decision, decode_endpoint=home.endpoint.url)
     return decision
@@ -502,6 +507,7 @@ class RemotePrefill:
             handoff_ms=costs.handoff_ms if costs is not None else None,
             stall_ms=costs.stall_ms if costs is not None else None,
             streams=costs.streams if costs is not None else None,
+            charged_ms=costs.charged_ms if costs is not None else None,
             stall_budget_ms=decision.stall_budget_ms,
             dispatch=dispatch,
             dispatch_reason=choice.reason.value if choice is not None else None,

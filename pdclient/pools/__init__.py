@@ -1,6 +1,6 @@
 """The endpoints of each leg: ``EndpointPool``, ``Endpoint`` (breaker, in-flight count, latency
-estimate), URL handling, and the retry decisions per leg (``retry``: the leg retry loops and
-their policies, used as a namespace)."""
+estimate, ``StallLedger`` of its running streams), URL handling, and the retry decisions per
+leg (``retry``: the leg retry loops and their policies, used as a namespace)."""
 
 from . import _retry as retry
 from ._endpoints import (
@@ -17,6 +17,7 @@ from ._endpoints import (
 )
 from ._latency import PeakEWMA
 from ._retry import RetrySettings, Sleep, counts_against_server, is_transient_status, retry_after_seconds
+from ._stalls import StallLedger
 
 __all__ = [
     "AllEndpointsOpen",
@@ -29,6 +30,7 @@ __all__ = [
     "PoolDecision",
     "RetrySettings",
     "Sleep",
+    "StallLedger",
     "URLArg",
     "counts_against_server",
     "is_transient_status",

@@ -21,6 +21,7 @@ from .._errors import PDConfigError, PDError
 from ..routing import LeastOutstanding, LoadSample, RouteDecision, RouteRequest, RoutingPolicy, policy_decision
 from ..wire import normalise_url, redact_url
 from ._latency import PeakEWMA
+from ._stalls import StallLedger
 
 PREFILL_ENV = "PDCLIENT_PREFILL_BASE_URL"
 DECODE_ENV = "PDCLIENT_DECODE_BASE_URL"
@@ -73,10 +74,11 @@ class Endpoint:
         self.host_name = host_name
         """When ``url`` holds one address of a DNS name (discovery): the name, for the Host header and TLS SNI."""
         self.in_flight = 0
-        self.streaming = 0
+        self.stalls = StallLedger()
         """Of ``in_flight``, the calls whose answer has begun to arrive (``Leg.streaming``):
-        the streams a decode-only turn's prefill here would stall. A call still waiting for
-        its first token (its KV on the way, or queued) would only start later."""
+        the streams a decode-only turn's prefill here would stall, and what the turns admitted
+        while they ran were predicted to stall them. A call still waiting for its first token
+        (its KV on the way, or queued) would only start later."""
         self.load: LoadSample | None = None
         """The server's own load as its last /metrics scrape said (``fleet._load.LoadScraper`` writes it)."""
         self.latency = PeakEWMA(clock=clock)
@@ -109,10 +111,10 @@ class Endpoint:
             if self.state == "half-open":
                 self._probing = True
 
-    def count_stream(self, change: int) -> None:
-        """One more (1) or one fewer (-1) of ``streaming``."""
-        with self._lock:
-            self.streaming += change
+    @property
+    def streaming(self) -> int:
+        """The streams running here (``stalls.running``)."""
+        return self.stalls.running
 
     def release(self, *, ok: bool | None) -> None:
         """End one request; ``ok`` None means it says nothing of the server's health."""

@@ -30,6 +30,9 @@ def test_the_generator_config_is_the_tools_format_with_the_workloads_sizes() -> 
     assert inputs["num_tokens"] == {"distribution": "constant", "value": 120}
     assert outputs["num_tokens"] == {"distribution": "constant", "value": 40}
     assert mt.generator_config(mt.WORKLOADS["long"], "t", 4)["prompt_input"]["num_tokens"]["value"] == 1000
+    tool_loop = mt.generator_config(mt.WORKLOADS["tool-loop"], "t", 4)
+    assert tool_loop["prompt_input"]["num_turns"]["value"] == 12
+    assert tool_loop["prompt_output"]["num_tokens"]["value"] == 80
 
 
 def test_each_run_reads_the_text_from_its_own_offset() -> None:

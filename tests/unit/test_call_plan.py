@@ -196,6 +196,40 @@ def test_only_a_stream_whose_answer_has_begun_counts_against_the_stall_budget() 
     assert decided().reason is Reason.DECODE_ONLY_FASTER
 
 
+def test_the_stall_budget_bounds_what_the_turns_admitted_during_one_answer_add_up_to() -> None:
+    """Each decode-only turn admitted while a stream runs stalls it again: the budget is a
+    bound on their sum for that stream, not on each turn alone."""
+    fleet = Fleet(PDOptions(prefill_base_url=PREFILL, decode_base_url=DECODES), asynchronous=False)
+    settings = ConversationSettings(max_decode_stall_ms=300.0)
+    follow_up = Estimate(1000, 200, DECODES[0], Match.EXTENDS_ANSWER)  # priors: 210 ms decode-only, 266 P/D
+
+    def decided() -> Decision:
+        return remote_prefill_decision("auto", follow_up, settings, None, fleet)
+
+    def streaming() -> Call:
+        call = make_call(chat("another conversation"), fleet=fleet)
+        assert call.decode.pin(DECODES[0], "held") == DECODES[0]
+        call.decode.start(call.request)
+        call.first_byte()
+        return call
+
+    oldest = streaming()
+    first = decided()
+    assert first.reason is Reason.DECODE_ONLY_FASTER and first.costs is not None
+    assert (first.costs.charged_ms, first.costs.stall_ms) == (0.0, pytest.approx(210.0))
+    second = decided()  # 210 ms charged to the running stream already, 420 with this one
+    assert second.reason is Reason.STALL_OVER_BUDGET and second.costs is not None
+    assert second.costs.charged_ms == pytest.approx(210.0)
+    assert decided().reason is Reason.STALL_OVER_BUDGET  # a handoff charges nobody
+    newer = streaming()  # uncharged, but the oldest stream still runs
+    assert decided().reason is Reason.STALL_OVER_BUDGET
+    oldest.decode.end(200, None)
+    assert decided().reason is Reason.DECODE_ONLY_FASTER  # the newer stream had nothing charged
+    assert decided().reason is Reason.STALL_OVER_BUDGET
+    newer.decode.end(200, None)
+    assert fleet.decode.endpoints[0].stalls.most_charged_ms() == 0.0
+
+
 def test_a_handoff_after_all_counts_the_whole_prompt_as_uncached() -> None:
     cached = Estimate(1000, 10, DECODES[0], Match.EXTENDS_ANSWER)
     after = handoff_after_all(Decision(False, Reason.DECODE_ONLY_FASTER, DECODES[0], cached), SETTINGS)

@@ -595,6 +595,25 @@ def test_the_stall_budget_is_a_share_of_the_streams_answer_time(answer_ms: float
     assert decide_remote_prefill("auto", estimate_of(5000, 300), fixed, stalling).stall_budget_ms == 150.0
 
 
+@pytest.mark.parametrize(
+    ("charged_ms", "remote", "reason"),
+    [
+        (0.0, False, Reason.DECODE_ONLY_FASTER),
+        (50.0, False, Reason.DECODE_ONLY_FASTER),  # 50 + 100 ms: at the 150 ms budget
+        (60.0, True, Reason.STALL_OVER_BUDGET),  # what the turns before it stalled the streams counts too
+    ],
+)
+def test_the_stall_budget_counts_what_the_running_streams_were_already_charged(
+    charged_ms: float, remote: bool, reason: Reason
+) -> None:
+    stalling = RouteCosts(100.0, 1000.0, 100.0, 90.0, 1, ANSWER_MS, charged_ms)
+    decision = decide_remote_prefill("auto", estimate_of(5000, 100), SETTINGS, stalling)
+    assert (decision.remote_prefill, decision.reason) == (remote, reason)
+    # A stream over its budget already is not stalled by a turn that stalls nothing.
+    idle = RouteCosts(100.0, 1000.0, 0.0, 90.0, 0, ANSWER_MS, 500.0)
+    assert decide_remote_prefill("auto", estimate_of(5000, 100), SETTINGS, idle).reason is Reason.DECODE_ONLY_FASTER
+
+
 def test_a_probe_tries_decode_only_only_within_the_budget() -> None:
     asked: list[bool] = []
 

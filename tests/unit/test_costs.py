@@ -108,6 +108,10 @@ def test_the_stall_is_the_decode_only_time_to_first_token_when_streams_run() -> 
     assert costs.stall_ms == pytest.approx(630.0)
     assert costs.compute_ms == pytest.approx(600.0)  # what bounds a trial
     assert model.predict(D1, 300, streams=0).stall_ms == 0.0
+    # What earlier turns charged the running streams (``pools.StallLedger``) rides along.
+    assert model.predict(D1, 300, streams=3, charged_ms=120.0).charged_ms == 120.0
+    assert model.predict(D1, 300, streams=0, charged_ms=120.0).charged_ms == 0.0
+    assert model.predict(D1, 300, streams=3, charged_ms=float("nan")).charged_ms == 0.0
     assert model.decode_prefill(D1) == Line(30.0, 2.0, 5)
     assert model.decode_prefill("http://d2/v1") == CostPriors().decode_prefill
 
