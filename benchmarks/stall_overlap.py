@@ -12,7 +12,9 @@ its stream took than its tokens at the run's median time per token of the stream
 turn overlapped. A least-squares line of the one against the other, over every run given:
 its slope is the milliseconds a stream loses per millisecond of decode-only turn beside
 it. 1.0 means a stream waits for the turn's whole time to first token; the turn's
-per-token part alone would be ~0.2 on the CPU pair.
+per-token part alone would be ~0.2 on the CPU pair. Per arm, over its runs: how much
+decode-only turn the streams beside one overlapped, and lost (p50, p90, most), which the
+stall budget bounds per answer.
 """
 
 from __future__ import annotations
@@ -69,8 +71,26 @@ def run_points(requests: list[tuple[dict[str, Any], str]]) -> list[tuple[float, 
     return [(overlap, took - per_token * gaps) for overlap, took, gaps in streams]
 
 
+def arm_line(arm: str, points: list[tuple[float, float]]) -> str:
+    """One arm's streams beside decode-only turns: what they overlapped and lost."""
+    beside = [(overlap, lost) for overlap, lost in points if overlap > 0]
+    if not beside:
+        return f"{arm}: {len(points)} requests, none beside a decode-only turn"
+
+    def spread(values: list[float]) -> str:
+        ordered = sorted(values)
+        p90 = ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+        return f"{statistics.median(ordered):.0f} / {p90:.0f} / {ordered[-1]:.0f}"
+
+    return (
+        f"{arm}: {len(points)} requests, {len(beside)} beside decode-only turns; ms overlapped p50 / p90 / most "
+        f"{spread([p[0] for p in beside])}, lost {spread([p[1] for p in beside])}"
+    )
+
+
 def main(directories: list[str]) -> int:
     points: list[tuple[float, float]] = []
+    by_arm: dict[str, list[tuple[float, float]]] = {}
     for directory in map(Path, directories):
         for run in sorted(directory.glob("run-*-pdclient-*")):
             arm = run.name.split("-", 2)[2]
@@ -82,6 +102,9 @@ def main(directories: list[str]) -> int:
             beside = sum(1 for overlap, _ in mine if overlap > 0)
             print(f"{directory.name}/{run.name}: {len(requests)} requests matched, {beside} beside a decode-only turn")
             points += mine
+            by_arm.setdefault(arm, []).extend(mine)
+    for arm, mine in by_arm.items():
+        print(arm_line(arm, mine))
     beside = [(overlap, lost) for overlap, lost in points if overlap > 0]
     if len(beside) < 2:
         print("too few streams beside a decode-only turn to fit")

@@ -37,3 +37,13 @@ def test_a_stream_beside_a_decode_only_turn_is_charged_what_it_lost_beyond_its_t
     points = so.run_points([(clean, "disaggregated"), (turn, "decode_only"), (beside, "disaggregated")])
     assert points[0] == (0.0, 0.0)
     assert points[2] == (500.0, 500.0)
+
+
+def test_an_arms_line_gives_what_its_streams_beside_decode_only_turns_overlapped_and_lost() -> None:
+    points = [(0.0, 5.0), *((float(100 * i), float(50 * i)) for i in range(1, 11))]
+    line = so.arm_line("pdclient-auto", points)
+    assert line == (
+        "pdclient-auto: 11 requests, 10 beside decode-only turns; ms overlapped p50 / p90 / most "
+        "550 / 1000 / 1000, lost 275 / 500 / 500"
+    )
+    assert so.arm_line("pdclient-always", [(0.0, 3.0)]) == "pdclient-always: 1 requests, none beside a decode-only turn"
