@@ -109,6 +109,7 @@ bench-conversations: install
 # vLLM's own multi-turn benchmark (from the vLLM sdist, unchanged) against pdclient serve (auto, always),
 # vllm-router, vLLM's multi-turn P/D proxy and the decode alone, on one LocalPD pair it starts
 # (~30 min at 3 rounds; its timings want the cores to themselves). ARGS="--workload long",
+# ARGS="--workload tool-loop --clients 4" (short tool results, 80-token answers),
 # ARGS="--quick" (1 round, 6 conversations), ARGS='--serve-args="--some-flag 1"' for both pdclient arms.
 bench-multiturn: install
 	$(VENV)/bin/python benchmarks/bench_multiturn.py $(ARGS)

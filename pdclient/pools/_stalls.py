@@ -18,7 +18,10 @@ from collections import Counter
 
 class StallLedger:
     """This process's streams running on one endpoint (a call whose answer has begun there),
-    and the stalls charged to them (``charge``). Thread-safe."""
+    and the stalls charged to them (``charge``). Thread-safe; a decision reads
+    ``most_charged_ms`` and charges in two steps, so two threads deciding at the same moment
+    may each admit a turn that only one of them would have: one turn over, not an unbounded
+    sum (the proxy decides on one event loop, where this does not happen)."""
 
     def __init__(self) -> None:
         self._charged = 0.0
