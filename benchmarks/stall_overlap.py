@@ -26,6 +26,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pdclient.cli.bench import quantile
+
 MATCH_MS = 60.0
 FIELD = re.compile(r"(\w+)=(\S+)")
 
@@ -78,9 +80,7 @@ def arm_line(arm: str, points: list[tuple[float, float]]) -> str:
         return f"{arm}: {len(points)} requests, none beside a decode-only turn"
 
     def spread(values: list[float]) -> str:
-        ordered = sorted(values)
-        p90 = ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
-        return f"{statistics.median(ordered):.0f} / {p90:.0f} / {ordered[-1]:.0f}"
+        return f"{quantile(values, 0.5):.0f} / {quantile(values, 0.9):.0f} / {max(values):.0f}"
 
     return (
         f"{arm}: {len(points)} requests, {len(beside)} beside decode-only turns; ms overlapped p50 / p90 / most "

@@ -44,6 +44,6 @@ def test_an_arms_line_gives_what_its_streams_beside_decode_only_turns_overlapped
     line = so.arm_line("pdclient-auto", points)
     assert line == (
         "pdclient-auto: 11 requests, 10 beside decode-only turns; ms overlapped p50 / p90 / most "
-        "550 / 1000 / 1000, lost 275 / 500 / 500"
+        "550 / 910 / 1000, lost 275 / 455 / 500"
     )
     assert so.arm_line("pdclient-always", [(0.0, 3.0)]) == "pdclient-always: 1 requests, none beside a decode-only turn"
